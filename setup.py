@@ -1,0 +1,25 @@
+"""Install with ``pip install -e .`` (add ``[test]`` for the test suite)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-llama-3d",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel (tensor, pipeline, data) LLaMA pretraining on PyTorch",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    py_modules=["pretrain_llama"],
+    install_requires=[
+        "torch>=2.3",
+        "numpy",
+        "sentencepiece",
+        "tokenizers",
+        "safetensors",
+        "tensorboard",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "transformers"],
+    },
+)

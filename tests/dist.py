@@ -1,0 +1,99 @@
+"""Run a function in a world of N CPU processes (gloo), for tests.
+
+``run_distributed(world_size, fn, *args)`` starts ``world_size`` processes, initializes
+``torch.distributed`` with the gloo backend through a file rendezvous, calls ``fn(*args)`` in every
+process and returns the list of per-rank results (rank order). ``fn`` must be a module-level
+function (it is pickled); it sets up model-parallel groups itself if it needs them.
+
+A child's exception fails the caller with that child's traceback; a hang fails after ``timeout``
+seconds instead of blocking the test run. Children come from a fork server that has imported torch
+once, so starting a world costs little.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+    return _CTX
+
+
+def _child(rank, world_size, init_file, timeout, fn, args, results):
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        out = fn(*args)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including SystemExit, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn, *args, timeout: float = 180.0):
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    Raises:
+        RuntimeError: with the child's traceback if any rank raised, or if the world did not
+            finish within ``timeout`` seconds.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_child, args=(r, world_size, init_file, timeout, fn, args, results),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        out = [None] * world_size
+        received = 0
+        deadline = time.monotonic() + timeout + 30
+        try:
+            while received < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RuntimeError(f"distributed test timed out after {timeout:.0f} s "
+                                       f"({received}/{world_size} ranks finished)")
+                try:
+                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                except queue_mod.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"rank process exited with code {dead[0].exitcode} "
+                                           "without reporting")
+                    continue
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                out[rank] = value
+                received += 1
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return out

@@ -1,0 +1,158 @@
+"""Data-parallel wrapper with contiguous ``main_grad`` buffers and bucketed gradient all-reduce.
+
+After Megatron-Core's ``DistributedDataParallel``: every parameter gets ``param.main_grad``, a view
+into one contiguous buffer per dtype pair (fp32 by default); a post-accumulate-grad hook adds
+``param.grad`` into ``main_grad`` and frees ``param.grad``, so gradients accumulate over micro-batches
+in the buffer (in fp32 for bf16 models). ``finish_grad_sync()`` all-reduces the buckets over the
+data-parallel group.
+
+Averaging: each bucket is multiplied by ``1 / DP`` *before* a sum all-reduce (Megatron-Core's
+``gradient_scaling_factor``), or reduced with ``ReduceOp.AVG`` when ``average_in_collective=True``
+(NCCL only). Either way ``main_grad`` ends as the mean over data-parallel ranks of the per-rank
+gradient sums over micro-batches.
+
+Typical iteration::
+
+    model.zero_grad_buffer()
+    with model.no_sync():
+        for mb in micro_batches[:-1]:
+            loss(model(mb)).backward()
+    loss(model(micro_batches[-1])).backward()  # with overlap_grad_reduce, buckets launch here
+    model.finish_grad_sync()                      # (usually through finalize_model_grads)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` for data parallelism over ``data_parallel_group``.
+
+    Args:
+        module: the model chunk; its parameters with ``requires_grad`` get ``main_grad``.
+        data_parallel_group: process group of the data-parallel replicas.
+        accumulate_allreduce_grads_in_fp32: keep gradient buffers in fp32 whatever the param dtype
+            (``--accumulate-allreduce-grads-in-fp32``); else the buffer dtype is the param dtype.
+        bucket_size: elements per bucket (``--reduce-bucket-size``); None means Megatron's default
+            ``max(40e6, 1e6 * DP)`` elements, i.e. one bucket for small models.
+        average_in_collective: average with ``ReduceOp.AVG`` (NCCL only) instead of scaling by
+            ``1/DP`` before a sum all-reduce.
+        overlap_grad_reduce: launch a bucket's all-reduce asynchronously from the backward pass as
+            soon as all its gradients of the last micro-batch are final (``--overlap-grad-reduce``).
+        use_distributed_optimizer: also move parameters into contiguous buffers (``param.data``
+            becomes a view) for the distributed optimizer's shards.
+
+    Raises:
+        ValueError: if ``average_in_collective`` is asked on a backend without ``ReduceOp.AVG``.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, data_parallel_group,
+                 accumulate_allreduce_grads_in_fp32: bool = True,
+                 bucket_size: Optional[int] = None, average_in_collective: bool = False,
+                 overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False):
+        super().__init__()
+        self.module = module
+        self.data_parallel_group = data_parallel_group
+        dp = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
+        self.data_parallel_world_size = dp
+        if average_in_collective and dist.is_initialized() and \
+                dist.get_backend(data_parallel_group) == "gloo":
+            raise ValueError("average_in_collective=True needs ReduceOp.AVG, which the gloo backend "
+                             "lacks; leave it False (gradients are then scaled by 1/DP before the "
+                             "all-reduce)")
+        if bucket_size is None:
+            bucket_size = max(40_000_000, 1_000_000 * dp)
+        bucket_size = int(bucket_size)
+        if bucket_size <= 0:
+            raise ValueError(f"--reduce-bucket-size ({bucket_size}) must be a positive number of "
+                             "elements")
+        self.bucket_size = bucket_size
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
+        # Factor applied to summed gradients: finalize_model_grads undoes it for per-token loss.
+        self.gradient_scaling_factor = 1.0 / dp
+        self.is_last_microbatch = True
+
+        groups: Dict[Tuple[torch.dtype, torch.dtype], list] = {}
+        for p in module.parameters():
+            if not p.requires_grad:
+                continue
+            grad_dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
+            groups.setdefault((p.dtype, grad_dtype), []).append(p)
+        self.buffers = [
+            ParamAndGradBuffer(params, grad_dtype, data_parallel_group, bucket_size,
+                               gradient_scaling_factor=1.0 if average_in_collective else 1.0 / dp,
+                               use_avg_op=average_in_collective,
+                               use_param_buffer=use_distributed_optimizer)
+            for (_, grad_dtype), params in groups.items()]
+        self.param_to_buffer = {p: buf for buf in self.buffers for p in buf.params}
+
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
+                              for p in self.param_to_buffer]
+
+    def _make_hook(self):
+        def hook(param: torch.nn.Parameter) -> None:
+            # post-accumulate hooks run once per backward after every use of the param (tied
+            # weights included), so param.grad is the param's full gradient of this backward.
+            if param.grad is not None:
+                param.main_grad.add_(param.grad)
+                param.grad = None
+            if self.overlap_grad_reduce and self.is_last_microbatch:
+                self.param_to_buffer[param].register_grad_ready(param, async_op=True)
+        return hook
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    def __getattr__(self, name):
+        # Let callers reach the wrapped model's methods (set_input_tensor, ...) through the wrapper.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context for the micro-batches before the last: no bucket is launched from backward."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (start of an iteration) and drop any leftover ``param.grad``."""
+        for p in self.param_to_buffer:
+            p.grad = None
+        for buf in self.buffers:
+            buf.reset()
+
+    def start_grad_sync(self) -> None:
+        """Launch every bucket's all-reduce not launched yet (asynchronously under overlap)."""
+        for buf in self.buffers:
+            buf.start_grad_sync(async_op=self.overlap_grad_reduce)
+
+    def finish_grad_sync(self) -> None:
+        """Complete the data-parallel reduction: ``main_grad`` holds the DP-averaged gradient."""
+        for buf in self.buffers:
+            buf.finish_grad_sync()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every ``main_grad`` by ``factor``."""
+        for buf in self.buffers:
+            buf.scale_gradients(factor)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

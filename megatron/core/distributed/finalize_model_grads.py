@@ -1,0 +1,124 @@
+"""Everything that happens to gradients between the last backward and the optimizer step.
+
+After Megatron-Core's ``finalize_model_grads``, in its order:
+
+1. data-parallel reduction of every chunk (``finish_grad_sync``),
+2. all-reduce (sum) over the tensor-parallel group of the gradients of parameters marked
+   ``sequence_parallel=True`` (norm weights computed on ``[s/TP, b, h]`` shards),
+3. all-reduce (sum) over the embedding group (first and last pipeline stage) of the gradients of
+   parameters marked ``shared_embedding=True`` (tied word embedding / output weight at PP > 1),
+4. with per-token loss (``num_tokens`` given): broadcast the token count from the last pipeline
+   stage, sum it over data-parallel ranks and divide every gradient by it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron.core import parallel_state
+
+
+def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The accumulated gradient of ``param``: ``main_grad`` under DDP, else ``grad``."""
+    g = getattr(param, "main_grad", None)
+    return g if g is not None else param.grad
+
+
+def _unique_params(model_chunks):
+    seen = set()
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+
+def _allreduce_coalesced(grads: List[torch.Tensor], group) -> None:
+    """Sum ``grads`` over ``group`` with one collective (flatten, all-reduce, copy back)."""
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def _allreduce_sequence_parallel_grads(model_chunks) -> None:
+    """Collective: all-reduce (sum) over the tensor-parallel group."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [_grad(p) for p in _unique_params(model_chunks)
+             if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
+    _allreduce_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
+
+
+def _allreduce_embedding_grads(model_chunks) -> None:
+    """Collective: all-reduce (sum) over the embedding group (first and last pipeline stage).
+
+    Both stages must mark their copy of the tied weight with ``shared_embedding=True``.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or \
+            not parallel_state.is_rank_in_embedding_group():
+        return
+    grads = [_grad(p) for p in _unique_params(model_chunks)
+             if getattr(p, "shared_embedding", False) and _grad(p) is not None]
+    _allreduce_coalesced(grads, parallel_state.get_embedding_group())
+
+
+def _scale_gradients(model_chunks, factor: float) -> None:
+    for chunk in model_chunks:
+        if hasattr(chunk, "scale_gradients"):
+            chunk.scale_gradients(factor)
+        else:
+            for p in chunk.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
+
+def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
+                         num_tokens: Optional[Union[torch.Tensor, int]] = None) -> None:
+    """Finish the gradient reductions of one iteration (see the module docstring for the steps).
+
+    Args:
+        model_chunks: the model chunks of this rank, normally
+            :class:`~megatron.core.distributed.DistributedDataParallel` wrappers (plain modules are
+            accepted: their ``param.grad`` is used and no data-parallel reduction happens).
+        num_tokens: per-token loss only (``--calculate-per-token-loss``): the number of loss
+            tokens this rank's last pipeline stage summed over its micro-batches (any value on
+            other stages; it is broadcast from the last stage). Gradients end divided by the total
+            over the whole global batch.
+
+    Collectives: data-parallel all-reduce per bucket; tensor-parallel and embedding-group
+    all-reduces when those parameters exist; pipeline broadcast and data-parallel all-reduce of
+    ``num_tokens``.
+    """
+    for chunk in model_chunks:
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
+    if parallel_state.model_parallel_is_initialized():
+        _allreduce_sequence_parallel_grads(model_chunks)
+        _allreduce_embedding_grads(model_chunks)
+
+    if num_tokens is None:
+        return
+    device = next(iter(_unique_params(model_chunks))).device
+    total = torch.as_tensor(num_tokens, dtype=torch.float64, device=device).clone().reshape(())
+    if parallel_state.model_parallel_is_initialized():
+        pp_ranks = parallel_state.get_pipeline_model_parallel_ranks()
+        if len(pp_ranks) > 1:
+            dist.broadcast(total, src=pp_ranks[-1],
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    if total.item() <= 0:
+        raise ValueError(f"finalize_model_grads: the global batch has {total.item():g} loss tokens; "
+                         "with --calculate-per-token-loss at least one unmasked token is needed")
+    # DDP already multiplied the summed gradients by its scaling factor (1/DP): undo it so the
+    # result is sum over ranks / total tokens.
+    for chunk in model_chunks:
+        applied = getattr(chunk, "gradient_scaling_factor", 1.0)
+        _scale_gradients([chunk], 1.0 / (applied * total.item()))

@@ -1,0 +1,208 @@
+"""Contiguous gradient (and optionally parameter) buffers cut into buckets for data parallelism.
+
+Layout (after Megatron-Core's ``ParamAndGradBuffer``): the parameters of one dtype pair are laid
+out in *reverse* registration order, so the parameters whose gradients are produced first in the
+backward pass sit at the start of the buffer and fill the first bucket. A parameter never straddles
+two buckets. A bucket closes once it holds at least ``bucket_size`` elements; its end is padded with
+zeros to a multiple of the data-parallel size ``N``, so every bucket splits into ``N`` equal shards
+(rank ``r`` owns shard ``r``). The distributed optimizer reduce-scatters a bucket into those shards;
+plain data parallelism all-reduces the whole bucket. Padding costs at most ``N - 1`` elements per
+bucket.
+
+Example, params a (3 elements), b (4), c (2) registered in that order, ``bucket_size=5``, N=2::
+
+    buffer:  [c c | b b b b] [a a a pad]      bucket 0 = c, b (6 elements); bucket 1 = a (+1 pad)
+    shards:   bucket 0 -> rank 0 [0, 3), rank 1 [3, 6); bucket 1 -> rank 0 [6, 8), rank 1 [8, 10)
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _dp_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+class Bucket:
+    """A contiguous slice of a grad buffer whose gradients are reduced by one collective.
+
+    Attributes:
+        params: the parameters of the bucket, in buffer order.
+        grad_data: view of the grad buffer ``[offset, offset + numel_padded)``.
+        param_data: same view of the param buffer, or None when there is no param buffer.
+        offset: first element of the bucket in the buffer.
+        numel_unpadded: elements actually used by parameters.
+        numel_padded: ``numel_unpadded`` rounded up to a multiple of the data-parallel size.
+        index: bucket number within its buffer (0 = first to be ready in the backward pass).
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], grad_data: torch.Tensor,
+                 param_data: Optional[torch.Tensor], offset: int, numel_unpadded: int, index: int,
+                 data_parallel_group, gradient_scaling_factor: float, use_avg_op: bool):
+        self.params = params
+        self.params_set = set(params)
+        self.grad_data = grad_data
+        self.param_data = param_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.numel_padded = grad_data.numel()
+        self.index = index
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = _dp_size(data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.use_avg_op = use_avg_op
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the readiness and in-flight state of the previous iteration."""
+        self.params_with_grad = set()
+        self.handle = None
+        self.launched = False
+
+    def shard_range(self, data_parallel_rank: int) -> Tuple[int, int]:
+        """``(start, end)`` of rank ``data_parallel_rank``'s shard, in elements within the bucket."""
+        size = self.numel_padded // self.data_parallel_world_size
+        return data_parallel_rank * size, (data_parallel_rank + 1) * size
+
+    def start_grad_sync(self, async_op: bool) -> None:
+        """Scale the bucket and launch its all-reduce over the data-parallel group.
+
+        Collective: all-reduce (sum, or average with ``use_avg_op``) of ``grad_data`` over the
+        data-parallel group, after scaling by ``gradient_scaling_factor``.
+        """
+        if self.launched:
+            return
+        self.launched = True
+        if self.data_parallel_world_size == 1:
+            return
+        op = dist.ReduceOp.SUM
+        if self.use_avg_op:
+            op = dist.ReduceOp.AVG
+        elif self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
+        self.handle = dist.all_reduce(self.grad_data, op=op, group=self.data_parallel_group,
+                                      async_op=async_op)
+
+    def finish_grad_sync(self) -> None:
+        """Launch the collective if it was not launched yet, then wait for it."""
+        self.start_grad_sync(async_op=False)
+        if self.handle is not None:
+            self.handle.wait()
+        self.handle = None
+
+    def register_grad_ready(self, param: torch.nn.Parameter, async_op: bool) -> None:
+        """Mark ``param``'s gradient final; launch the bucket once every parameter is ready."""
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync(async_op=async_op)
+
+
+class ParamAndGradBuffer:
+    """One contiguous gradient buffer (and optional parameter buffer) for params of one dtype pair.
+
+    Args:
+        params: parameters to place (all with the same dtype), in registration order.
+        grad_dtype: dtype of the gradient buffer (fp32 to accumulate and reduce in fp32).
+        data_parallel_group: the group the buckets are reduced over.
+        bucket_size: close a bucket once it holds at least this many elements; None means one
+            bucket for the whole buffer.
+        gradient_scaling_factor: multiplier applied to a bucket before its sum all-reduce
+            (``1 / DP`` to average).
+        use_avg_op: reduce with ``ReduceOp.AVG`` instead of scaling then summing (NCCL only).
+        use_param_buffer: also move the parameters' storage into one contiguous buffer
+            (``param.data`` becomes a view), as the distributed optimizer's all-gather needs.
+
+    Attributes:
+        grad_data: the 1-D gradient buffer, ``numel`` elements of ``grad_dtype``.
+        param_data: the 1-D parameter buffer or None.
+        buckets: list of :class:`Bucket` in buffer order (= readiness order in the backward).
+        param_index_map: ``param -> (start, end, bucket index)`` in elements within the buffer.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype,
+                 data_parallel_group, bucket_size: Optional[int],
+                 gradient_scaling_factor: float, use_avg_op: bool = False,
+                 use_param_buffer: bool = False):
+        if not params:
+            raise ValueError("ParamAndGradBuffer needs at least one parameter")
+        self.param_dtype = params[0].dtype
+        if any(p.dtype != self.param_dtype for p in params):
+            raise ValueError("all parameters of one ParamAndGradBuffer must share a dtype")
+        self.grad_dtype = grad_dtype
+        self.params = list(params)
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = _dp_size(data_parallel_group)
+        device = params[0].device
+
+        layout, bucket_bounds = self._layout(bucket_size)
+        self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = layout
+        self.numel = bucket_bounds[-1][1] if bucket_bounds else 0
+        self.numel_unpadded = sum(p.numel() for p in params)
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if use_param_buffer:
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+
+        for p, (start, end, _) in layout.items():
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+            p.main_grad = self.grad_data[start:end].view(p.shape)
+
+        self.buckets: List[Bucket] = []
+        for i, (start, end) in enumerate(bucket_bounds):
+            members = [p for p, (_, _, b) in layout.items() if b == i]
+            used = sum(p.numel() for p in members)
+            pdata = self.param_data[start:end] if self.param_data is not None else None
+            self.buckets.append(Bucket(members, self.grad_data[start:end], pdata, start, used, i,
+                                       data_parallel_group, gradient_scaling_factor, use_avg_op))
+        self.param_to_bucket = {p: self.buckets[b] for p, (_, _, b) in layout.items()}
+
+    def _layout(self, bucket_size):
+        """Assign ``(start, end, bucket)`` to every param; return it and the padded bucket bounds."""
+        n = self.data_parallel_world_size
+        layout, bounds = {}, []
+        bucket_start = cursor = 0
+
+        def close_bucket():
+            nonlocal bucket_start, cursor
+            cursor = -(-cursor // n) * n  # pad to a multiple of the DP size
+            bounds.append((bucket_start, cursor))
+            bucket_start = cursor
+
+        # Reverse order: gradients arrive roughly in reverse registration order in backward.
+        for p in reversed(self.params):
+            layout[p] = (cursor, cursor + p.numel(), len(bounds))
+            cursor += p.numel()
+            if bucket_size is not None and cursor - bucket_start >= bucket_size:
+                close_bucket()
+        if cursor > bucket_start:
+            close_bucket()
+        return layout, bounds
+
+    def reset(self) -> None:
+        """Zero the gradient buffer and forget the bucket states (start of an iteration)."""
+        self.grad_data.zero_()
+        for b in self.buckets:
+            b.reset()
+
+    def start_grad_sync(self, async_op: bool) -> None:
+        for b in self.buckets:
+            b.start_grad_sync(async_op)
+
+    def finish_grad_sync(self) -> None:
+        for b in self.buckets:
+            b.finish_grad_sync()
+        for b in self.buckets:
+            b.reset()
+
+    def register_grad_ready(self, param: torch.nn.Parameter, async_op: bool) -> None:
+        self.param_to_bucket[param].register_grad_ready(param, async_op)
+
+    def scale_gradients(self, factor: float) -> None:
+        self.grad_data.mul_(factor)

@@ -1,0 +1,112 @@
+"""Causal self-attention with grouped-query attention, rotary embeddings and a fused QKV weight.
+
+Shapes: s = sequence, b = micro-batch, h = hidden, n = query heads of this tensor-parallel rank,
+g = key/value groups of this rank, d = per-head width (kv_channels).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
+                                           scaled_init_method_normal)
+from megatron.model.rotary import apply_rotary_pos_emb
+
+
+def check_attention_config(config: ModelConfig) -> None:
+    """Raises ValueError naming the flag when heads or groups do not split over TP."""
+    tp = config.tensor_model_parallel_size
+    nh, ng = config.num_attention_heads, config.num_query_groups
+    if nh % tp:
+        raise ValueError(f"--num-attention-heads ({nh}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
+    if ng % tp:
+        raise ValueError(f"--num-query-groups ({ng}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp}); use a smaller TP or more groups")
+    if nh % ng:
+        raise ValueError(f"--num-attention-heads ({nh}) must be divisible by --num-query-groups ({ng})")
+
+
+class SelfAttention(torch.nn.Module):
+    """LLaMA attention block, tensor-parallel over heads (Megatron-LM's ``ParallelAttention``).
+
+    ``query_key_value`` is a ColumnParallelLinear ``h -> (nh + 2 ng) d`` whose rows on each rank
+    are ``[Q heads of the rank; K groups of the rank; V groups of the rank]``
+    (:mod:`megatron.model.initialization`); ``dense`` is a RowParallelLinear ``nh d -> h`` with
+    the scaled init. Query head ``i`` reads key/value group ``i // (nh / ng)`` (as HuggingFace's
+    ``repeat_kv``), which keeps every rank's heads with their own groups.
+
+    Args:
+        config: the model configuration.
+        layer_number: global 1-based layer number (seeds the initialisation).
+        device: device of the parameters.
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, device=None):
+        super().__init__()
+        check_attention_config(config)
+        tp = config.tensor_model_parallel_size
+        d = config.kv_channels
+        self.heads_per_partition = config.num_attention_heads // tp
+        self.groups_per_partition = config.num_query_groups // tp
+        self.kv_channels = d
+        self.attention_dropout = config.attention_dropout
+        common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        blocks = [config.num_attention_heads * d, config.num_query_groups * d,
+                  config.num_query_groups * d]
+        with init_seed(config.seed, layer_number, "self_attention.query_key_value"):
+            self.query_key_value = ColumnParallelLinear(
+                config.hidden_size, sum(blocks), gather_output=False,
+                init_method=fused_init_method(init_method_normal(config.init_method_std), blocks, tp),
+                **common)
+        with init_seed(config.seed, layer_number, "self_attention.dense"):
+            self.dense = RowParallelLinear(
+                config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
+                init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+                **common)
+
+    def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attend.
+
+        Args:
+            hidden: ``[s, b, h]``.
+            rotary: ``(cos, sin)``, each ``[s, b, 1, d]`` fp32 (:class:`RotaryEmbedding`).
+            attention_mask: None for causal attention, or bool ``[b, 1, s, s]`` with True where
+                attention is forbidden (Megatron's convention; document-level causal masks).
+
+        Returns:
+            ``[s, b, h]`` (the row-parallel output, all-reduced over the tensor-parallel group).
+        """
+        qkv, _ = self.query_key_value(hidden)
+        s, b = qkv.shape[:2]
+        n, g, d = self.heads_per_partition, self.groups_per_partition, self.kv_channels
+        q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
+        cos, sin = rotary
+        q = apply_rotary_pos_emb(q.view(s, b, n, d), cos, sin)
+        k = apply_rotary_pos_emb(k.view(s, b, g, d), cos, sin)
+        v = v.view(s, b, g, d)
+        # SDPA wants [b, heads, s, d].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if g != n:
+            k = k.repeat_interleave(n // g, dim=1)
+            v = v.repeat_interleave(n // g, dim=1)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        mask = None if attention_mask is None else ~attention_mask
+        if dropout_p > 0.0:
+            # Heads differ per tensor-parallel rank, so their dropout masks must too.
+            with get_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                     is_causal=mask is None)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        out, _ = self.dense(out)
+        return out

@@ -1,0 +1,178 @@
+"""The LLaMA language model as one pipeline stage (Touvron et al. 2023, "LLaMA", section 2.2).
+
+Shapes: b = micro-batch, s = sequence, h = hidden, v = padded vocabulary, T = tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.model.attention import check_attention_config
+from megatron.model.initialization import init_method_normal, init_seed
+from megatron.model.rms_norm import RMSNorm
+from megatron.model.rotary import RotaryEmbedding
+from megatron.model.transformer import TransformerLayer
+
+
+def _check_config(config: ModelConfig, layer_numbers: Sequence[int]) -> None:
+    if config.sequence_parallel:
+        raise NotImplementedError("--sequence-parallel is not supported yet by the LLaMA model; "
+                                  "drop the flag")
+    check_attention_config(config)
+    if config.padded_vocab_size % config.tensor_model_parallel_size:
+        raise ValueError(f"padded vocabulary size ({config.padded_vocab_size}) must be divisible by "
+                         f"--tensor-model-parallel-size ({config.tensor_model_parallel_size}); "
+                         "pad it with megatron.tokenizer.vocab_size_with_padding")
+    bad = [n for n in layer_numbers if not 1 <= n <= config.num_layers]
+    if bad:
+        raise ValueError(f"layer numbers {bad} outside 1..--num-layers ({config.num_layers})")
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if tp != config.tensor_model_parallel_size:
+            raise ValueError(f"config.tensor_model_parallel_size ({config.tensor_model_parallel_size}) "
+                             f"differs from the initialized tensor-parallel group size ({tp})")
+    elif config.tensor_model_parallel_size != 1:
+        raise RuntimeError(f"config.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
+                           "but no tensor-parallel group exists: call "
+                           "parallel_state.initialize_model_parallel first")
+
+
+class LlamaModel(torch.nn.Module):
+    """LLaMA (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), tensor-parallel, one
+    pipeline stage.
+
+    Submodules (present where the stage needs them): ``word_embeddings`` (first stage),
+    ``layers`` (the stage's transformer layers, local index; ``layers[i].layer_number`` is
+    global and 1-based), ``final_layernorm`` and ``output_layer`` (last stage, untied), or
+    ``word_embeddings_for_head`` (last stage with tied embeddings and PP > 1: a copy of the word
+    embedding, initialised identically, as Megatron-LM's legacy model).
+
+    Args:
+        config: the model configuration (its ``tensor_model_parallel_size`` must equal the
+            tensor-parallel group's size when the registry is initialized).
+        pre_process: this stage embeds tokens (first pipeline stage).
+        post_process: this stage computes logits / loss (last pipeline stage).
+        layer_numbers: global 1-based numbers of the stage's layers (default: all);
+            see :func:`megatron.model.get_layer_numbers`.
+        device: device of the parameters (default: CPU).
+
+    Raises:
+        ValueError: heads, groups, ffn or vocabulary not divisible by TP; layer numbers out of
+            range; a config TP size that disagrees with the process groups.
+        NotImplementedError: ``sequence_parallel`` (not supported yet).
+    """
+
+    def __init__(self, config: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: Optional[Sequence[int]] = None, device=None):
+        super().__init__()
+        layer_numbers = list(range(1, config.num_layers + 1)) if layer_numbers is None else list(layer_numbers)
+        _check_config(config, layer_numbers)
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.input_tensor = None
+        self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base, config.rope_scaling)
+
+        if pre_process:
+            self.word_embeddings = self._make_word_embeddings(device)
+        self.layers = torch.nn.ModuleList(TransformerLayer(config, n, device=device) for n in layer_numbers)
+        if post_process:
+            self.final_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon,
+                                           params_dtype=config.params_dtype, device=device)
+            if not self.share_embeddings_and_output_weights:
+                with init_seed(config.seed, 0, "output_layer"):
+                    self.output_layer = ColumnParallelLinear(
+                        config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
+                        init_method=init_method_normal(config.init_method_std),
+                        params_dtype=config.params_dtype, device=device)
+            elif not pre_process:
+                self.word_embeddings_for_head = self._make_word_embeddings(device)
+        if self.share_embeddings_and_output_weights and not (pre_process and post_process):
+            # finalize_model_grads all-reduces this weight's gradient over the embedding group.
+            self.shared_embedding_or_output_weight().shared_embedding = True
+
+    def _make_word_embeddings(self, device) -> VocabParallelEmbedding:
+        # Seeded by name only, so the last stage's copy equals the first stage's embedding.
+        c = self.config
+        with init_seed(c.seed, 0, "word_embeddings"):
+            return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
+                                          init_method=init_method_normal(c.init_method_std),
+                                          params_dtype=c.params_dtype, device=device)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Give a non-first stage its input ``[s, b, h]`` (a list of one tensor is accepted, as
+        Megatron-Core's schedules pass it)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        """The word-embedding weight ``[v/T, h]`` on the first stage; on the last stage the
+        tied copy, or the output-layer weight when untied. Raises RuntimeError elsewhere."""
+        if self.pre_process:
+            return self.word_embeddings.weight
+        if self.post_process:
+            if self.share_embeddings_and_output_weights:
+                return self.word_embeddings_for_head.weight
+            return self.output_layer.weight
+        raise RuntimeError("shared_embedding_or_output_weight() called on an intermediate "
+                           "pipeline stage, which holds no embedding")
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.share_embeddings_and_output_weights:
+            return self.output_layer(hidden)[0]
+        # forward: identity; backward: all-reduce over the tensor-parallel group.
+        hidden = copy_to_tensor_model_parallel_region(hidden)
+        return F.linear(hidden, self.shared_embedding_or_output_weight())
+
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the stage.
+
+        Args:
+            input_ids: ``[b, s]`` int64 token ids (first stage; ignored elsewhere, may be None).
+            position_ids: ``[b, s]`` int64 (None: ``0..s-1``; ``--reset-position-ids`` restarts
+                them at each document).
+            attention_mask: None for causal attention, or bool ``[b, 1, s, s]``, True = masked out
+                (Megatron's convention; ``--reset-attention-mask``).
+            labels: ``[b, s]`` int64 next-token targets (last stage).
+
+        Returns:
+            Last stage with labels: per-token loss ``[b, s]`` fp32 (unreduced). Last stage without
+            labels: logits ``[b, s, v/T]`` of this tensor-parallel rank's vocabulary partition.
+            Other stages: hidden ``[s, b, h]`` for the next stage.
+
+        Raises:
+            RuntimeError: a non-first stage without :meth:`set_input_tensor`.
+        """
+        if self.pre_process:
+            hidden = self.word_embeddings(input_ids).transpose(0, 1).contiguous()
+            hidden = F.dropout(hidden, self.config.hidden_dropout, self.training)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
+            hidden = self.input_tensor
+        s, b = hidden.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, s)
+        rotary = self.rotary(position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, attention_mask)
+        if not self.post_process:
+            return hidden
+
+        logits = self._logits(self.final_layernorm(hidden))
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
+        return loss.t().contiguous()

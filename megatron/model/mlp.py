@@ -1,0 +1,58 @@
+"""SwiGLU feed-forward block (Shazeer 2020, "GLU Variants Improve Transformer"), as in LLaMA.
+
+Shapes: s = sequence, b = micro-batch, h = hidden, f = ffn_hidden_size, T = tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
+                                           scaled_init_method_normal)
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """``down(silu(gate(x)) * up(x))``, tensor-parallel over f (Megatron-LM's ``ParallelMLP``).
+
+    ``dense_h_to_4h`` fuses gate and up: a ColumnParallelLinear ``h -> 2f`` whose rows on each
+    rank are ``[gate rows of the rank; up rows of the rank]`` (Megatron-LLaMA's layout); a naive
+    split of ``[gate; up]`` would give rank 0 only gate rows. ``dense_4h_to_h`` is a
+    RowParallelLinear ``f -> h`` with the scaled init.
+
+    Args:
+        config: the model configuration.
+        layer_number: global 1-based layer number (seeds the initialisation).
+        device: device of the parameters.
+
+    Raises:
+        ValueError: if ``--ffn-hidden-size`` is not divisible by the tensor-parallel size.
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, device=None):
+        super().__init__()
+        tp, f = config.tensor_model_parallel_size, config.ffn_hidden_size
+        if f % tp:
+            raise ValueError(f"--ffn-hidden-size ({f}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp})")
+        common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        with init_seed(config.seed, layer_number, "mlp.dense_h_to_4h"):
+            self.dense_h_to_4h = ColumnParallelLinear(
+                config.hidden_size, 2 * f, gather_output=False,
+                init_method=fused_init_method(init_method_normal(config.init_method_std), [f, f], tp),
+                **common)
+        with init_seed(config.seed, layer_number, "mlp.dense_4h_to_h"):
+            self.dense_4h_to_h = RowParallelLinear(
+                f, config.hidden_size, input_is_parallel=True,
+                init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+                **common)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]`` (all-reduced over the tensor-parallel group)."""
+        gate_up, _ = self.dense_h_to_4h(hidden)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out, _ = self.dense_4h_to_h(F.silu(gate) * up)
+        return out

@@ -1,0 +1,86 @@
+"""SentencePiece tokenizers: ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``.
+
+All three follow current Megatron-LM's ids for a LLaMA-style ``.model``: the vocabulary is the
+model's pieces (nothing added), end-of-document is the model's ``</s>``, and documents are
+encoded without BOS, so ``tools/preprocess_data.py`` writes the same ``.bin/.idx`` as Megatron-LM's
+preprocessor (checked against ``megatron-lm-reference`` in the tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+from .base import AbstractTokenizer
+
+
+class SentencePieceTokenizer(AbstractTokenizer):
+    """A SentencePiece ``.model`` file.
+
+    Args:
+        model_file: path of the ``.model`` (``--tokenizer-model``).
+
+    Raises:
+        FileNotFoundError: the model file is missing.
+        ValueError: the model has no end-of-sentence piece to use as end-of-document.
+    """
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file: str):
+        import sentencepiece
+
+        if not model_file or not os.path.isfile(model_file):
+            raise FileNotFoundError(f"--tokenizer-model {model_file!r}: SentencePiece .model file not found")
+        self.model_file = model_file
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        if self._sp.eos_id() < 0:
+            raise ValueError(f"--tokenizer-model {model_file}: the model defines no </s> piece, needed "
+                             "as the end-of-document id")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def eos(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+    @property
+    def pad(self) -> Optional[int]:
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode(text)
+
+    def tokenize_batch(self, texts: Sequence[str], num_threads: int = 1) -> List[List[int]]:
+        return self._sp.encode(list(texts), num_threads=num_threads)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def __getstate__(self):  # worker processes rebuild the processor from the file
+        return {"model_file": self.model_file}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_file"])
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron-LM's ``GPTSentencePieceTokenizer``: the same ids as ``SentencePieceTokenizer`` here."""
+
+    name = "GPTSentencePieceTokenizer"
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's ``Llama2Tokenizer``: the LLaMA-2 ``.model``; documents encoded without BOS/EOS."""
+
+    name = "Llama2Tokenizer"

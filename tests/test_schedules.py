@@ -1,0 +1,235 @@
+"""Pipeline schedules: 1F1B on gloo worlds equals no pipelining in one process (losses and every
+gradient), follows the 1F1B order of operations, and forward-only leaves no gradients."""
+
+import contextlib
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.schedules import PipelineConfig
+from tests.dist import run_distributed
+
+S, B, H, LAYERS, SEED = 3, 2, 8, 4, 1234
+
+
+class ToyStage(nn.Module):
+    """Linear + tanh layers ``layer_ids`` of a LAYERS-deep stack; layer i is seeded by i, so a
+    stage equals the same layers of the full model."""
+
+    def __init__(self, layer_ids):
+        super().__init__()
+        self.layer_ids = list(layer_ids)
+        layers = []
+        for i in self.layer_ids:
+            torch.manual_seed(SEED + i)
+            layers.append(nn.Linear(H, H))
+        self.layers = nn.ModuleList(layers)
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def forward(self, x):
+        h = x if self.input_tensor is None else self.input_tensor
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def make_batches(m):
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for i in range(m):
+        mask = torch.rand(S, B, generator=g) > 0.3
+        mask[0, 0] = True
+        batches.append({"x": torch.randn(S, B, H, generator=g),
+                        "target": torch.randn(S, B, H, generator=g), "mask": mask})
+    return batches
+
+
+def loss_func(batch, output):
+    """Megatron-Core convention: (sum of masked per-token losses, token count, dict)."""
+    per_token = ((output - batch["target"]) ** 2).sum(-1)  # [s, b]
+    mask = batch["mask"].float()
+    loss = (per_token * mask).sum()
+    num_tokens = batch["mask"].sum()
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def make_forward_step(log=None, sync_state=None):
+    counter = iter(range(10 ** 6))
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        k = next(counter)
+        output = model(batch["x"])
+        if log is not None:
+            log.append(("F", k))
+            if output.requires_grad:
+                output.register_hook(lambda g: log.append(("B", k, sync_state["held"])))
+        return output, partial(loss_func, batch)
+
+    return forward_step
+
+
+def reference(m, per_token):
+    """No pipelining on the full model, and the plain math it must equal."""
+    batches = make_batches(m)
+    model = ToyStage(range(LAYERS))
+    config = PipelineConfig(hidden_size=H, calculate_per_token_loss=per_token)
+    losses = schedules.forward_backward_no_pipelining(
+        forward_step_func=make_forward_step(), data_iterator=iter(batches), model=model,
+        num_microbatches=m, seq_length=S, micro_batch_size=B, config=config)
+    if per_token:
+        total = sum(int(b["mask"].sum()) for b in batches)
+        for p in model.parameters():
+            p.grad /= total
+    return losses, [p.grad.clone() for p in model.parameters()]
+
+
+def expected_order(pp, rank, m):
+    """Warmup forwards, steady one-forward-one-backward, cooldown backwards; the reduction is held
+    back (no_sync) for every backward but the last."""
+    w = min(pp - rank - 1, m)
+    order = [("F", k) for k in range(w)]
+    for j in range(m - w):
+        order += [("F", w + j), ("B", j)]
+    order += [("B", j) for j in range(m - w, m)]
+    backwards = [i for i, op in enumerate(order) if op[0] == "B"]
+    return [op + (i != backwards[-1],) if op[0] == "B" else op for i, op in enumerate(order)]
+
+
+def _pipelined(pp, cases):
+    ps.initialize_model_parallel(1, pp)
+    rank = ps.get_pipeline_model_parallel_rank()
+    per_stage = LAYERS // pp
+    fn = schedules.get_forward_backward_func()
+    assert fn is schedules.forward_backward_pipelining_without_interleaving
+    report = []
+    for m, forward_only, per_token, deallocate in cases:
+        model = ToyStage(range(rank * per_stage, (rank + 1) * per_stage))
+        log, sync_state, finalized = [], {"held": False}, []
+
+        @contextlib.contextmanager
+        def no_sync():
+            sync_state["held"] = True
+            yield
+            sync_state["held"] = False
+
+        def finalize(chunks, *, num_tokens=None):
+            # What finalize_model_grads does with per-token loss: the token count lives on the
+            # last stage; every stage divides its gradients by it.
+            finalized.append(num_tokens)
+            if num_tokens is not None:
+                count = num_tokens.clone().float()
+                torch.distributed.broadcast(count, src=ps.get_pipeline_model_parallel_ranks()[-1],
+                                            group=ps.get_pipeline_model_parallel_group())
+                for p in chunks[0].parameters():
+                    p.grad /= count
+
+        config = PipelineConfig(hidden_size=H, calculate_per_token_loss=per_token,
+                                no_sync_func=no_sync, finalize_model_grads_func=finalize,
+                                deallocate_pipeline_outputs=deallocate)
+        losses = fn(forward_step_func=make_forward_step(log, sync_state),
+                    data_iterator=iter(make_batches(m)), model=[model], num_microbatches=m,
+                    seq_length=S, micro_batch_size=B, forward_only=forward_only, config=config)
+        ref_losses, ref_grads = reference(m, per_token)
+        case = (m, forward_only, per_token, deallocate)
+        if ps.is_pipeline_last_stage():
+            assert len(losses) == m, case
+            for got, want in zip(losses, ref_losses):
+                torch.testing.assert_close(got["lm loss"], want["lm loss"], rtol=1e-6, atol=1e-6)
+        else:
+            assert losses == [], case
+        if forward_only:
+            assert all(p.grad is None for p in model.parameters()), case
+            assert log == [("F", k) for k in range(m)], case
+            assert finalized == [], case
+        else:
+            ref = ref_grads[2 * rank * per_stage: 2 * (rank + 1) * per_stage]  # weight, bias
+            for got, want in zip(model.parameters(), ref):
+                torch.testing.assert_close(got.grad, want, rtol=1e-5, atol=1e-6)
+            assert log == expected_order(pp, rank, m), (case, log)
+            assert len(finalized) == 1, case
+            if per_token and ps.is_pipeline_last_stage():
+                assert int(finalized[0]) == sum(int(b["mask"].sum()) for b in make_batches(m))
+        report.append(case)
+    return report
+
+
+CASES = [(1, False, False, True), (2, False, False, True), (3, False, False, False),
+         (5, False, False, True), (4, False, True, True), (3, True, False, True)]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_1f1b_equals_no_pipelining(pp):
+    # m = 1 and m < PP (all of a stage's forwards are warmup), m = PP, m > PP; per-token loss;
+    # without deallocation of sent outputs; forward-only.
+    outs = run_distributed(pp, _pipelined, pp, CASES)
+    assert all(o == CASES for o in outs)
+
+
+def test_no_pipelining_equals_plain_math():
+    m = 3
+    batches = make_batches(m)
+    losses, grads = reference(m, per_token=False)
+    model = ToyStage(range(LAYERS))
+    total = 0.0
+    for b in batches:
+        loss, n, _ = loss_func(b, model(b["x"]))
+        total = total + loss / n / m
+    total.backward()
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
+    # per-token: the mean over every unmasked token of the batch
+    _, grads = reference(m, per_token=True)
+    model.zero_grad()
+    out = [loss_func(b, model(b["x"])) for b in batches]
+    (sum(o[0] for o in out) / sum(o[1] for o in out)).backward()
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
+
+
+def test_legacy_two_value_loss_is_averaged_over_micro_batches():
+    batches = make_batches(2)
+    model = ToyStage(range(LAYERS))
+
+    def forward_step(it, model):
+        b = next(it)
+        return model(b["x"]), lambda out: (loss_func(b, out)[0], {"sum": 1})
+
+    out = schedules.forward_backward_no_pipelining(
+        forward_step_func=forward_step, data_iterator=[iter(batches)], model=[model],
+        num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False,
+        config=PipelineConfig(hidden_size=H))
+    assert out == [{"sum": 1}, {"sum": 1}]
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    (sum(loss_func(b, model(b["x"]))[0] for b in batches) / 2).backward()
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input_is_refused():
+    config = PipelineConfig(hidden_size=H, sequence_parallel=True, tensor_model_parallel_size=2)
+    assert schedules.get_tensor_shape(4, 2, config) == [2, 2, H]
+    with pytest.raises(ValueError, match="--seq-length"):
+        schedules.get_tensor_shape(3, 2, config)
+    with pytest.raises(ValueError, match="interleaved"):
+        schedules.forward_backward_no_pipelining(
+            forward_step_func=None, data_iterator=None, model=[ToyStage([0]), ToyStage([1])],
+            num_microbatches=1, seq_length=S, micro_batch_size=B, config=PipelineConfig(H))
+    with pytest.raises(ValueError, match="loss_func must return"):
+        schedules.forward_backward_no_pipelining(
+            forward_step_func=lambda it, m: (m(torch.zeros(S, B, H)), lambda o: (o.sum(),)),
+            data_iterator=None, model=ToyStage([0]), num_microbatches=1, seq_length=S,
+            micro_batch_size=B, config=PipelineConfig(H))
+
+
+def test_warmup_counts():
+    assert [schedules.get_num_warmup_microbatches(8, 4, r) for r in range(4)] == [3, 2, 1, 0]
+    assert [schedules.get_num_warmup_microbatches(2, 4, r) for r in range(4)] == [2, 2, 1, 0]

@@ -110,7 +110,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                            pipeline_model_parallel_size)
 
     def create(kind):
-        mine = None
+        # Middle pipeline stages belong to no embedding group: no group, no ranks.
+        mine = (None, [])
         for ranks in groups[kind]:
             group = dist.new_group(ranks)
             if rank in ranks:

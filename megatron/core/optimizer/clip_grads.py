@@ -1,0 +1,116 @@
+"""Global gradient norm, clipping and zero counting over a model split by TP and PP.
+
+After Megatron-LM's ``megatron/core/optimizer/clip_grads.py``. The caller chooses which gradients
+enter the norm so that every element of the whole model is counted exactly once
+(:func:`grads_for_norm`); the per-rank partial sums are then summed over the model-parallel group
+(TP x PP). Data parallelism needs no sum: gradients are already reduced, so the DP replicas hold
+identical values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
+
+
+def param_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient the optimizer uses: ``main_grad`` (DDP buffers) if present, else ``grad``."""
+    g = getattr(param, "main_grad", None)
+    return g if g is not None else param.grad
+
+
+def grads_for_norm(params: Iterable[torch.nn.Parameter]) -> List[torch.Tensor]:
+    """Gradients of ``params`` that this rank contributes to the global norm.
+
+    Skipped, so that each element is counted once across the model:
+      * tensor-parallel duplicates (params without ``tensor_model_parallel``) on TP ranks > 0;
+      * the copy of a tied embedding (``shared_embedding=True``) on pipeline stages other than
+        the first (the first stage's word embedding counts).
+    """
+    initialized = parallel_state.model_parallel_is_initialized()
+    first_stage = not initialized or parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    out = []
+    for p in params:
+        g = param_grad(p)
+        if g is None:
+            continue
+        if getattr(p, "shared_embedding", False) and not first_stage:
+            continue
+        if initialized and not param_is_not_tensor_parallel_duplicate(p):
+            continue
+        out.append(g)
+    return out
+
+
+def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
+                       model_parallel_group=None) -> float:
+    """Norm of the gradients of the whole model, computed in fp32.
+
+    Args:
+        grads: this rank's share (see :func:`grads_for_norm`).
+        norm_type: p of the p-norm; ``inf`` for the max norm.
+        model_parallel_group: group to combine partial results over (sum of p-th powers, or max);
+            None for a single model-parallel rank.
+
+    Returns:
+        the total norm as a Python float (identical on every rank of the group).
+    """
+    norm_type = float(norm_type)
+    device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            total = torch.maximum(total, g.detach().abs().max().float())
+        if model_parallel_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+        return total.item()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+        total = torch.stack(norms).pow(norm_type).sum()
+    if model_parallel_group is not None:
+        dist.all_reduce(total, group=model_parallel_group)
+    return total.item() ** (1.0 / norm_type)
+
+
+def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1.
+
+    Megatron's rule (and ``torch.nn.utils.clip_grad_norm_``'s): the clipped norm is at most
+    ``max_norm``.
+    """
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def clip_grad_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0, model_parallel_group=None) -> float:
+    """Compute the global gradient norm of ``params`` and clip all their gradients by it.
+
+    Returns:
+        the total norm before clipping.
+    """
+    params = list(params)
+    total = get_grad_norm_fp32(grads_for_norm(params), norm_type, model_parallel_group)
+    all_grads = [g for g in (param_grad(p) for p in params) if g is not None]
+    clip_grads_by_total_norm(all_grads, max_norm, total)
+    return total
+
+
+def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group=None) -> int:
+    """Number of zero gradient elements over the whole model, each counted once (as the norm)."""
+    grads = grads_for_norm(params)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.numel() - torch.count_nonzero(g)
+    if model_parallel_group is not None:
+        dist.all_reduce(total, group=model_parallel_group)
+    return int(total.item())

@@ -1,0 +1,364 @@
+"""AdamW wrapped for Megatron-style training: fp32 main params, main grads, clipping, zero counting.
+
+After Megatron-LM's ``megatron/core/optimizer/optimizer.py``:
+
+* :class:`FP32Optimizer`: fp32 model; the DDP buffer's ``main_grad`` is used as the gradient.
+* :class:`MixedPrecisionOptimizer`: the step shared by mixed-precision optimizers (unscale and
+  inf check when a grad scaler is set, clip, step, copy back); :class:`Float16OptimizerWithFloat16Params`
+  keeps an fp32 main copy of every bf16/fp16 parameter, steps the main copy and copies it back.
+  The distributed optimizer will derive from :class:`MixedPrecisionOptimizer` too.
+
+``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)`` as Megatron does:
+``grad_norm`` is None when ``clip_grad`` is 0, ``num_zeros_in_grad`` None unless
+``log_num_zeros_in_grad``; ``update_successful`` is False when a grad scaler found inf/nan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import (clip_grads_by_total_norm, count_zeros_fp32,
+                                                get_grad_norm_fp32, grads_for_norm, param_grad)
+
+# Attributes that tell the norm how to count a parameter; main params must carry them too.
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                   "shared_embedding", "sequence_parallel")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer settings; field names are Megatron's ``args`` names (``--adam-beta1`` -> adam_beta1).
+
+    Attributes:
+        optimizer: only ``"adam"`` (AdamW with decoupled weight decay, as Megatron's Adam).
+        lr / min_lr: peak and final learning rate (the scheduler sets the lr each step).
+        weight_decay: decoupled L2 coefficient for parameters with 2+ dims (none on norms, biases).
+        adam_beta1 / adam_beta2 / adam_eps: Adam coefficients.
+        clip_grad: global L2 norm to clip to; 0 disables clipping (and the norm computation).
+        bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
+        params_dtype: the model parameter dtype.
+        loss_scale ... hysteresis: fp16 loss scaling (the grad scaler arrives with fp16 support).
+        use_distributed_optimizer: shard optimizer state over DP (not supported yet).
+        overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
+        log_num_zeros_in_grad: count zero gradient elements each step.
+    """
+
+    optimizer: str = "adam"
+    lr: Optional[float] = None
+    min_lr: Optional[float] = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    log_num_zeros_in_grad: bool = False
+
+    def __post_init__(self):
+        if self.optimizer != "adam":
+            raise ValueError(f"--optimizer {self.optimizer} is not supported yet; use --optimizer adam")
+        if self.lr is None or self.lr < 0:
+            raise ValueError(f"--lr ({self.lr}) must be given and non-negative")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive; choose one")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
+
+
+def get_param_groups(model_chunks: List[torch.nn.Module], weight_decay: float) -> List[dict]:
+    """Two AdamW groups: decayed (2+-dim weights) and not decayed (1-dim params and biases).
+
+    Each group carries Megatron's ``wd_mult`` / ``lr_mult`` keys, which the scheduler multiplies in.
+    A parameter shared between chunks appears once.
+    """
+    decay, no_decay, seen = [], [], set()
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0})
+    return groups
+
+
+def _model_parallel_group():
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if len(parallel_state.get_model_parallel_ranks()) == 1:
+        return None
+    return parallel_state.get_model_parallel_group()
+
+
+class MegatronOptimizer:
+    """Base wrapper: owns the torch optimizer, the config and an optional grad scaler.
+
+    Args:
+        optimizer: a torch optimizer over the (main) parameters.
+        config: the :class:`OptimizerConfig`.
+        grad_scaler: None (fp32, bf16) or an fp16 loss scaler with ``scale``, ``inv_scale``,
+            ``update(found_inf)``, ``state_dict()`` and ``load_state_dict()``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, grad_scaler=None):
+        self.optimizer = optimizer
+        self.config = config
+        self.grad_scaler = grad_scaler
+
+    def get_parameters(self) -> List[torch.nn.Parameter]:
+        """The parameters the torch optimizer updates (the main params)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        return grads_for_norm(self.get_parameters())
+
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the main grads, each element of the model counted once."""
+        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
+                                  model_parallel_group=_model_parallel_group())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip all main grads to the global norm ``clip_grad``; return the norm before clipping."""
+        total = self.get_grad_norm()
+        grads = [g for g in (param_grad(p) for p in self.get_parameters()) if g is not None]
+        clip_grads_by_total_norm(grads, clip_grad, total)
+        return total
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(self.get_parameters(), model_parallel_group=_model_parallel_group())
+
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return torch.tensor(1.0)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply the loss by the loss scale before backward (identity without a grad scaler)."""
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def _clip_count_and_step(self) -> Tuple[Optional[float], Optional[int]]:
+        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0 else None
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        return grad_norm, num_zeros
+
+    def reload_model_params(self) -> None:
+        """Refresh main params from the model params (after loading a model without optimizer)."""
+
+    def step(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 model: the optimizer updates the model parameters with ``main_grad`` as gradient."""
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        params = self.get_parameters()
+        for p in params:
+            if getattr(p, "main_grad", None) is not None:
+                p.grad = p.main_grad  # a view: no copy
+        grad_norm, num_zeros = self._clip_count_and_step()
+        for p in params:
+            if getattr(p, "main_grad", None) is not None:
+                # Drop the alias, or the next backward would accumulate into main_grad twice.
+                p.grad = None
+        return True, grad_norm, num_zeros
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """The mixed-precision step: model grads -> main grads, unscale/inf check, clip, step, copy back.
+
+    Subclasses implement ``_main_grads()``, ``_copy_model_grads_to_main_grads()`` and
+    ``_copy_main_params_to_model_params()``.
+    """
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        """Collective: all-reduce (max) of the found-inf flag over the model-parallel group."""
+        grads = self._main_grads()
+        device = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        inv_scale = self.grad_scaler.inv_scale.to(device)
+        for g in grads:
+            g.mul_(inv_scale)
+            found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
+        group = _model_parallel_group()
+        if group is not None:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return bool(found_inf.item() > 0)
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        grad_norm, num_zeros = self._clip_count_and_step()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
+    """bf16/fp16 model params with fp32 main params (Megatron's class of the same name).
+
+    The torch optimizer's groups are rewritten in place: every bf16/fp16 param is replaced by an
+    fp32 clone carrying the same parallel attributes; fp32 params stay as they are.
+
+    Raises:
+        TypeError: for a parameter that is neither fp32, bf16 nor fp16.
+    """
+
+    def __init__(self, optimizer, config, grad_scaler=None):
+        super().__init__(optimizer, config, grad_scaler)
+        self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups = [], [], []
+        for group in self.optimizer.param_groups:
+            f16, main, f32 = [], [], []
+            for i, p in enumerate(group["params"]):
+                if p.dtype in (torch.float16, torch.bfloat16):
+                    mp = p.detach().clone().float()
+                    for attr in _PARALLEL_ATTRS:
+                        if hasattr(p, attr):
+                            setattr(mp, attr, getattr(p, attr))
+                    group["params"][i] = mp
+                    if p in self.optimizer.state:
+                        self.optimizer.state[mp] = self.optimizer.state.pop(p)
+                    f16.append(p)
+                    main.append(mp)
+                elif p.dtype == torch.float32:
+                    f32.append(p)
+                else:
+                    raise TypeError(f"parameter dtype {p.dtype} is not supported; expected "
+                                    "torch.float32, torch.bfloat16 or torch.float16")
+            self.float16_groups.append(f16)
+            self.fp32_from_float16_groups.append(main)
+            self.fp32_from_fp32_groups.append(f32)
+
+    def _pairs(self):
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            yield from zip(model_group, main_group)
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for model_param, main_param in self._pairs():
+            g = param_grad(model_param)
+            main_param.grad = None if g is None else g.float()  # no copy when g is already fp32
+        for group in self.fp32_from_fp32_groups:
+            for p in group:
+                if getattr(p, "main_grad", None) is not None:
+                    p.grad = p.main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for model_param, main_param in self._pairs():
+            model_param.data.copy_(main_param.data)
+
+    def reload_model_params(self) -> None:
+        with torch.no_grad():
+            for model_param, main_param in self._pairs():
+                main_param.copy_(model_param.float())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        groups = self.float16_groups + self.fp32_from_float16_groups + self.fp32_from_fp32_groups
+        for group in groups:
+            for p in group:
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """``{"optimizer": torch state, "fp32_from_fp16_params": [[fp32 main param]]}`` (Megatron's
+        keys), plus ``"grad_scaler"`` when one is set. Tensors are references, not copies."""
+        sd = {"optimizer": self.optimizer.state_dict(),
+              "fp32_from_fp16_params": [list(g) for g in self.fp32_from_float16_groups]}
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore Adam state and the fp32 main params exactly.
+
+        Raises:
+            ValueError: if the checkpoint's main params do not match this model's shapes.
+        """
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        saved = state_dict["fp32_from_fp16_params"]
+        if [len(g) for g in saved] != [len(g) for g in self.fp32_from_float16_groups]:
+            raise ValueError("optimizer checkpoint: fp32_from_fp16_params groups do not match the "
+                             "model; load with --no-load-optim or use the same model configuration")
+        with torch.no_grad():
+            for current_group, saved_group in zip(self.fp32_from_float16_groups, saved):
+                for current, value in zip(current_group, saved_group):
+                    if current.shape != value.shape:
+                        raise ValueError(f"optimizer checkpoint: main param shape {tuple(value.shape)} "
+                                         f"!= model's {tuple(current.shape)}; load with "
+                                         "--no-load-optim or use the same model configuration")
+                    current.copy_(value)
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
+                           grad_scaler=None) -> MegatronOptimizer:
+    """Build AdamW over ``model_chunks`` wrapped for fp32 or bf16/fp16 training.
+
+    AdamW runs fused on CUDA and with ``foreach`` kernels on CPU; its ``lr`` and ``weight_decay``
+    are rewritten every step by :class:`~megatron.core.optimizer.lr_scheduler.OptimizerParamScheduler`.
+
+    Raises:
+        ValueError: for ``--use-distributed-optimizer`` or ``--fp16`` without a grad scaler
+            (not supported yet), or when the chunks have no trainable parameter.
+    """
+    if config.use_distributed_optimizer:
+        raise ValueError("--use-distributed-optimizer is not supported yet; drop the flag")
+    if config.fp16 and grad_scaler is None:
+        raise ValueError("--fp16 (loss scaling) is not supported yet; use --bf16")
+    groups = get_param_groups(model_chunks, config.weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    device = groups[0]["params"][0].device
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                  eps=config.adam_eps, weight_decay=config.weight_decay, **kernel)
+    if config.bf16 or config.fp16:
+        return Float16OptimizerWithFloat16Params(optimizer, config, grad_scaler)
+    return FP32Optimizer(optimizer, config, grad_scaler)

@@ -1,0 +1,375 @@
+"""Checkpoints in Megatron-LM's legacy layout (``--ckpt-format torch``).
+
+Layout (Megatron-LM ``get_checkpoint_name``)::
+
+    SAVE/latest_checkpointed_iteration.txt     "100" or "release"
+    SAVE/iter_0000100/mp_rank_TT/model_optim_rng.pt        PP = 1
+    SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt    PP > 1
+    SAVE/release/...                                       same, written by conversion tools
+
+One file per (tensor rank, pipeline rank), written by data-parallel rank 0. It holds ``model``
+(``model0``, ``model1``, ... with virtual stages), ``optimizer``, ``opt_param_scheduler``,
+``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``, ``args`` (a dict of plain
+JSON-compatible values, so ``torch.load(weights_only=True)`` reads it), ``rng_state`` and
+``checkpoint_version`` 3.0.
+
+Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a temporary name,
+flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name
+and only then replaces the tracker file atomically. A kill at any moment leaves the previous
+checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, partial, corrupt or does not fit the model."""
+
+
+# Names ------------------------------------------------------------------------------------------
+
+def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+    return os.path.join(checkpoints_path, TRACKER_FILENAME)
+
+
+def get_checkpoint_dir(checkpoints_path: str, iteration: int, release: bool = False) -> str:
+    return os.path.join(checkpoints_path, "release" if release else f"iter_{iteration:07d}")
+
+
+def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = False,
+                        pipeline_parallel: bool | None = None, tensor_rank: int | None = None,
+                        pipeline_rank: int | None = None) -> str:
+    """Path of one rank's ``model_optim_rng.pt`` (Megatron-LM's naming; ranks default to this
+    process's)."""
+    if pipeline_parallel is None:
+        pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    if tensor_rank is None:
+        tensor_rank = parallel_state.get_tensor_model_parallel_rank()
+    if pipeline_rank is None and pipeline_parallel:
+        pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    sub = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
+    return os.path.join(get_checkpoint_dir(checkpoints_path, iteration, release), sub,
+                        "model_optim_rng.pt")
+
+
+def read_metadata(tracker_filename: str) -> tuple[int, bool]:
+    """Parse the tracker file: ``(iteration, release)``.
+
+    Raises:
+        CheckpointError: if the file holds neither an integer nor ``release``.
+    """
+    with open(tracker_filename, encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, True
+    try:
+        return int(text), False
+    except ValueError:
+        raise CheckpointError(f"{tracker_filename} must hold an iteration number or 'release', "
+                              f"found {text[:40]!r}") from None
+
+
+def complete_checkpoints(checkpoints_path: str) -> list[str]:
+    """Finished checkpoint folders under ``checkpoints_path`` (``iter_*`` without ``.tmp``), oldest
+    first."""
+    dirs = [d for d in glob.glob(os.path.join(checkpoints_path, "iter_*"))
+            if os.path.isdir(d) and not d.endswith((".tmp", ".old"))]
+    return sorted(dirs)
+
+
+# Plain values -----------------------------------------------------------------------------------
+
+def _plain(value):
+    """A JSON-compatible copy of an argument value (dtypes and other objects become strings)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def args_to_dict(args) -> dict:
+    return {k: _plain(v) for k, v in sorted(vars(args).items())}
+
+
+def get_rng_state() -> dict:
+    """Python, NumPy, torch, CUDA and model-parallel tracker states, as weights_only-safe values."""
+    from megatron.core.tensor_parallel.random import get_rng_tracker
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": get_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_rng_tracker
+
+    version, internal, gauss = state["random_rng_state"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, g = state["np_rng_state"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, g))
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    get_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def unwrap_model(module):
+    """The bare model under DDP / mixed-precision wrappers (each exposes ``.module``)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _model_keys(model_chunks) -> list[str]:
+    return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+
+
+# Save -------------------------------------------------------------------------------------------
+
+def _write_atomic(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _all_ok(ok: bool, device) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args, *,
+                    consumed_train_samples: int, consumed_valid_samples: int) -> str:
+    """Save a checkpoint of ``iteration`` under ``args.save``. Collective over the world.
+
+    Returns:
+        the final checkpoint folder.
+
+    Raises:
+        CheckpointError: on every rank if any rank failed to write (e.g. a full disk); the previous
+            checkpoint and the tracker file stay untouched.
+    """
+    save_dir = args.save
+    final_dir = get_checkpoint_dir(save_dir, iteration)
+    staging = final_dir + ".tmp"
+    device = next(unwrap_model(model_chunks[0]).parameters()).device
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging, exist_ok=True)
+    dist.barrier()
+
+    error = None
+    if parallel_state.get_data_parallel_rank() == 0:
+        state = {
+            "args": args_to_dict(args), "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration, "consumed_train_samples": consumed_train_samples,
+            "consumed_valid_samples": consumed_valid_samples,
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "opt_param_scheduler": (opt_param_scheduler.state_dict()
+                                    if opt_param_scheduler is not None else None),
+            "rng_state": [get_rng_state()],
+        }
+        for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+            state[key] = unwrap_model(chunk).state_dict()
+        name = get_checkpoint_name(save_dir, iteration).replace(final_dir, staging, 1)
+        try:
+            os.makedirs(os.path.dirname(name), exist_ok=True)
+            _write_atomic(state, name)
+        except OSError as exc:
+            error = f"rank {rank} could not write {name}: {exc}"
+    if not _all_ok(error is None, device):
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(error or f"saving the checkpoint of iteration {iteration} failed on "
+                              "another rank; the previous checkpoint is intact")
+
+    if rank == 0:
+        _publish(save_dir, staging, final_dir, iteration, getattr(args, "keep_last_checkpoints", None))
+    dist.barrier()
+    return final_dir
+
+
+def _publish(save_dir, staging, final_dir, iteration, keep_last) -> None:
+    """Rename the staged folder into place, then replace the tracker atomically."""
+    old = final_dir + ".old"
+    if os.path.exists(final_dir):  # re-saving an iteration (after a restart)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final_dir, old)
+    os.rename(staging, final_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    tmp = tracker + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker)
+    if keep_last:
+        for d in complete_checkpoints(save_dir)[:-keep_last]:
+            if d != final_dir:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+# Load -------------------------------------------------------------------------------------------
+
+def _torch_load(path: str) -> dict:
+    """``torch.load(weights_only=True)`` with errors that name the file."""
+    if not os.path.isfile(path):
+        folder = os.path.dirname(os.path.dirname(path))
+        present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        hint = (f"; {folder} holds {present} (was it saved with another tensor/pipeline-parallel "
+                "layout?)" if present else "")
+        raise CheckpointError(f"checkpoint shard {path} does not exist{hint}; complete checkpoints: "
+                              f"{complete_checkpoints(os.path.dirname(os.path.dirname(folder))) or 'none'}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling errors come in many types
+        raise CheckpointError(f"cannot read checkpoint shard {path}: {type(exc).__name__}: {exc}. "
+                              "The file is truncated, corrupt, or holds objects other than tensors "
+                              "and plain values (refused for safety)") from exc
+
+
+def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
+    """``(iteration, release)`` named by the tracker file of ``load_dir``, or None if absent."""
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        return None
+    return read_metadata(tracker)
+
+
+def check_state_dict_shapes(model_state: dict, ckpt_state: dict, path: str) -> None:
+    """Raise :class:`CheckpointError` naming the first tensor whose name or shape differs."""
+    missing = [k for k in model_state if k not in ckpt_state]
+    unexpected = [k for k in ckpt_state if k not in model_state]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not fit the model: missing tensors "
+                              f"{missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for name, tensor in model_state.items():
+        theirs = ckpt_state[name]
+        if tuple(theirs.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {name} has shape {tuple(theirs.shape)} in the checkpoint "
+                f"but {tuple(tensor.shape)} in the model; the model flags (sizes, vocabulary, "
+                "tensor-parallel size) must match the run that saved it")
+
+
+def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
+    """Load ``args.load`` into the model (and optimizer, scheduler, RNG unless told otherwise).
+
+    ``--finetune`` and ``release`` checkpoints load the weights only and start at iteration 0;
+    ``--no-load-optim`` / ``--no-load-rng`` skip those parts.
+
+    Returns:
+        dict with ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples`` (zeros when
+        there is nothing to load: a fresh start).
+
+    Raises:
+        CheckpointError: ``--finetune`` with no checkpoint; a missing, corrupt or misfitting shard.
+    """
+    fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    found = find_checkpoint(args.load)
+    if found is None:
+        if getattr(args, "finetune", False):
+            raise CheckpointError(f"--finetune needs a checkpoint, but --load {args.load} has no "
+                                  f"{TRACKER_FILENAME}")
+        if dist.get_rank() == 0:
+            print(f" no checkpoint found at --load {args.load} ({TRACKER_FILENAME} missing); "
+                  "starting from scratch", flush=True)
+        return fresh
+    iteration, release = found
+    path = get_checkpoint_name(args.load, iteration, release)
+    state = _torch_load(path)
+
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+        if key not in state:
+            raise CheckpointError(f"checkpoint {path} has no {key!r} entry (virtual pipeline "
+                                  "stages differ from the run that saved it?)")
+        module = unwrap_model(chunk)
+        check_state_dict_shapes(module.state_dict(), state[key], path)
+        module.load_state_dict(state[key], strict=True)
+
+    weights_only = release or getattr(args, "finetune", False)
+    if not weights_only and not getattr(args, "no_load_optim", False):
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
+            opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    if not weights_only and not getattr(args, "no_load_rng", False) and state.get("rng_state"):
+        set_rng_state(state["rng_state"][0])
+    if weights_only:
+        result = fresh
+    else:
+        result = {"iteration": state["iteration"],
+                  "consumed_train_samples": state.get("consumed_train_samples", 0),
+                  "consumed_valid_samples": state.get("consumed_valid_samples", 0)}
+    if dist.get_rank() == 0:
+        print(f" loaded checkpoint from {args.load} at iteration "
+              f"{'release' if release else iteration}", flush=True)
+    dist.barrier()
+    return result
+
+
+# Arguments of the model's shape, taken over by --use-checkpoint-args (Megatron-LM's list).
+CHECKPOINT_MODEL_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+    "num_query_groups", "group_query_attention", "kv_channels", "max_position_embeddings",
+    "position_embedding_type", "add_position_embedding", "use_rotary_position_embeddings",
+    "rotary_base", "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
+    "normalization", "norm_epsilon", "make_vocab_size_divisible_by", "padded_vocab_size",
+    "tokenizer_type", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+)
+
+
+def load_args_from_checkpoint(args) -> list[str]:
+    """``--use-checkpoint-args``: set the model-shape arguments from the checkpoint at
+    ``args.load`` (before validation, so no process group is needed).
+
+    Returns:
+        the names of the arguments that were set.
+
+    Raises:
+        CheckpointError: if ``--load`` has no checkpoint.
+    """
+    found = find_checkpoint(args.load) if args.load else None
+    if found is None:
+        raise CheckpointError(f"--use-checkpoint-args needs a checkpoint, but --load {args.load} "
+                              f"has no {TRACKER_FILENAME}")
+    iteration, release = found
+    folder = get_checkpoint_dir(args.load, iteration, release)
+    shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
+    if not shards:
+        raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
+    saved = _torch_load(shards[0]).get("args") or {}
+    changed = []
+    for name in CHECKPOINT_MODEL_ARGS:
+        if name in saved and hasattr(args, name):
+            setattr(args, name, saved[name])
+            changed.append(name)
+    return changed

@@ -1,0 +1,1 @@
+"""The training program: start-up, the loop, evaluation, logging (Megatron-LM's megatron/training)."""

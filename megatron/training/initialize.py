@@ -1,0 +1,128 @@
+"""Start-up of a training process: torch.distributed, model-parallel groups, device and seeds.
+
+Follows Megatron-LM's ``initialize_megatron`` / ``_initialize_distributed`` / ``_set_random_seed``
+(megatron/training/initialize.py), reading the torchrun environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def select_device(backend: str | None = None) -> torch.device:
+    """The device this process computes on: ``cuda:LOCAL_RANK`` with CUDA (unless the backend is
+    gloo), else the CPU.
+
+    Args:
+        backend: the requested ``--distributed-backend`` (None: choose from the hardware).
+    """
+    if torch.cuda.is_available() and backend != "gloo":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def initialize_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> bool:
+    """Initialize the default process group from the torchrun environment, unless it exists.
+
+    A world of one process (plain ``python pretrain_llama.py``) needs no environment: it uses a
+    local TCP rendezvous on a free port.
+
+    Args:
+        backend: ``nccl``, ``gloo`` or None (nccl with CUDA, else gloo).
+        timeout_minutes: collective timeout in minutes, fractions allowed
+            (``--distributed-timeout-minutes``; Megatron takes whole minutes).
+
+    Returns:
+        True if this call created the process group (the caller then destroys it).
+
+    Raises:
+        ValueError: for an unknown backend, or nccl without CUDA.
+    """
+    if dist.is_initialized():
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"--distributed-backend {backend!r} is not supported; use nccl or gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--distributed-backend nccl needs CUDA, which this machine does not have; "
+                         "use --distributed-backend gloo")
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = timedelta(minutes=timeout_minutes)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    elif world_size == 1:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
+    else:
+        raise RuntimeError(f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; "
+                           "launch with torchrun (or set MASTER_ADDR and MASTER_PORT)")
+    return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> int:
+    """Seed Python, NumPy, torch and the model-parallel RNG tracker for this rank.
+
+    Megatron's offsets: ``seed + 100 * pipeline rank`` (stages draw different dropout masks), plus
+    ``10 * data-parallel rank`` under ``--data-parallel-random-init``. The tracker then gives each
+    tensor-parallel rank its own stream for dropout inside tensor-parallel regions. Weight
+    initialisation does not use these generators (it is seeded per submodule from
+    ``ModelConfig.seed``), so the initial weights do not depend on the layout.
+
+    Returns:
+        the seed used on this rank.
+    """
+    from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_manual_seed(seed)
+    return seed
+
+
+def initialize_megatron(args) -> tuple[torch.device, bool]:
+    """Distributed start-up for validated ``args``: process group, model-parallel groups, seeds.
+
+    Returns:
+        ``(device, created_process_group)``; pass the flag to :func:`shutdown`.
+    """
+    backend = getattr(args, "distributed_backend", None)
+    device = select_device(backend)
+    created = initialize_distributed(backend, getattr(args, "distributed_timeout_minutes", 10.0))
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        getattr(args, "virtual_pipeline_model_parallel_size", None))
+    set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))
+    return device, created
+
+
+def shutdown(created_process_group: bool) -> None:
+    """Forget the model-parallel groups; destroy the process group if :func:`initialize_megatron`
+    created it (a test harness that made its own keeps it)."""
+    parallel_state.destroy_model_parallel()
+    if created_process_group and dist.is_initialized():
+        dist.destroy_process_group()

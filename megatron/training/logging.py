@@ -1,0 +1,136 @@
+"""Console and TensorBoard output of the training loop, in Megatron-LM's formats.
+
+The iteration line follows Megatron-LM's ``training_log``; the validation block its
+``evaluate_and_print_results``; TensorBoard scalars keep Megatron's tags (``learning-rate``,
+``lm loss``, ``grad-norm``, ``batch-size``, ``iteration-time``, ``lm loss validation``,
+``lm loss validation ppl``, each also ``... vs samples``) and are written by the last rank, as in
+Megatron.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import datetime
+
+import torch
+import torch.distributed as dist
+
+
+def is_last_rank() -> bool:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int,
+                          elapsed_ms: float, tokens_per_s: float, learning_rate: float,
+                          global_batch_size: int, losses: dict, loss_scale: float,
+                          grad_norm: float | None, skipped: int, nans: int,
+                          tflops_per_device: float) -> str:
+    """Megatron-LM's iteration log line, plus ``tokens/s`` (total over all ranks)."""
+    s = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+    s += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    s += " consumed samples: {:12d} |".format(consumed_samples)
+    s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_ms)
+    s += " tokens/s: {:.1f} |".format(tokens_per_s)
+    # Megatron prints one decimal; CPU throughputs are far below 0.1 TFLOP/s, so show three.
+    s += " throughput per GPU (TFLOP/s/GPU): {:.{p}f} |".format(
+        tflops_per_device, p=1 if tflops_per_device >= 1 else 3)
+    s += " learning rate: {:.6E} |".format(learning_rate)
+    s += " global batch size: {:5d} |".format(global_batch_size)
+    for key, value in losses.items():
+        s += " {}: {:.6E} |".format(key, value)
+    s += " loss scale: {:.1f} |".format(loss_scale)
+    if grad_norm is not None:
+        s += " grad norm: {:.3f} |".format(grad_norm)
+    s += " number of skipped iterations: {:3d} |".format(skipped)
+    s += " number of nan iterations: {:3d} |".format(nans)
+    return s
+
+
+def format_validation_block(prefix: str, losses: dict) -> str:
+    """Megatron-LM's validation report: a dashed frame around ``KEY value | KEY PPL``."""
+    s = " validation loss at {} | ".format(prefix)
+    for key, value in losses.items():
+        s += "{} value: {:.6E} | ".format(key, value)
+        s += "{} PPL: {:.6E} | ".format(key, math.exp(min(20.0, value)))
+    line = "-" * (len(s) + 1)
+    return f"{line}\n{s}\n{line}"
+
+
+def anonymous_memory_mb() -> float | None:
+    """Anonymous resident memory of this process in MB (``RssAnon`` of /proc/self/status): the
+    heap and tensors, without mapped files such as an mmap'd dataset. None where unavailable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def memory_report(name: str, device: torch.device) -> str:
+    """Megatron-LM's ``report_memory`` line; on CPU the process's anonymous memory."""
+    rank = dist.get_rank()
+    if device.type == "cuda":
+        mb = 1024.0 * 1024.0
+        return (f"[Rank {rank}] {name} memory (MB) | allocated: {torch.cuda.memory_allocated() / mb}"
+                f" | max allocated: {torch.cuda.max_memory_allocated() / mb}"
+                f" | reserved: {torch.cuda.memory_reserved() / mb}"
+                f" | max reserved: {torch.cuda.max_memory_reserved() / mb}")
+    anon = anonymous_memory_mb()
+    return f"[Rank {rank}] {name} memory (MB) | RssAnon: {anon if anon is None else round(anon, 1)}"
+
+
+class TensorBoardLogger:
+    """Megatron's TensorBoard scalars, written by the last rank only (a no-op elsewhere or without
+    ``--tensorboard-dir``)."""
+
+    def __init__(self, log_dir: str | None, queue_size: int = 1000):
+        self.writer = None
+        if log_dir and is_last_rank():
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(log_dir, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
+
+    def _both(self, tag, value, iteration, samples):
+        self.writer.add_scalar(tag, value, iteration)
+        self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def training(self, iteration: int, samples: int, *, learning_rate: float, batch_size: int,
+                 losses: dict, grad_norm: float | None, iteration_time_s: float,
+                 loss_scale: float) -> None:
+        if self.writer is None:
+            return
+        self._both("learning-rate", learning_rate, iteration, samples)
+        self._both("batch-size", batch_size, iteration, samples)
+        for key, value in losses.items():
+            self._both(key, value, iteration, samples)
+        self._both("loss-scale", loss_scale, iteration, samples)
+        if grad_norm is not None:
+            self._both("grad-norm", grad_norm, iteration, samples)
+        self.writer.add_scalar("iteration-time", iteration_time_s, iteration)
+
+    def validation(self, iteration: int, samples: int, losses: dict) -> None:
+        if self.writer is None:
+            return
+        for key, value in losses.items():
+            self._both(f"{key} validation", value, iteration, samples)
+            self._both(f"{key} validation ppl", math.exp(min(20.0, value)), iteration, samples)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

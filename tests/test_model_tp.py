@@ -1,0 +1,97 @@
+"""The LLaMA model with grouped-query attention at TP=2 and TP=4 equals TP=1: initial weights,
+logits, per-token loss and every gradient, reassembled from the ranks' partitions."""
+
+import pytest
+import torch
+
+from megatron.model.initialization import from_fused_layout
+from tests.dist import run_distributed
+from tests.test_model import batch, small_config
+
+# Fused weights/biases: logical blocks compared one by one, since the per-rank layout depends on TP.
+_FUSED = {"self_attention.query_key_value": lambda c: [c.num_attention_heads * c.kv_channels,
+                                                       c.num_query_groups * c.kv_channels,
+                                                       c.num_query_groups * c.kv_channels],
+          "mlp.dense_h_to_4h": lambda c: [c.ffn_hidden_size, c.ffn_hidden_size]}
+
+
+def _inputs(config, document_mask):
+    tokens, labels = batch(config, b=2, s=24)
+    if not document_mask:
+        return tokens, None, None, labels
+    s = tokens.shape[1]
+    doc = (torch.arange(s) >= 10).long()
+    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool)) & (doc[:, None] == doc[None, :])
+    positions = torch.cat([torch.arange(10), torch.arange(s - 10)])
+    return tokens, positions.expand(2, s), (~allowed).expand(2, 1, s, s), labels
+
+
+def _run(config, document_mask):
+    """Forward and backward; returns logits, loss, and {name: (weight, grad, partition_dim)}."""
+    from megatron.model.llama import LlamaModel
+    model = LlamaModel(config)
+    tokens, positions, mask, labels = _inputs(config, document_mask)
+    with torch.no_grad():
+        logits = model(tokens, positions, mask)
+    loss = model(tokens, positions, mask, labels=labels)
+    # Position-dependent weights so that every gradient depends on every token differently.
+    weights = torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)
+    (loss * weights).sum().backward()
+    params = {n: (p.detach().clone(), p.grad.clone(),
+                  p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+              for n, p in model.named_parameters()}
+    return logits, loss.detach(), params
+
+
+def _rank_main(tp, config, document_mask):
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tp, 1)
+    logits, loss, params = _run(config.replace(tensor_model_parallel_size=tp), document_mask)
+    # numpy travels by value; torch tensors would go through shared memory that dies with the child.
+    return logits.numpy(), loss.numpy(), {n: (w.numpy(), g.numpy(), d) for n, (w, g, d) in params.items()}
+
+
+def _from_numpy(result):
+    logits, loss, params = result
+    return (torch.from_numpy(logits), torch.from_numpy(loss),
+            {n: (torch.from_numpy(w), torch.from_numpy(g), d) for n, (w, g, d) in params.items()})
+
+
+def _logical(name, full, config, tp):
+    for key, blocks in _FUSED.items():
+        if key in name:
+            return from_fused_layout(full, blocks(config), tp)
+    return [full]
+
+
+@pytest.mark.parametrize("tp,changes,document_mask", [
+    (2, {}, True),
+    (4, {"num_query_groups": 4}, False),
+    (2, {"untie_embeddings_and_output_weights": False, "add_bias_linear": True}, False),
+], ids=["tp2-gqa-document-mask", "tp4-gqa", "tp2-tied-bias"])
+def test_tensor_parallel_equals_tp1(tp, changes, document_mask):
+    config = small_config(**changes)
+    ref_logits, ref_loss, ref_params = _run(config, document_mask)
+    results = [_from_numpy(r) for r in run_distributed(tp, _rank_main, tp, config, document_mask)]
+
+    logits = torch.cat([r[0] for r in results], dim=-1)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for _, loss, _ in results:
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+
+    assert results[0][2].keys() == ref_params.keys()
+    for name, (ref_w, ref_g, _) in ref_params.items():
+        per_rank = [r[2][name] for r in results]
+        dim = per_rank[0][2]
+        for i, ref in ((0, ref_w), (1, ref_g)):
+            if dim is None:  # replicated: every rank holds the full tensor
+                full = per_rank[0][i]
+                for other in per_rank[1:]:
+                    torch.testing.assert_close(other[i], full, atol=1e-6, rtol=1e-5, msg=name)
+            else:
+                full = torch.cat([p[i] for p in per_rank], dim=dim)
+            what = "weight" if i == 0 else "grad"
+            atol = 0 if i == 0 else 1e-5  # init is bitwise layout-independent
+            for got, want in zip(_logical(name, full, config, tp), _logical(name, ref, config, 1)):
+                torch.testing.assert_close(got, want, atol=atol, rtol=0 if i == 0 else 1e-4,
+                                           msg=f"{what} of {name}")

@@ -14,3 +14,7 @@ from megatron.core.tensor_parallel.utils import (
     VocabUtility, copy_tensor_model_parallel_attributes, divide,
     param_is_not_tensor_parallel_duplicate, set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes, split_tensor_along_last_dim)
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.random import (
+    CheckpointFunction, CudaRNGStatesTracker, RNGStatesTracker, checkpoint, get_cuda_rng_tracker,
+    get_rng_tracker, model_parallel_cuda_manual_seed, model_parallel_manual_seed)

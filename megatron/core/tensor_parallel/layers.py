@@ -247,8 +247,10 @@ class VocabParallelEmbedding(nn.Module):
         world, rank = group_world_size(self.group), group_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tensor_model_parallel_size = world
+        per_partition = divide(num_embeddings, world, "VocabParallelEmbedding num_embeddings (pad the "
+                               "vocabulary with --make-vocab-size-divisible-by)")
         self.vocab_start_index, self.vocab_end_index = \
-            VocabUtility.vocab_range_from_global_vocab_size(num_embeddings, rank, world)
+            VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world)
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.weight = _master_partition((num_embeddings, embedding_dim), 0, init_method, world, rank,
                                         params_dtype, device, "VocabParallelEmbedding num_embeddings")

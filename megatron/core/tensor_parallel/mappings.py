@@ -87,68 +87,44 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 # Autograd functions: Megatron's f and g ------------------------------------------------------
 
-class _CopyToModelParallelRegion(torch.autograd.Function):
-    """f: forward identity; backward all-reduce over the tensor-parallel group."""
+def _mapping(name: str, forward_fn, backward_fn, doc: str):
+    """An autograd function applying ``forward_fn(x, group)`` forward, ``backward_fn(g, group)``
+    backward. The classes keep Megatron's names so that tracebacks read like Megatron's."""
 
-    @staticmethod
     def forward(ctx, input_, group):
         ctx.group = group
-        return input_.view_as(input_)
+        return forward_fn(input_, group)
 
-    @staticmethod
     def backward(ctx, grad_output):
-        return _all_reduce(grad_output, ctx.group), None
+        return backward_fn(grad_output, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc})
 
 
-class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """g: forward all-reduce over the tensor-parallel group; backward identity."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        return _all_reduce(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output, None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    # A view, so that autograd records a new node without copying.
+    return x.view_as(x)
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's chunk of the last dim; backward: all-gather the last dim."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _split_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_last_dim(grad_output, ctx.group), None
-
-
-class _GatherFromModelParallelRegion(torch.autograd.Function):
-    """Forward: all-gather the last dim; backward: keep this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _gather_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_last_dim(grad_output, ctx.group), None
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's chunk of the first (sequence) dim; backward: all-gather it."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _split_first_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_first_dim(grad_output, ctx.group), None
+_CopyToModelParallelRegion = _mapping(
+    "_CopyToModelParallelRegion", _identity, _all_reduce,
+    "f: forward identity; backward all-reduce over the tensor-parallel group.")
+_ReduceFromModelParallelRegion = _mapping(
+    "_ReduceFromModelParallelRegion", _all_reduce, _identity,
+    "g: forward all-reduce over the tensor-parallel group; backward identity.")
+_ScatterToModelParallelRegion = _mapping(
+    "_ScatterToModelParallelRegion", _split_last_dim, _gather_last_dim,
+    "Forward: keep this rank's chunk of the last dim; backward: all-gather the last dim.")
+_GatherFromModelParallelRegion = _mapping(
+    "_GatherFromModelParallelRegion", _gather_last_dim, _split_last_dim,
+    "Forward: all-gather the last dim; backward: keep this rank's chunk.")
+_ScatterToSequenceParallelRegion = _mapping(
+    "_ScatterToSequenceParallelRegion", _split_first_dim, _gather_first_dim,
+    "Forward: keep this rank's chunk of the first (sequence) dim; backward: all-gather it.")
+_ReduceScatterToSequenceParallelRegion = _mapping(
+    "_ReduceScatterToSequenceParallelRegion", _reduce_scatter_first_dim, _gather_first_dim,
+    "g-bar of sequence parallelism: forward reduce-scatter the first dim; backward all-gather.")
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -166,19 +142,6 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         if ctx.tensor_parallel_output_grad:
             return _reduce_scatter_first_dim(grad_output, ctx.group), None, None
         return _split_first_dim(grad_output, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """g-bar of sequence parallelism: forward reduce-scatter the first dim; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _reduce_scatter_first_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_first_dim(grad_output, ctx.group), None
 
 
 # Public API -----------------------------------------------------------------------------------

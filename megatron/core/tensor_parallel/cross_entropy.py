@@ -1,0 +1,103 @@
+"""Cross entropy over vocabulary-parallel logits, without gathering the vocabulary.
+
+Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``
+(``_VocabParallelCrossEntropy``); label smoothing as Megatron / NeMo's smoothed cross entropy:
+the smoothing mass ``alpha`` is spread over the K-1 non-target classes, i.e.
+
+    loss = (1 - s) * (-log p_target) - s * mean_i(log p_i),   s = alpha * K / (K - 1)
+
+where K is the full (padded) vocabulary. Everything is computed in fp32. Each rank holds
+logits ``[..., v/TP]`` for the rows ``[r * v/TP, (r+1) * v/TP)``; three all-reduces over the
+tensor-parallel group (max, target logit, sum of exponentials; a fourth for label smoothing)
+give the exact full-vocabulary loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.mappings import all_reduce
+from megatron.core.tensor_parallel.utils import (VocabUtility, group_rank, group_world_size,
+                                                 resolve_tensor_parallel_group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing, group):
+        world, rank = group_world_size(group), group_rank(group)
+        logits = vocab_parallel_logits.float()
+        # Subtracting the global max keeps exp() in range (numerical stability); out of place,
+        # so the caller's logits are untouched.
+        logits_max = all_reduce(logits.max(dim=-1)[0], group, op=dist.ReduceOp.MAX)
+        logits = logits - logits_max.unsqueeze(-1)
+
+        partition_vocab_size = logits.size(-1)
+        vocab_size = partition_vocab_size * world
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            partition_vocab_size, rank, world)
+        target_mask = (target < start) | (target >= end)
+        masked_target = (target - start).masked_fill(target_mask, 0)
+
+        predicted_logits = logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1)
+        predicted_logits = all_reduce(predicted_logits.masked_fill(target_mask, 0.0), group)
+
+        exp_logits = logits.exp()
+        sum_exp_logits = all_reduce(exp_logits.sum(dim=-1), group)
+        log_sum_exp = sum_exp_logits.log()
+        loss = log_sum_exp - predicted_logits
+
+        if label_smoothing > 0:
+            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+            # mean_i log p_i = mean_i z_i - log sum exp z, computed in log space (no log(0)) and
+            # over the full vocabulary (sum of z over all ranks).
+            mean_log_probs = all_reduce(logits.sum(dim=-1), group) / vocab_size - log_sum_exp
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+
+        softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))
+        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+        ctx.save_for_backward(softmax, target_mask, masked_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target = ctx.saved_tensors
+        # d loss / d z = softmax - (1 - s) * onehot(target) - s / K   (s = 0 without smoothing)
+        grad_input = softmax.clone()  # the saved softmax stays valid for retain_graph=True
+        on_rank = (~target_mask).to(grad_input.dtype).unsqueeze(-1)
+        if ctx.label_smoothing > 0:
+            smoothing = ctx.label_smoothing * ctx.vocab_size / (ctx.vocab_size - 1)
+            grad_input.scatter_add_(-1, masked_target.unsqueeze(-1), -(1.0 - smoothing) * on_rank)
+            grad_input.sub_(smoothing / ctx.vocab_size)
+        else:
+            grad_input.scatter_add_(-1, masked_target.unsqueeze(-1), -on_rank)
+        grad_input.mul_(grad_output.unsqueeze(-1))
+        return grad_input, None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0, group=None) -> torch.Tensor:
+    """Per-token cross entropy of vocabulary-parallel logits (unreduced).
+
+    Args:
+        vocab_parallel_logits: ``[s, b, v/TP]`` (any leading dims), any float dtype; this rank's
+            vocabulary partition. Not modified.
+        target: ``[s, b]`` int64 token ids in ``[0, v)`` (the full vocabulary).
+        label_smoothing: Megatron's smoothing ``alpha`` in ``[0, 1)`` (see the module docstring).
+        group: tensor-parallel group (None: the registry's).
+
+    Returns:
+        loss ``[s, b]`` fp32. Backward gives the logits' gradient in fp32 (autograd casts it to
+        the logits' dtype).
+
+    Raises:
+        ValueError: if ``label_smoothing`` is outside ``[0, 1)`` or the shapes disagree.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing ({label_smoothing}) must be in [0, 1)")
+    if vocab_parallel_logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(vocab_parallel_logits.shape)} and target "
+                         f"{tuple(target.shape)} must agree on all but the last dimension")
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, float(label_smoothing),
+                                            resolve_tensor_parallel_group(group))

@@ -287,12 +287,19 @@ class MMapIndexedDatasetBuilder:
         """Appends a whole existing dataset (its tokens, sequences and document boundaries).
 
         Raises:
-            ValueError: its dtype differs from this builder's.
+            ValueError: its dtype differs from this builder's, or its ``.bin`` is not laid out back
+                to back (as every MMIDIDX writer does).
         """
         other = MMapIndexedDataset(path_prefix)
         if other.dtype != self.dtype:
             raise ValueError(f"{path_prefix}: token dtype {other.dtype} differs from the merged "
                              f"dataset's {self.dtype}; all inputs of a merge need the same dtype")
+        nbytes = int(other.sizes.sum(dtype=np.int64)) * self.dtype.itemsize
+        contiguous = np.zeros(len(other), dtype=np.int64)
+        np.cumsum(other.sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=contiguous[1:])
+        if other._bin_size != nbytes or not np.array_equal(other.pointers, contiguous):
+            raise ValueError(f"{path_prefix}: its sequences are not stored back to back in the .bin "
+                             f"({other._bin_size} bytes for {nbytes} bytes of tokens); cannot append it")
         offset = len(self.sizes)
         self.sizes.frombytes(np.ascontiguousarray(other.sizes).tobytes())
         self.document_indices.frombytes((other.document_indices[1:] + offset).astype(np.int64).tobytes())

@@ -264,3 +264,22 @@ def test_get_layer_numbers():
 def test_bad_configs_fail_clearly(changes, match):
     with pytest.raises((ValueError, NotImplementedError, RuntimeError), match=match):
         LlamaModel(small_config(**changes))
+
+
+def test_attention_dropout_draws_from_the_tensor_parallel_rng_state():
+    from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
+    config = small_config(attention_dropout=0.5)
+    model = LlamaModel(config)
+    tokens, _ = batch(config, s=16)
+    model_parallel_manual_seed(5)
+    default_state = torch.random.get_rng_state()
+    tracker_state = get_rng_tracker().get_states()
+    with torch.no_grad():
+        first = model(tokens)
+        # Attention dropout advanced the tracker's state, not the default generator.
+        assert torch.equal(torch.random.get_rng_state(), default_state)
+        get_rng_tracker().set_states(tracker_state)
+        assert torch.equal(model(tokens), first)
+        assert not torch.allclose(model(tokens), first)
+        model.eval()
+        assert torch.equal(model(tokens), model(tokens))

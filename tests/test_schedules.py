@@ -233,3 +233,69 @@ def test_bad_input_is_refused():
 def test_warmup_counts():
     assert [schedules.get_num_warmup_microbatches(8, 4, r) for r in range(4)] == [3, 2, 1, 0]
     assert [schedules.get_num_warmup_microbatches(2, 4, r) for r in range(4)] == [2, 2, 1, 0]
+
+
+def _llama_pipelined(tp, pp, tied, m):
+    from megatron.config import ModelConfig
+    from megatron.model import LlamaModel, get_layer_numbers
+
+    ps.initialize_model_parallel(tp, pp)
+    rank = ps.get_pipeline_model_parallel_rank()
+    config = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                         num_query_groups=2, padded_vocab_size=64, max_position_embeddings=16,
+                         untie_embeddings_and_output_weights=not tied,
+                         tensor_model_parallel_size=tp, seed=3)
+    s, b = 8, 2
+    g = torch.Generator().manual_seed(11)
+    batches = [{"tokens": torch.randint(0, 64, (b, s + 1), generator=g),
+                "mask": (torch.rand(b, s, generator=g) > 0.2).float()} for _ in range(m)]
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"]
+        out = model(tokens[:, :-1], labels=tokens[:, 1:])  # [b, s] loss on the last stage
+
+        def loss_func(per_token):
+            loss = (per_token * batch["mask"]).sum()
+            return loss, batch["mask"].sum().to(torch.int64), {"lm loss": loss.detach()}
+        return out, loss_func
+
+    def finalize(chunks, *, num_tokens=None):
+        # The tied embedding's two copies (first and last stage) sum their gradients.
+        for p in chunks[0].parameters():
+            if getattr(p, "shared_embedding", False):
+                torch.distributed.all_reduce(p.grad, group=ps.get_embedding_group())
+
+    pcfg = PipelineConfig(hidden_size=32, finalize_model_grads_func=finalize)
+    stage = LlamaModel(config, pre_process=ps.is_pipeline_first_stage(),
+                       post_process=ps.is_pipeline_last_stage(),
+                       layer_numbers=get_layer_numbers(4, pp, rank))
+    losses = schedules.get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=stage,
+        num_microbatches=m, seq_length=s, micro_batch_size=b, config=pcfg)
+
+    whole = LlamaModel(config)  # same TP partition, every layer: the no-pipelining reference
+    ref_losses = schedules.forward_backward_no_pipelining(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=whole,
+        num_microbatches=m, seq_length=s, micro_batch_size=b, config=PipelineConfig(hidden_size=32))
+    if ps.is_pipeline_last_stage():
+        torch.testing.assert_close(torch.stack([d["lm loss"] for d in losses]),
+                                   torch.stack([d["lm loss"] for d in ref_losses]), rtol=1e-6, atol=1e-6)
+    else:
+        assert losses == []
+    expected = dict(whole.named_parameters())
+    checked = 0
+    for name, p in stage.named_parameters():
+        if name.startswith("layers."):
+            i, rest = name[len("layers."):].split(".", 1)
+            name = f"layers.{stage.layers[int(i)].layer_number - 1}.{rest}"
+        name = name.replace("word_embeddings_for_head", "word_embeddings")
+        torch.testing.assert_close(p.grad, expected[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("tp,pp,tied", [(2, 2, True), (1, 4, False)])
+def test_1f1b_llama_stages_equal_the_whole_model(tp, pp, tied):
+    checked = run_distributed(tp * pp, _llama_pipelined, tp, pp, tied, 3)
+    assert all(c > 0 for c in checked)

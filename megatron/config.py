@@ -71,3 +71,247 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _params_dtype(args) -> torch.dtype:
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def _from_args(cls, args, **derived):
+    """Build ``cls`` from the ``args`` attributes named like its fields (plus ``derived``).
+
+    Attributes absent from ``args`` keep the field's default, so a namespace made by hand (tests,
+    tools) needs only the fields without defaults.
+    """
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in derived:
+            values[f.name] = derived[f.name]
+        elif hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process layout: ``world_size = TP x PP x DP`` (Megatron's rank order, see parallel_state).
+
+    Attributes:
+        distributed_timeout_minutes: collective timeout, fractions of a minute allowed.
+        reduce_bucket_size: gradient bucket size in elements (None: one bucket per buffer).
+    """
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    distributed_backend: str = "gloo"
+    distributed_timeout_minutes: float = 10.0
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    reduce_bucket_size: Optional[float] = None
+    accumulate_allreduce_grads_in_fp32: bool = True
+
+    def __post_init__(self):
+        product = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                   * self.data_parallel_size)
+        if product != self.world_size:
+            raise ValueError(
+                f"TP ({self.tensor_model_parallel_size}) x PP ({self.pipeline_model_parallel_size})"
+                f" x DP ({self.data_parallel_size}) = {product} != world size ({self.world_size})")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch sizes, length of the run, evaluation, logging and loss options.
+
+    Attributes:
+        micro_batch_size / global_batch_size: samples per micro-batch / per iteration.
+        num_microbatches: micro-batches per iteration at the full global batch,
+            ``global_batch_size // (micro_batch_size * data_parallel_size)``.
+        train_iters / train_samples: length of the run (exactly one is set).
+        exit_duration_in_mins: wall-clock limit in minutes (fractions allowed).
+    """
+
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    seq_length: int
+    data_parallel_size: int = 1
+    rampup_batch_size: Optional[tuple] = None
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    log_interval: int = 100
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    calculate_per_token_loss: bool = False
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    tensorboard_dir: Optional[str] = None
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    log_batch_size_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, gradient clipping and mixed precision (``megatron.core.optimizer``).
+
+    The learning-rate schedule reads its flags from ``args``
+    (``megatron.core.optimizer.lr_scheduler.build_opt_param_scheduler``).
+
+    Attributes:
+        optimizer: only ``"adam"`` (AdamW with decoupled weight decay, as Megatron's Adam).
+        lr / min_lr: peak and final learning rate (the scheduler sets the lr each step).
+        weight_decay: decoupled L2 coefficient for parameters with 2+ dims (none on norms, biases).
+        adam_beta1 / adam_beta2 / adam_eps: Adam coefficients.
+        clip_grad: global L2 norm to clip to; 0 disables clipping (and the norm computation).
+        bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
+        params_dtype: the model parameter dtype.
+        loss_scale ... hysteresis: fp16 loss scaling (the grad scaler arrives with fp16 support).
+        use_distributed_optimizer: shard optimizer state over DP (not supported yet).
+        overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
+        accumulate_allreduce_grads_in_fp32: fp32 gradient buffers and reduction.
+        log_num_zeros_in_grad: count zero gradient elements each step.
+
+    Raises:
+        ValueError: unsupported optimizer, missing or negative lr, bf16 with fp16, negative clip.
+    """
+
+    lr: Optional[float] = None
+    optimizer: str = "adam"
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = True
+    log_num_zeros_in_grad: bool = False
+
+    def __post_init__(self):
+        if self.optimizer != "adam":
+            raise ValueError(f"--optimizer ({self.optimizer}) is not supported yet: use --optimizer adam")
+        if self.lr is None or self.lr < 0:
+            raise ValueError(f"--lr ({self.lr}) must be given and non-negative")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive: keep one (LLaMA: --bf16)")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Datasets and loading. ``--data-path`` blends and ``--split`` are parsed by
+    ``megatron.arguments_validation.get_blend_from_list`` / ``parse_split``."""
+
+    seq_length: int
+    data_path: Optional[list] = None
+    train_data_path: Optional[list] = None
+    valid_data_path: Optional[list] = None
+    test_data_path: Optional[list] = None
+    split: str = "969, 30, 1"
+    data_cache_path: Optional[str] = None
+    dataloader_type: str = "single"
+    num_workers: int = 2
+    seed: int = 1234
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Megatron's legacy checkpoint layout (``--ckpt-format torch``) and what to save/load."""
+
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    use_checkpoint_args: bool = False
+    ckpt_format: str = "torch"
+    keep_last_checkpoints: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Configs:
+    """Every configuration of a run, built once by :func:`configs_from_args`."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+
+
+def build_model_config(args, padded_vocab_size: Optional[int] = None) -> ModelConfig:
+    """The :class:`ModelConfig` of validated ``args``.
+
+    Args:
+        args: namespace after ``megatron.arguments.validate_args``.
+        padded_vocab_size: rows of the embedding; default ``args.padded_vocab_size`` (set once
+            the tokenizer is built, see ``megatron.tokenizer.vocab_size_with_padding``).
+
+    Raises:
+        ValueError: if the padded vocabulary size is unknown.
+    """
+    vocab = padded_vocab_size if padded_vocab_size is not None else getattr(
+        args, "padded_vocab_size", None)
+    if vocab is None:
+        raise ValueError("the padded vocabulary size is unknown: build the tokenizer first and "
+                         "set args.padded_vocab_size (megatron.tokenizer.vocab_size_with_padding)")
+    return _from_args(ModelConfig, args, padded_vocab_size=vocab, params_dtype=_params_dtype(args))
+
+
+def build_training_config(args) -> TrainingConfig:
+    """The :class:`TrainingConfig` of validated ``args`` (needs ``args.data_parallel_size``)."""
+    per_step = args.micro_batch_size * args.data_parallel_size
+    rampup = getattr(args, "rampup_batch_size", None)
+    return _from_args(TrainingConfig, args, num_microbatches=args.global_batch_size // per_step,
+                      rampup_batch_size=None if rampup is None else tuple(int(x) for x in rampup))
+
+
+def build_optimizer_config(args) -> OptimizerConfig:
+    """The :class:`OptimizerConfig` of validated ``args``."""
+    return _from_args(OptimizerConfig, args, params_dtype=_params_dtype(args))
+
+
+def configs_from_args(args, padded_vocab_size: Optional[int] = None) -> Configs:
+    """Every configuration of validated ``args``; see :func:`build_model_config` for the vocab."""
+    return Configs(model=build_model_config(args, padded_vocab_size),
+                   parallel=_from_args(ParallelConfig, args),
+                   training=build_training_config(args),
+                   optimizer=build_optimizer_config(args),
+                   data=_from_args(DataConfig, args),
+                   checkpoint=_from_args(CheckpointConfig, args))

@@ -1,0 +1,291 @@
+"""Command-line arguments with Megatron-LM's flag names (and Megatron-LLaMA's aliases).
+
+``parse_args(argv)`` only parses; ``validate_args(args, world_size)`` checks every flag against the
+others and against the world size, fills the derived values (``data_parallel_size``,
+``global_batch_size`` default, ``ffn_hidden_size`` default, ...) and raises ``ValueError`` naming the
+flag, its value and the fix. It runs before any process group is created or any file is written.
+
+Every flag is one of: implemented; accepted with no effect here (listed by
+:func:`report_ignored_flags`, to be logged once); or refused with "not supported yet"
+(:data:`megatron.arguments_validation.NOT_YET_SUPPORTED`, shrinking as later issues land).
+
+Where Megatron-LM and Megatron-LLaMA name a flag differently both spellings are accepted and share
+one ``dest``: ``--normalization RMSNorm`` / ``--RMSNorm``, ``--norm-epsilon`` /
+``--layernorm-epsilon``, ``--position-embedding-type rope`` / ``--use-rotary-position-embeddings``,
+``--data-impl`` / ``--dataset-impl``, ``--override-opt_param-scheduler`` /
+``--override-opt-param-scheduler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Callable, List, Optional
+
+from megatron import arguments_validation
+from megatron.tokenizer import add_tokenizer_args
+
+NOT_YET_SUPPORTED = arguments_validation.NOT_YET_SUPPORTED
+IGNORED_FLAGS = arguments_validation.IGNORED_FLAGS
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    """Return the parser with every group of flags (and the caller's extra ones)."""
+    parser = argparse.ArgumentParser(description="Megatron-style LLaMA pretraining arguments",
+                                     allow_abbrev=False)
+    for add in (_add_network_size_args, _add_regularization_args, _add_training_args,
+                _add_kernel_args, _add_learning_rate_args, _add_mixed_precision_args,
+                _add_distributed_args, _add_checkpointing_args, _add_data_args,
+                add_tokenizer_args, _add_logging_args):
+        add(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None,
+               extra_args_provider: Optional[Callable] = None) -> argparse.Namespace:
+    """Parse ``argv`` (``sys.argv[1:]`` when None). No validation: see :func:`validate_args`.
+
+    Raises:
+        SystemExit: on unknown flags or malformed values (argparse's behaviour).
+    """
+    return build_parser(extra_args_provider).parse_args(argv)
+
+
+@functools.lru_cache(maxsize=1)
+def parser_defaults() -> dict:
+    """The default value of every ``dest`` of :func:`build_parser` (no extra args)."""
+    return vars(build_parser().parse_args([]))
+
+
+def validate_args(args: argparse.Namespace, world_size: int, *,
+                  check_files: bool = True) -> argparse.Namespace:
+    """Check ``args`` for a run on ``world_size`` processes and fill the derived values in place.
+
+    Derived: ``world_size``, ``data_parallel_size``, ``global_batch_size`` (micro-batch x DP when
+    omitted), ``ffn_hidden_size`` (Megatron's SwiGLU rule when omitted), ``kv_channels``,
+    ``num_query_groups`` (= heads without GQA), ``max_position_embeddings`` (= seq length when
+    omitted), ``untie_embeddings_and_output_weights`` (implied by ``--causal-lm``),
+    ``distributed_backend`` (nccl with CUDA, gloo otherwise), ``lr_decay_iters`` /
+    ``lr_decay_samples`` (the training length when omitted), ``local_rank``. The padded
+    vocabulary size needs the tokenizer: ``megatron.tokenizer.vocab_size_with_padding``.
+
+    Args:
+        args: the namespace from :func:`parse_args`.
+        world_size: number of processes of the job (torchrun's ``WORLD_SIZE``).
+        check_files: also check that data and tokenizer files exist (tests of the flags alone
+            may turn it off).
+
+    Returns:
+        ``args`` itself.
+
+    Raises:
+        ValueError: for any inconsistent, unsupported or missing flag or file; the message names
+            the flag, its value and the fix.
+    """
+    return arguments_validation.validate(args, world_size, parser_defaults(), check_files)
+
+
+def report_ignored_flags(args: argparse.Namespace) -> List[str]:
+    """Messages for the flags given that have no effect here, to be logged once by rank 0."""
+    return arguments_validation.ignored_flag_messages(args, parser_defaults())
+
+
+def _add_network_size_args(parser):
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="SwiGLU inner width; default int(4h*2/3/64)*64 as Megatron")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="per-head width; default hidden / heads")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="longest sequence the rotary tables cover; default --seq-length")
+    g.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="LLaMA uses RMSNorm (LayerNorm is refused)")
+    g.add_argument("--RMSNorm", dest="normalization", action="store_const", const="RMSNorm",
+                   help="Megatron-LLaMA's spelling of --normalization RMSNorm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float,
+                   default=1e-5)
+    g.add_argument("--swiglu", action="store_true", default=True,
+                   help="SwiGLU MLP (always on: LLaMA's MLP)")
+    g.add_argument("--position-embedding-type", default="rope",
+                   choices=["learned_absolute", "rope", "none"],
+                   help="LLaMA uses rope (the others are refused)")
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type",
+                   action="store_const", const="rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="no learned absolute position embedding (always so: rotary only)")
+    g.add_argument("--rotary-base", type=float, default=10000.0,
+                   help="RoPE theta: 10000 (LLaMA-2), 500000 (Llama 3)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   default=True)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--causal-lm", action="store_true",
+                   help="Megatron-LLaMA: LLaMA-style LM head, implies "
+                        "--untie-embeddings-and-output-weights")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP")
+
+
+def _add_regularization_args(parser):
+    g = parser.add_argument_group("regularization")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--optimizer", default="adam", help="only adam (AdamW, decoupled decay)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 = off")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration; default micro-batch x data-parallel size")
+    g.add_argument("--rampup-batch-size", nargs=3, default=None,
+                   metavar=("START", "INCR", "SAMPLES"))
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop after the iteration that is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="normalise the loss by the unmasked tokens of the global batch")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+
+
+def _add_kernel_args(parser):
+    """GPU kernel selections of Megatron: accepted, without effect (see report_ignored_flags)."""
+    g = parser.add_argument_group("kernels (no effect here)")
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
+                   action="store_false")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--use-cpu-initialization", action="store_true")
+
+
+def _add_learning_rate_args(parser):
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="default --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="default --train-samples")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay length")
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="take the schedule from the flags, not from the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true")
+
+
+def _add_mixed_precision_args(parser):
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true", help="bf16 model, fp32 main params and grads")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="constant fp16 loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="fp32 gradient buffers and reduction (always on with --bf16)")
+
+
+def _add_distributed_args(parser):
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"],
+                   help="default nccl with CUDA, gloo on CPU")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="collective timeout; fractions of a minute allowed")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlapped-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--reduce-bucket-size", type=float, default=None,
+                   help="gradient bucket size in elements (e.g. 2e8); default one large bucket")
+    g.add_argument("--distributed-checkpointing", action="store_true")
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
+                   help="set by the launcher; default $LOCAL_RANK")
+
+
+def _add_checkpointing_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="checkpoint folder to write")
+    g.add_argument("--load", default=None, help="checkpoint folder to resume from")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only; iteration and optimizer start afresh")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model shape from the checkpoint's saved arguments")
+    g.add_argument("--ckpt-format", default="torch",
+                   help="only 'torch' (Megatron's legacy iter_*/mp_rank_* layout)")
+    g.add_argument("--keep-last-checkpoints", type=int, default=None)
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... (blend); split by --split")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969, 30, 1",
+                   help="train, valid, test proportions of --data-path")
+    g.add_argument("--data-cache-path", default=None, help="folder for the sample-index cache")
+    g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default=None,
+                   help="only mmap (the .bin/.idx format); accepted for compatibility")
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
+    g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes")
+    g.add_argument("--mock-data", action="store_true")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--job-name", default=None)

@@ -1,0 +1,370 @@
+"""Checks and derived values behind ``megatron.arguments.validate_args``.
+
+Each ``_validate_*`` function checks one concern and raises ``ValueError`` naming the flag, its
+value and the fix, e.g. ``--num-attention-heads (32) must be divisible by
+--tensor-model-parallel-size (3)``. Nothing here creates a process group or writes a file; the only
+file-system access is checking that input files exist.
+
+Flag policy (issue 3, item 8): a flag is implemented, or listed in :data:`IGNORED_FLAGS` (accepted,
+no effect here, reported once), or listed in :data:`NOT_YET_SUPPORTED` (refused until the issue
+that builds it lands and removes its entry).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+# dest -> (flag as users write it, the feature and issue that will build it).
+NOT_YET_SUPPORTED = {
+    "use_distributed_optimizer": ("--use-distributed-optimizer", "distributed optimizer, issue 4"),
+    "overlapped_distributed_optimizer": ("--overlapped-distributed-optimizer",
+                                         "distributed optimizer, issue 4"),
+    "overlap_grad_reduce": ("--overlap-grad-reduce", "distributed optimizer, issue 4"),
+    "overlap_param_gather": ("--overlap-param-gather", "distributed optimizer, issue 4"),
+    "distributed_checkpointing": ("--distributed-checkpointing", "distributed optimizer, issue 4"),
+    "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage",
+                                              "interleaved pipeline, issue 5"),
+    "virtual_pipeline_model_parallel_size": ("--virtual-pipeline-model-parallel-size",
+                                             "interleaved pipeline, issue 5"),
+    "sequence_parallel": ("--sequence-parallel", "sequence parallelism, issue 5"),
+    "recompute_activations": ("--recompute-activations", "activation recompute, issue 5"),
+    "recompute_granularity": ("--recompute-granularity", "activation recompute, issue 5"),
+    "recompute_method": ("--recompute-method", "activation recompute, issue 5"),
+    "recompute_num_layers": ("--recompute-num-layers", "activation recompute, issue 5"),
+    "fp16": ("--fp16", "fp16 loss scaling, issue 5; use --bf16"),
+    "loss_scale": ("--loss-scale", "fp16 loss scaling, issue 5"),
+    "initial_loss_scale": ("--initial-loss-scale", "fp16 loss scaling, issue 5"),
+    "min_loss_scale": ("--min-loss-scale", "fp16 loss scaling, issue 5"),
+    "loss_scale_window": ("--loss-scale-window", "fp16 loss scaling, issue 5"),
+    "hysteresis": ("--hysteresis", "fp16 loss scaling, issue 5"),
+    "rampup_batch_size": ("--rampup-batch-size", "batch-size ramp-up, issue 5"),
+    "exit_signal_handler": ("--exit-signal-handler", "signals and time limits, issue 7"),
+    "exit_duration_in_mins": ("--exit-duration-in-mins", "signals and time limits, issue 7"),
+    "keep_last_checkpoints": ("--keep-last-checkpoints", "crash-safe checkpoints, issue 7"),
+    "mock_data": ("--mock-data", "synthetic data; use a small preprocessed dataset"),
+    "optimizer": ("--optimizer", "only adam (AdamW) is implemented"),
+}
+
+# dest -> (flag, why it has no effect here). Reported when the value differs from the default.
+IGNORED_FLAGS = {
+    "use_flash_attn": ("--use-flash-attn", "attention always runs through torch "
+                       "scaled_dot_product_attention, which picks the flash kernel where it applies"),
+    "gradient_accumulation_fusion": ("--no-gradient-accumulation-fusion", "there is no fused "
+                                     "weight-gradient kernel; gradients accumulate into the fp32 "
+                                     "main_grad buffers either way"),
+    "masked_softmax_fusion": ("--no-masked-softmax-fusion", "no fused softmax kernel (SDPA)"),
+    "bias_dropout_fusion": ("--no-bias-dropout-fusion", "no fused bias-dropout kernel"),
+    "bias_swiglu_fusion": ("--no-bias-swiglu-fusion", "no fused bias-SwiGLU kernel"),
+    "apply_rope_fusion": ("--no-rope-fusion", "no fused RoPE kernel"),
+    "attention_softmax_in_fp32": ("--attention-softmax-in-fp32",
+                                  "SDPA accumulates the softmax in fp32 already"),
+    "use_cpu_initialization": ("--use-cpu-initialization", "weights are always initialised on "
+                               "CPU (layout-independent initialisation)"),
+    "data_impl": ("--data-impl", "the mmap .bin/.idx format is the only one"),
+    "job_name": ("--job-name", "it is only recorded in the saved arguments"),
+}
+
+SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                            "Llama2Tokenizer")
+HF_TOKENIZERS = ("HuggingFaceTokenizer", "PretrainedFromHF")
+
+
+def validate(args, world_size: int, defaults: dict, check_files: bool = True):
+    """Run every check in order and fill the derived values; see ``validate_args``."""
+    _validate_required(args)
+    _validate_precision(args)
+    _validate_not_yet_supported(args, defaults)
+    _validate_llama_architecture(args)
+    _validate_model_shape(args)
+    _validate_parallel_layout(args, world_size)
+    _validate_batch(args)
+    _validate_training_length(args)
+    _validate_learning_rate(args)
+    _validate_distributed(args)
+    _validate_checkpointing(args)
+    _validate_data(args, check_files)
+    _validate_tokenizer(args, check_files)
+    return args
+
+
+def ignored_flag_messages(args, defaults: dict) -> List[str]:
+    """One message per given flag of :data:`IGNORED_FLAGS`."""
+    return [f"{flag} has no effect here: {why}"
+            for dest, (flag, why) in IGNORED_FLAGS.items()
+            if getattr(args, dest, None) != defaults.get(dest)]
+
+
+def get_blend_from_list(paths: List[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """Split a ``--data-path`` list into prefixes and weights (Megatron's blend syntax).
+
+    ``["p"]`` or ``["p1", "p2"]`` give unweighted prefixes; ``["0.3", "p1", "0.7", "p2"]`` gives
+    prefixes with weights (not normalised).
+
+    Raises:
+        ValueError: if the list mixes weights and prefixes inconsistently.
+    """
+    def _is_number(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if len(paths) % 2 == 0 and all(_is_number(w) for w in paths[0::2]):
+        return list(paths[1::2]), [float(w) for w in paths[0::2]]
+    if any(_is_number(p) for p in paths):
+        raise ValueError(f"--data-path ({' '.join(paths)}) mixes weights and prefixes: write "
+                         f"either PREFIX ... or WEIGHT PREFIX WEIGHT PREFIX ...")
+    return list(paths), None
+
+
+def parse_split(split: str) -> List[float]:
+    """``"969, 30, 1"`` -> ``[969.0, 30.0, 1.0]`` (missing parts are 0, as in Megatron).
+
+    Raises:
+        ValueError: for more than 3 parts, a negative or non-numeric part, or an all-zero split.
+    """
+    sep = "," if "," in split else "/"
+    try:
+        parts = [float(p) for p in split.split(sep)]
+    except ValueError:
+        raise ValueError(f"--split ({split}) must be up to 3 comma-separated numbers, "
+                         f"e.g. 969,30,1") from None
+    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split ({split}) must be up to 3 non-negative numbers with a positive "
+                         f"sum, e.g. 969,30,1")
+    return parts + [0.0] * (3 - len(parts))
+
+
+def _require_positive(args, names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be positive")
+
+
+def _validate_required(args):
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "lr", "tokenizer_type"):
+        if getattr(args, name) is None:
+            raise ValueError(f"--{name.replace('_', '-')} is required")
+    _require_positive(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                             "micro_batch_size", "global_batch_size", "ffn_hidden_size",
+                             "kv_channels", "max_position_embeddings", "num_query_groups",
+                             "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                             "train_iters", "train_samples", "log_interval", "eval_interval",
+                             "save_interval", "exit_interval", "distributed_timeout_minutes",
+                             "reduce_bucket_size", "norm_epsilon", "rotary_base"))
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(args, name)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} ({p}) must be in [0, 1)")
+
+
+def _validate_precision(args):
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are mutually exclusive: keep one (LLaMA: --bf16)")
+    if args.bf16:
+        # As Megatron: bf16 gradients are accumulated and reduced in fp32.
+        args.accumulate_allreduce_grads_in_fp32 = True
+
+
+def _validate_not_yet_supported(args, defaults):
+    for dest, (flag, feature) in NOT_YET_SUPPORTED.items():
+        value = getattr(args, dest, None)
+        if value != defaults.get(dest):
+            shown = "" if isinstance(value, bool) else f" ({value})"
+            raise ValueError(f"{flag}{shown} is not supported yet ({feature}): remove the flag")
+
+
+def _validate_llama_architecture(args):
+    if args.normalization != "RMSNorm":
+        raise ValueError(f"--normalization ({args.normalization}) is not supported: this codebase "
+                         f"implements LLaMA, use --normalization RMSNorm (or --RMSNorm)")
+    if args.position_embedding_type != "rope":
+        raise ValueError(f"--position-embedding-type ({args.position_embedding_type}) is not "
+                         f"supported: this codebase implements LLaMA, use "
+                         f"--position-embedding-type rope (or --use-rotary-position-embeddings)")
+    if args.causal_lm:
+        args.untie_embeddings_and_output_weights = True
+
+
+def _validate_model_shape(args):
+    from megatron.model.attention import check_attention_config  # the model's own rule
+
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    if args.group_query_attention:
+        if args.num_query_groups is None:
+            raise ValueError("--group-query-attention needs --num-query-groups "
+                             "(the number of key/value heads)")
+    elif args.num_query_groups not in (None, heads):
+        raise ValueError(f"--num-query-groups ({args.num_query_groups}) is given without "
+                         f"--group-query-attention: add --group-query-attention")
+    else:
+        args.num_query_groups = heads
+    check_attention_config(args)  # heads and query groups split over TP, groups divide heads
+    if args.kv_channels is None:
+        if args.hidden_size % heads:
+            raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
+                             f"--num-attention-heads ({heads}), or give --kv-channels")
+        args.kv_channels = args.hidden_size // heads
+    if args.ffn_hidden_size is None:
+        # Megatron's SwiGLU default: 2/3 of 4h, rounded down to a multiple of 64.
+        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+    if args.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ValueError(f"--seq-length ({args.seq_length}) must be <= "
+                         f"--max-position-embeddings ({args.max_position_embeddings}): raise "
+                         f"--max-position-embeddings or shorten --seq-length")
+
+
+def _validate_parallel_layout(args, world_size):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size < 1 or world_size % (tp * pp):
+        raise ValueError(f"world size ({world_size}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size "
+                         f"({pp}) = {tp * pp}: change the sizes or the number of processes")
+    if args.num_layers % pp:
+        raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
+                         f"--pipeline-model-parallel-size ({pp})")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+
+
+def _validate_batch(args):
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    if gbs % (mbs * dp):
+        raise ValueError(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
+                         f"({mbs}) x data-parallel size ({dp}) = {mbs * dp}")
+
+
+def _validate_training_length(args):
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ValueError("give exactly one of --train-iters and --train-samples "
+                         f"(got --train-iters {args.train_iters}, "
+                         f"--train-samples {args.train_samples})")
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters ({args.eval_iters}) must be >= 0 (0 = no evaluation)")
+
+
+def _validate_learning_rate(args):
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters or args.lr_warmup_samples:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples "
+                             "are mutually exclusive: keep one")
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ValueError(f"--lr-warmup-fraction ({args.lr_warmup_fraction}) must be in [0, 1]")
+    # As Megatron: the schedule is counted in the same unit as the training length.
+    if args.train_iters is not None:
+        if args.lr_decay_samples is not None or args.lr_warmup_samples:
+            raise ValueError("--lr-decay-samples / --lr-warmup-samples go with --train-samples; "
+                             "with --train-iters use --lr-decay-iters / --lr-warmup-iters")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+    else:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise ValueError("--lr-decay-iters / --lr-warmup-iters go with --train-iters; "
+                             "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                         "are mutually exclusive: keep one")
+
+
+def _validate_distributed(args):
+    if args.distributed_backend is None:
+        import torch  # only to pick the default backend
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.local_rank is None:
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _validate_checkpointing(args):
+    if args.ckpt_format != "torch":
+        raise ValueError(f"--ckpt-format ({args.ckpt_format}) is not supported: only 'torch' "
+                         f"(Megatron's legacy iter_XXXXXXX/mp_rank_XX layout); use --ckpt-format "
+                         f"torch or convert the checkpoint")
+    for flag, needs in (("save_interval", "save"), ("finetune", "load"),
+                        ("use_checkpoint_args", "load"), ("no_load_optim", "load"),
+                        ("no_load_rng", "load"), ("no_save_optim", "save"),
+                        ("no_save_rng", "save")):
+        value = getattr(args, flag)
+        if value not in (None, False) and getattr(args, needs) is None:
+            shown = "" if value is True else f" ({value})"
+            raise ValueError(f"--{flag.replace('_', '-')}{shown} needs --{needs} DIR")
+
+
+def _check_prefixes(flag, prefixes, check_files):
+    if not check_files:
+        return
+    for prefix in prefixes:
+        for path in (prefix + ".bin", prefix + ".idx"):
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag}: data file {path} does not exist; give the prefix of a "
+                                 f"dataset written by tools/preprocess_data.py (PREFIX.bin and "
+                                 f"PREFIX.idx)")
+
+
+def _validate_data(args, check_files):
+    if args.data_impl not in (None, "mmap", "infer"):
+        raise ValueError(f"--data-impl ({args.data_impl}) is not supported: only mmap")
+    split_paths = {"--train-data-path": args.train_data_path,
+                   "--valid-data-path": args.valid_data_path,
+                   "--test-data-path": args.test_data_path}
+    given = {k: v for k, v in split_paths.items() if v is not None}
+    if args.data_path is not None and given:
+        raise ValueError(f"--data-path and {', '.join(given)} are mutually exclusive: use "
+                         f"--data-path with --split, or separate train/valid/test paths")
+    if args.data_path is None and "--train-data-path" not in given:
+        raise ValueError("no training data: give --data-path PREFIX (with --split) or "
+                         "--train-data-path PREFIX")
+    parse_split(args.split)
+    sources = {"--data-path": args.data_path} if args.data_path is not None else given
+    for flag, paths in sources.items():
+        if not paths:
+            raise ValueError(f"{flag} is empty: give at least one dataset prefix")
+        prefixes, _ = get_blend_from_list(paths)
+        _check_prefixes(flag, prefixes, check_files)
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers ({args.num_workers}) must be >= 0")
+
+
+def _validate_tokenizer(args, check_files):
+    kind = args.tokenizer_type
+    if kind in SENTENCEPIECE_TOKENIZERS:
+        if args.tokenizer_model is None:
+            raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model "
+                             f"(the SentencePiece .model file)")
+        if check_files and not os.path.isfile(args.tokenizer_model):
+            raise ValueError(f"--tokenizer-model ({args.tokenizer_model}) does not exist: give "
+                             f"the path of the SentencePiece .model file")
+    elif kind in HF_TOKENIZERS:
+        folder = args.tokenizer_name_or_path or args.tokenizer_model
+        if folder is None:
+            raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-name-or-path DIR (a local "
+                             f"HuggingFace tokenizer folder)")
+        if check_files and not os.path.isdir(folder):
+            raise ValueError(f"--tokenizer-name-or-path ({folder}) is not a folder: give a local "
+                             f"HuggingFace tokenizer folder (nothing is downloaded)")
+    elif kind == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            if path is None:
+                raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag}")
+            if check_files and not os.path.isfile(path):
+                raise ValueError(f"{flag} ({path}) does not exist")
+    elif kind == "NullTokenizer" and args.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by ({args.make_vocab_size_divisible_by}) "
+                         f"must be >= 1")

@@ -124,3 +124,26 @@ def test_load_policies():
 def test_bad_values_raise_naming_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make(**kwargs)
+
+
+def test_build_from_args_counts_samples_like_megatron():
+    from argparse import Namespace
+
+    from megatron.core.optimizer import build_opt_param_scheduler
+
+    opt = FakeOptimizer()
+    args = Namespace(lr=1.0, min_lr=0.1, lr_decay_style="linear", train_iters=110, train_samples=None,
+                     lr_decay_iters=None, lr_decay_samples=None, lr_warmup_fraction=None,
+                     lr_warmup_iters=10, lr_warmup_samples=0, global_batch_size=8, weight_decay=0.1,
+                     override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False)
+    sched = build_opt_param_scheduler(opt, args)
+    assert (sched.lr_warmup_steps, sched.lr_decay_steps, sched.wd_incr_steps) == (80, 880, 880)
+    for _ in range(60):
+        sched.step(increment=8)  # one iteration of the global batch
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.55)
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(0.1)
+    samples = build_opt_param_scheduler(opt, Namespace(**dict(
+        vars(args), train_iters=None, train_samples=880, lr_warmup_fraction=0.25)))
+    assert (samples.lr_warmup_steps, samples.lr_decay_steps) == (220, 880)
+    with pytest.raises(ValueError, match="--train-iters or --train-samples"):
+        build_opt_param_scheduler(opt, Namespace(**dict(vars(args), train_iters=None)))

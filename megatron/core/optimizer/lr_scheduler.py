@@ -196,3 +196,53 @@ class OptimizerParamScheduler:
         # Megatron adds the saved count to a fresh scheduler; reset first so a reload is idempotent.
         self.num_steps = 0
         self.step(first("num_iters", "num_steps"))
+
+
+def build_opt_param_scheduler(optimizer, args) -> OptimizerParamScheduler:
+    """The scheduler of a run, counted in samples (Megatron's ``get_optimizer_param_scheduler``).
+
+    As in Megatron-LM, every length is in samples (iteration-based lengths are multiplied by
+    ``--global-batch-size``) and the training loop calls ``step(increment=global_batch_size)``
+    once per iteration, so checkpoints store ``num_steps`` in samples as Megatron's do.
+
+    Reads ``args``: ``lr``, ``min_lr``, ``lr_decay_style``, ``train_iters`` or ``train_samples``,
+    ``lr_decay_iters`` / ``lr_decay_samples`` (default: the training length),
+    ``lr_warmup_fraction`` or ``lr_warmup_iters`` / ``lr_warmup_samples``, ``global_batch_size``,
+    ``weight_decay``; optional ``lr_warmup_init`` (0), ``start_weight_decay`` / ``end_weight_decay``
+    (``weight_decay``), ``weight_decay_incr_style`` (constant), ``lr_wsd_decay_iters`` /
+    ``lr_wsd_decay_samples``, ``lr_wsd_decay_style``, ``override_opt_param_scheduler``,
+    ``use_checkpoint_opt_param_scheduler``.
+
+    Raises:
+        ValueError: if neither ``--train-iters`` nor ``--train-samples`` is set, or (from the
+            scheduler) for inconsistent values.
+    """
+    def arg(name, default=None):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    gbs = args.global_batch_size
+    if arg("train_iters"):
+        decay = arg("lr_decay_iters", args.train_iters) * gbs
+        wd_incr = args.train_iters * gbs
+        wsd = arg("lr_wsd_decay_iters")
+        wsd = None if wsd is None else wsd * gbs
+        warmup = arg("lr_warmup_iters", 0) * gbs
+    elif arg("train_samples"):
+        decay = arg("lr_decay_samples", args.train_samples)
+        wd_incr = args.train_samples
+        wsd = arg("lr_wsd_decay_samples")
+        warmup = arg("lr_warmup_samples", 0)
+    else:
+        raise ValueError("set --train-iters or --train-samples to build the learning-rate schedule")
+    if arg("lr_warmup_fraction") is not None:
+        warmup = args.lr_warmup_fraction * decay
+    wd = args.weight_decay
+    return OptimizerParamScheduler(
+        optimizer, init_lr=arg("lr_warmup_init", 0.0), max_lr=args.lr, min_lr=arg("min_lr", 0.0),
+        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
+        start_wd=arg("start_weight_decay", wd), end_wd=arg("end_weight_decay", wd),
+        wd_incr_steps=wd_incr, wd_incr_style=arg("weight_decay_incr_style", "constant"),
+        use_checkpoint_opt_param_scheduler=bool(arg("use_checkpoint_opt_param_scheduler", False)),
+        override_opt_param_scheduler=bool(arg("override_opt_param_scheduler", False)),
+        wsd_decay_steps=wsd, lr_wsd_decay_style=arg("lr_wsd_decay_style"))

@@ -30,27 +30,32 @@ _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
                    "shared_embedding", "sequence_parallel")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
-    """Optimizer settings; field names are Megatron's ``args`` names (``--adam-beta1`` -> adam_beta1).
+    """Optimizer settings; field names are Megatron's ``args`` names (``--adam-beta1`` -> adam_beta1),
+    so ``megatron.config.build_optimizer_config`` fills it from the parsed flags.
 
     Attributes:
         optimizer: only ``"adam"`` (AdamW with decoupled weight decay, as Megatron's Adam).
-        lr / min_lr: peak and final learning rate (the scheduler sets the lr each step).
+        lr / min_lr: peak and final learning rate (the scheduler sets the lr every step).
         weight_decay: decoupled L2 coefficient for parameters with 2+ dims (none on norms, biases).
         adam_beta1 / adam_beta2 / adam_eps: Adam coefficients.
         clip_grad: global L2 norm to clip to; 0 disables clipping (and the norm computation).
         bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
         params_dtype: the model parameter dtype.
-        loss_scale ... hysteresis: fp16 loss scaling (the grad scaler arrives with fp16 support).
+        loss_scale ... hysteresis: fp16 loss scaling (used once fp16 support lands).
         use_distributed_optimizer: shard optimizer state over DP (not supported yet).
         overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
         log_num_zeros_in_grad: count zero gradient elements each step.
+
+    Raises:
+        ValueError: for another ``--optimizer``, a missing or negative ``--lr``, a negative
+            ``--clip-grad``, or ``--bf16`` with ``--fp16``.
     """
 
     optimizer: str = "adam"
     lr: Optional[float] = None
-    min_lr: Optional[float] = None
+    min_lr: float = 0.0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -73,11 +78,11 @@ class OptimizerConfig:
         if self.optimizer != "adam":
             raise ValueError(f"--optimizer {self.optimizer} is not supported yet; use --optimizer adam")
         if self.lr is None or self.lr < 0:
-            raise ValueError(f"--lr ({self.lr}) must be given and non-negative")
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are mutually exclusive; choose one")
+            raise ValueError(f"--lr ({self.lr}) must be given and >= 0")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive; choose one")
 
 
 def get_param_groups(model_chunks: List[torch.nn.Module], weight_decay: float) -> List[dict]:
@@ -344,9 +349,14 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     AdamW runs fused on CUDA and with ``foreach`` kernels on CPU; its ``lr`` and ``weight_decay``
     are rewritten every step by :class:`~megatron.core.optimizer.lr_scheduler.OptimizerParamScheduler`.
 
+    Args:
+        config: the :class:`OptimizerConfig`.
+        model_chunks: the (DDP-wrapped) model chunks of this rank.
+        grad_scaler: fp16 loss scaler (the slot for fp16 support), None otherwise.
+
     Raises:
         ValueError: for ``--use-distributed-optimizer`` or ``--fp16`` without a grad scaler
-            (not supported yet), or when the chunks have no trainable parameter.
+            (not supported yet), or chunks without a trainable parameter.
     """
     if config.use_distributed_optimizer:
         raise ValueError("--use-distributed-optimizer is not supported yet; drop the flag")

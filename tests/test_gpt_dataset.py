@@ -252,6 +252,32 @@ def test_cache_stale_when_data_changes_and_damaged_cache_rebuilt(tmp_path):
     assert GPTDataset(ds, prefix, docs, 40, 8, 1, cache_dir=cache).built_anew
 
 
+def test_incomplete_cache_set_is_not_used(tmp_path):
+    """A set whose description (written last) is missing, as during another job's write, is rebuilt."""
+    prefix = write_dataset(str(tmp_path / "c"), random_docs(np.random.RandomState(0), 20))
+    ds, docs, cache = MMapIndexedDataset(prefix), np.arange(20, dtype=np.int32), str(tmp_path / "cache")
+    first = GPTDataset(ds, prefix, docs, 40, 8, 1, cache_dir=cache)
+    os.remove(first.cache.path("description.txt"))
+    np.save(first.cache.path("shuffle_index.npy"), np.zeros(5, np.uint32))  # half-written by someone
+    d = GPTDataset(ds, prefix, docs, 40, 8, 1, cache_dir=cache)
+    assert d.built_anew
+    np.testing.assert_array_equal(d.shuffle_index, first.shuffle_index)
+    assert not GPTDataset(ds, prefix, docs, 40, 8, 1, cache_dir=cache).built_anew
+
+
+def test_megatron_lm_reference_files(shared_data):
+    """Samples over the .bin/.idx written by Megatron-LM's own preprocessor."""
+    prefix = os.path.join(shared_data, "megatron-lm-reference", "sample_text_document")
+    ds = MMapIndexedDataset(prefix)
+    documents = np.arange(len(ds), dtype=np.int32)
+    gpt = GPTDataset(ds, prefix, documents, 300, 64, 1234)
+    doc_index, _, shuffle_index, _ = reference_indices(np.asarray(ds.sizes), documents, 64, 300, 1234)
+    stream = np.concatenate([ds[int(d)] for d in doc_index]).astype(np.int64)
+    for i in range(0, len(gpt), 7):
+        s = int(shuffle_index[i])
+        np.testing.assert_array_equal(gpt[i]["text"], stream[s * 64: s * 64 + 65])
+
+
 if __name__ == "__main__":
     generate_fixture()
     print("wrote", FIXTURE)

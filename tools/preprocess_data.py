@@ -275,6 +275,10 @@ def run(args: argparse.Namespace) -> dict:
             for name in ("invalid", "bad_utf8", "bytes"):
                 stats[name] += res[name]
             progress.update(res["lines"], len(res["keys"][0][0]) // np.dtype(dtype).itemsize, res["bytes"])
+        if pool is not None:  # let workers exit normally (their CPU time then shows in rusage)
+            pool.close()
+            pool.join()
+            pool = None
         for builder, prefix in zip(builders, prefixes):
             builder.finalize(index_file_path(prefix))
     except BaseException:

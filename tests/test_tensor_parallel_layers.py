@@ -6,6 +6,8 @@ against plain ``x @ W^T + b``). Partitioned weights and weight gradients are all
 compared with the TP=1 ones.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -140,6 +142,9 @@ def _check_embedding(single):
     _close(y_par, y_ref.detach(), "embedding output")
     y_par.backward(dy)
     _close(_gather(par.weight.grad, 0), ref.weight.grad, "embedding weight grad")
+    copied = copy.deepcopy(par)  # a copy shares the process group
+    assert copied.group is par.group
+    _close(copied(ids), y_par.detach(), "deep-copied embedding output")
 
 
 def _check_errors():

@@ -47,6 +47,28 @@ def _master_partition(full_shape, partition_dim: int, init_method: Callable, wor
     return param
 
 
+class _GroupMixin:
+    """Keeps the layer's process group out of ``copy.deepcopy`` (a ProcessGroup cannot be copied;
+    a copied layer shares its group, like Megatron's layers sharing the global one)."""
+
+    def _set_group(self, group) -> None:
+        self._group_ref = _SharedRef(group)
+
+    @property
+    def group(self):
+        return self._group_ref.value
+
+
+class _SharedRef:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def _zeros_param(size: int, params_dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(size, dtype=params_dtype, device=device))
 
@@ -94,7 +116,7 @@ def linear_with_sequence_parallel(input_: torch.Tensor, weight: torch.Tensor,
                                                       resolve_tensor_parallel_group(group))
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_GroupMixin, nn.Module):
     """``Y = X A + b`` with ``A`` partitioned along its output columns: ``A = [A_1, ..., A_TP]``.
 
     Args:
@@ -126,7 +148,7 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (Megatron forbids it too)")
-        self.group = resolve_tensor_parallel_group(group)
+        self._set_group(resolve_tensor_parallel_group(group))
         world, rank = group_world_size(self.group), group_rank(self.group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, world, "ColumnParallelLinear output_size")
@@ -156,7 +178,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_GroupMixin, nn.Module):
     """``Y = X A + b`` with ``A`` partitioned along its input rows and ``X`` along its last dim.
 
     Args:
@@ -186,7 +208,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        self.group = resolve_tensor_parallel_group(group)
+        self._set_group(resolve_tensor_parallel_group(group))
         world, rank = group_world_size(self.group), group_rank(self.group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, world, "RowParallelLinear input_size")
@@ -221,7 +243,7 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_GroupMixin, nn.Module):
     """Embedding table partitioned along the vocabulary: rank r holds rows
     ``[r * v/TP, (r+1) * v/TP)``.
 
@@ -243,7 +265,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
                  params_dtype: torch.dtype = torch.float32, device=None, group=None):
         super().__init__()
-        self.group = resolve_tensor_parallel_group(group)
+        self._set_group(resolve_tensor_parallel_group(group))
         world, rank = group_world_size(self.group), group_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tensor_model_parallel_size = world

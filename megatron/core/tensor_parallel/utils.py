@@ -8,7 +8,7 @@ every collective is the identity, so layers can be built and run in plain single
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -144,9 +144,3 @@ def partition_rows(master: torch.Tensor, dim: int, world_size: int, rank: int,
     size = divide(master.size(dim), world_size, what)
     return master.narrow(dim, rank * size, size).clone()
 
-
-def list_ranks_of_group(group) -> List[int]:
-    """Global ranks of a resolved group, in group-rank order ([0] for None)."""
-    if group is None:
-        return [0]
-    return dist.get_process_group_ranks(group)

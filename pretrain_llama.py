@@ -1,0 +1,146 @@
+"""Pretrain LLaMA with tensor, pipeline and data parallelism (Megatron-LM's ``pretrain_gpt.py``).
+
+Launch: ``torchrun --nproc-per-node N pretrain_llama.py [Megatron flags]`` (see examples/).
+``main(argv)`` is callable from Python with an argument list (tests run it inside process worlds).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron import arguments, checkpointing
+from megatron.core import parallel_state as ps
+from megatron.training.logging import print_rank_0
+from megatron.training.train import pretrain
+
+_EOD = {"token": None}  # end-of-document id of the run's tokenizer, set by main()
+
+
+def model_provider(args, device, pre_process=True, post_process=True):
+    """This pipeline stage of the LLaMA model (its share of layers, on ``device``)."""
+    from megatron.config import build_model_config
+    from megatron.model import LlamaModel, get_layer_numbers
+
+    config = build_model_config(args)
+    layers = get_layer_numbers(args.num_layers, ps.get_pipeline_model_parallel_world_size(),
+                               ps.get_pipeline_model_parallel_rank())
+    return LlamaModel(config, pre_process=pre_process, post_process=post_process,
+                      layer_numbers=layers, device=device)
+
+
+def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask,
+                                    eod_mask_loss):
+    """Megatron-LM's masks for left-to-right models, vectorized.
+
+    Args:
+        data: ``[b, s]`` int64 input tokens.
+
+    Returns:
+        ``(attention_mask, loss_mask, position_ids)``: attention mask bool ``[b, 1, s, s]``
+        (True = masked out) with ``reset_attention_mask``, else None (plain causal); loss mask
+        ``[b, s]`` fp32 (0 at end-of-document tokens with ``eod_mask_loss``); position ids
+        ``[b, s]`` int64, restarting after each end-of-document with ``reset_position_ids``.
+    """
+    b, s = data.shape
+    loss_mask = torch.ones(b, s, dtype=torch.float32, device=data.device)
+    if eod_mask_loss:
+        loss_mask[data == eod_token] = 0.0
+    arange = torch.arange(s, device=data.device)
+    position_ids = arange.unsqueeze(0).expand(b, s)
+    if not (reset_position_ids or reset_attention_mask):
+        return None, loss_mask, position_ids
+    # A document starts at 0 and after every EOD; doc[t] = number of EODs before t.
+    after_eod = torch.zeros_like(data, dtype=torch.bool)
+    after_eod[:, 1:] = data[:, :-1] == eod_token
+    doc = torch.cumsum(after_eod.long(), dim=1)
+    attention_mask = None
+    if reset_attention_mask:
+        causal = arange.view(1, s) > arange.view(s, 1)  # [s, s], True above the diagonal
+        other_doc = doc.unsqueeze(2) != doc.unsqueeze(1)  # [b, s, s]
+        attention_mask = (causal.unsqueeze(0) | other_doc).unsqueeze(1)
+    if reset_position_ids:
+        start = torch.where(after_eod, arange.expand(b, s), torch.zeros_like(data))
+        position_ids = arange - torch.cummax(start, dim=1).values
+    return attention_mask, loss_mask, position_ids
+
+
+def get_batch(data_iterator, args, device):
+    """Next micro-batch: ``(tokens, labels, loss_mask, attention_mask, position_ids)`` on ``device``."""
+    data = next(data_iterator)
+    tokens_ = torch.as_tensor(data["text"]).long().to(device)
+    tokens, labels = tokens_[:, :-1].contiguous(), tokens_[:, 1:].contiguous()
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, _EOD["token"], args.reset_position_ids, args.reset_attention_mask,
+        args.eod_mask_loss)
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron-Core's loss: the sum of masked per-token losses and the token count; for logging,
+    ``(sum, count)`` summed over the data-parallel group.
+
+    Returns:
+        ``(loss_sum, num_tokens, {"lm loss": (sum, count)})``; the schedule divides by the tokens
+        and micro-batches, or by the global token count under ``--calculate-per-token-loss``.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1)
+    loss = torch.stack([torch.sum(losses * mask), mask.sum()])
+    reporting = loss.detach().clone()
+    dist.all_reduce(reporting, group=ps.get_data_parallel_group())
+    return loss[0], loss[1].detach().to(torch.int64), {"lm loss": (reporting[0], reporting[1])}
+
+
+def forward_step(args, data_iterator, model):
+    """One micro-batch forward: ``(output_tensor, loss_func)`` for the schedule."""
+    device = next(model.parameters()).device
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args, device)
+    output = model(tokens, position_ids, attention_mask,
+                   labels=labels if ps.is_pipeline_last_stage() else None)
+    return output, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(args, train_val_test_num_samples):
+    """Megatron's GPT datasets of ``--data-path`` (or the per-split paths) for the given numbers
+    of samples."""
+    from megatron.data.dataset_builder import build_train_valid_test_datasets
+
+    print_rank_0(" > building train, validation, and test datasets for LLaMA ...")
+    return build_train_valid_test_datasets(
+        data_path=args.data_path, split=args.split,
+        train_valid_test_num_samples=train_val_test_num_samples, seq_length=args.seq_length,
+        seed=args.seed, data_cache_path=args.data_cache_path, train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path)
+
+
+def main(argv=None):
+    """Parse, validate and train. Returns this rank's history (see ``megatron.training.pretrain``).
+
+    Raises:
+        ValueError: an invalid flag combination or missing file, before anything is started.
+    """
+    args = arguments.parse_args(argv)
+    if args.use_checkpoint_args:
+        checkpointing.load_args_from_checkpoint(args)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    arguments.validate_args(args, world_size)
+    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+
+    tokenizer = build_tokenizer(args)
+    _EOD["token"] = tokenizer.eod
+    args.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for message in arguments.report_ignored_flags(args):
+            print(f" WARNING: {message}", flush=True)
+    return pretrain(args, model_provider=model_provider, forward_step_func=partial(forward_step, args),
+                    datasets_provider=train_valid_test_datasets_provider)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,71 @@
+# Sourced by examples/pretrain_llama*.sh (not run directly): the flags every LLaMA recipe shares
+# and the launcher. The sourcing script sets MODEL_ARGS, PARALLEL_ARGS and TRAIN_ARGS (bash arrays)
+# and then calls `launch_llama`.
+#
+# Environment:
+#   DATA_PATH        (required) prefix of a dataset made by tools/preprocess_data.py (PREFIX.bin and
+#                    PREFIX.idx), or a blend "0.3 PREFIX_A 0.7 PREFIX_B"
+#   CHECKPOINT_DIR   checkpoints are saved here and resumed from here (default ./checkpoints/$NAME)
+#   TENSORBOARD_DIR  TensorBoard events (default ./tensorboard/$NAME)
+#   GPUS_PER_NODE    processes per node (default 8)
+#   NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID
+#                    plain multi-node torchrun: run the same command on every node with the same
+#                    MASTER_ADDR (any one node); torchrun's c10d rendezvous assigns the node ranks.
+#   LAUNCHER         torchrun (default) or slurm (set by the *_slurm.sh scripts: one srun task per
+#                    node, each starting torchrun with the c10d rendezvous on the first node).
+
+set -euo pipefail
+
+: "${DATA_PATH:?set DATA_PATH to the prefix of a preprocessed dataset (PREFIX.bin, PREFIX.idx)}"
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$NAME}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-tensorboard/$NAME}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+# LLaMA's architecture, in Megatron-LM's and Megatron-LLaMA's words.
+LLAMA_ARGS=(
+    --normalization RMSNorm --swiglu --position-embedding-type rope --no-position-embedding
+    --disable-bias-linear --untie-embeddings-and-output-weights
+    --hidden-dropout 0 --attention-dropout 0
+)
+
+# AdamW as in the LLaMA-2 paper: beta2 0.95, eps 1e-5, weight decay 0.1, clip 1.0, cosine to 10%.
+OPTIMIZER_ARGS=(
+    --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --weight-decay 0.1 --clip-grad 1.0
+    --lr-decay-style cosine --bf16
+)
+
+# $DATA_PATH is left unquoted on purpose: a blend is several words.
+# shellcheck disable=SC2206
+DATA_ARGS=(
+    --data-path $DATA_PATH --split 969,30,1 --data-impl mmap --num-workers 2
+)
+
+OUTPUT_ARGS=(
+    --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 1000
+    --log-interval 10 --eval-interval 1000 --eval-iters 10
+    --tensorboard-dir "$TENSORBOARD_DIR" --log-timers-to-tensorboard
+    --log-batch-size-to-tensorboard --log-validation-ppl-to-tensorboard
+    --distributed-backend nccl --distributed-timeout-minutes 30
+)
+
+launch_llama() {
+    local args=("${LLAMA_ARGS[@]}" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
+                "${OPTIMIZER_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@")
+    if [ "${LAUNCHER:-torchrun}" = slurm ]; then
+        : "${SLURM_JOB_ID:?the slurm launcher runs inside an allocation: submit with sbatch}"
+        local hosts
+        mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+        local master=${hosts[0]}
+        srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+            torchrun --nnodes "$SLURM_JOB_NUM_NODES" --nproc_per_node "$GPUS_PER_NODE" \
+            --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$master:$MASTER_PORT" \
+            "$REPO/pretrain_llama.py" "${args[@]}"
+    else
+        torchrun --nnodes "${NNODES:-1}" --nproc_per_node "$GPUS_PER_NODE" \
+            --rdzv_id "${RDZV_ID:-$NAME}" --rdzv_backend c10d \
+            --rdzv_endpoint "${MASTER_ADDR:-localhost}:$MASTER_PORT" \
+            "$REPO/pretrain_llama.py" "${args[@]}"
+    fi
+}

@@ -44,6 +44,8 @@ NOT_YET_SUPPORTED = {
     "keep_last_checkpoints": ("--keep-last-checkpoints", "crash-safe checkpoints, issue 7"),
     "mock_data": ("--mock-data", "synthetic data; use a small preprocessed dataset"),
     "optimizer": ("--optimizer", "only adam (AdamW) is implemented"),
+    "no_save_optim": ("--no-save-optim", "checkpoints always hold the optimizer state"),
+    "no_save_rng": ("--no-save-rng", "checkpoints always hold the RNG states"),
 }
 
 # dest -> (flag, why it has no effect here). Reported when the value differs from the default.
@@ -63,6 +65,12 @@ IGNORED_FLAGS = {
                                "CPU (layout-independent initialisation)"),
     "data_impl": ("--data-impl", "the mmap .bin/.idx format is the only one"),
     "job_name": ("--job-name", "it is only recorded in the saved arguments"),
+    "log_timers_to_tensorboard": ("--log-timers-to-tensorboard",
+                                  "the iteration-time scalar is always written"),
+    "log_batch_size_to_tensorboard": ("--log-batch-size-to-tensorboard",
+                                      "the batch-size scalar is always written"),
+    "log_validation_ppl_to_tensorboard": ("--log-validation-ppl-to-tensorboard",
+                                          "the validation perplexity is always written"),
 }
 
 SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
@@ -297,8 +305,7 @@ def _validate_checkpointing(args):
                          f"torch or convert the checkpoint")
     for flag, needs in (("save_interval", "save"), ("finetune", "load"),
                         ("use_checkpoint_args", "load"), ("no_load_optim", "load"),
-                        ("no_load_rng", "load"), ("no_save_optim", "save"),
-                        ("no_save_rng", "save")):
+                        ("no_load_rng", "load")):
         value = getattr(args, flag)
         if value not in (None, False) and getattr(args, needs) is None:
             shown = "" if value is True else f" ({value})"

@@ -283,3 +283,15 @@ def test_attention_dropout_draws_from_the_tensor_parallel_rng_state():
         assert not torch.allclose(model(tokens), first)
         model.eval()
         assert torch.equal(model(tokens), model(tokens))
+
+
+def test_flops_formula_counts_every_matmul():
+    from megatron.model.flops import num_floating_point_operations
+    c = small_config(kv_channels=12)
+    b, s = 3, 40
+    t = b * s
+    nh, ng, d, h, f = c.num_attention_heads, c.num_query_groups, c.kv_channels, c.hidden_size, c.ffn_hidden_size
+    per_layer = 2 * t * h * (nh + 2 * ng) * d + 2 * t * nh * d * h + 2 * 2 * t * s * nh * d \
+        + 2 * t * h * 2 * f + 2 * t * f * h
+    forward = c.num_layers * per_layer + 2 * t * h * c.padded_vocab_size
+    assert num_floating_point_operations(c, b, s) == pytest.approx(3 * forward, rel=1e-12)

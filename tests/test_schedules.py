@@ -76,10 +76,10 @@ def make_forward_step(log=None, sync_state=None):
     return forward_step
 
 
-def reference(m, per_token):
-    """No pipelining on the full model, and the plain math it must equal."""
+def reference(m, per_token, layers=LAYERS):
+    """No pipelining on the full ``layers``-deep model: (loss dicts, the model with its grads)."""
     batches = make_batches(m)
-    model = ToyStage(range(LAYERS))
+    model = ToyStage(range(layers))
     config = PipelineConfig(hidden_size=H, calculate_per_token_loss=per_token)
     losses = schedules.forward_backward_no_pipelining(
         forward_step_func=make_forward_step(), data_iterator=iter(batches), model=model,
@@ -88,7 +88,17 @@ def reference(m, per_token):
         total = sum(int(b["mask"].sum()) for b in batches)
         for p in model.parameters():
             p.grad /= total
-    return losses, [p.grad.clone() for p in model.parameters()]
+    return losses, model
+
+
+def check_losses(losses, ref_losses, case):
+    """The last stage returns every micro-batch's loss dict, in order; the others nothing."""
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        assert len(losses) == len(ref_losses), case
+        for got, want in zip(losses, ref_losses):
+            torch.testing.assert_close(got["lm loss"], want["lm loss"], rtol=1e-6, atol=1e-6)
+    else:
+        assert losses == [], case
 
 
 def expected_order(pp, rank, m):
@@ -103,6 +113,32 @@ def expected_order(pp, rank, m):
     return [op + (i != backwards[-1],) if op[0] == "B" else op for i, op in enumerate(order)]
 
 
+def make_grad_hooks():
+    """A no_sync_func that records whether reduction is held back, and a finalize_model_grads_func
+    that does what the real one does with per-token loss: the token count lives on the last stage;
+    every stage divides its gradients by it."""
+    sync_state, finalized = {"held": False}, []
+
+    @contextlib.contextmanager
+    def no_sync():
+        sync_state["held"] = True
+        yield
+        sync_state["held"] = False
+
+    def finalize(chunks, *, num_tokens=None):
+        assert not sync_state["held"]
+        finalized.append(num_tokens)
+        if num_tokens is not None:
+            count = num_tokens.clone().float()
+            torch.distributed.broadcast(count, src=ps.get_pipeline_model_parallel_ranks()[-1],
+                                        group=ps.get_pipeline_model_parallel_group())
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    p.grad /= count
+
+    return no_sync, finalize, sync_state, finalized
+
+
 def _pipelined(pp, cases):
     ps.initialize_model_parallel(1, pp)
     rank = ps.get_pipeline_model_parallel_rank()
@@ -112,47 +148,25 @@ def _pipelined(pp, cases):
     report = []
     for m, forward_only, per_token, deallocate in cases:
         model = ToyStage(range(rank * per_stage, (rank + 1) * per_stage))
-        log, sync_state, finalized = [], {"held": False}, []
-
-        @contextlib.contextmanager
-        def no_sync():
-            sync_state["held"] = True
-            yield
-            sync_state["held"] = False
-
-        def finalize(chunks, *, num_tokens=None):
-            # What finalize_model_grads does with per-token loss: the token count lives on the
-            # last stage; every stage divides its gradients by it.
-            finalized.append(num_tokens)
-            if num_tokens is not None:
-                count = num_tokens.clone().float()
-                torch.distributed.broadcast(count, src=ps.get_pipeline_model_parallel_ranks()[-1],
-                                            group=ps.get_pipeline_model_parallel_group())
-                for p in chunks[0].parameters():
-                    p.grad /= count
-
+        log = []
+        no_sync, finalize, sync_state, finalized = make_grad_hooks()
         config = PipelineConfig(hidden_size=H, calculate_per_token_loss=per_token,
                                 no_sync_func=no_sync, finalize_model_grads_func=finalize,
                                 deallocate_pipeline_outputs=deallocate)
         losses = fn(forward_step_func=make_forward_step(log, sync_state),
                     data_iterator=iter(make_batches(m)), model=[model], num_microbatches=m,
                     seq_length=S, micro_batch_size=B, forward_only=forward_only, config=config)
-        ref_losses, ref_grads = reference(m, per_token)
+        ref_losses, ref_model = reference(m, per_token)
         case = (m, forward_only, per_token, deallocate)
-        if ps.is_pipeline_last_stage():
-            assert len(losses) == m, case
-            for got, want in zip(losses, ref_losses):
-                torch.testing.assert_close(got["lm loss"], want["lm loss"], rtol=1e-6, atol=1e-6)
-        else:
-            assert losses == [], case
+        check_losses(losses, ref_losses, case)
         if forward_only:
             assert all(p.grad is None for p in model.parameters()), case
             assert log == [("F", k) for k in range(m)], case
             assert finalized == [], case
         else:
-            ref = ref_grads[2 * rank * per_stage: 2 * (rank + 1) * per_stage]  # weight, bias
-            for got, want in zip(model.parameters(), ref):
-                torch.testing.assert_close(got.grad, want, rtol=1e-5, atol=1e-6)
+            ref = ref_model.layers[rank * per_stage: (rank + 1) * per_stage]
+            for got, want in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
             assert log == expected_order(pp, rank, m), (case, log)
             assert len(finalized) == 1, case
             if per_token and ps.is_pipeline_last_stage():
@@ -176,7 +190,8 @@ def test_1f1b_equals_no_pipelining(pp):
 def test_no_pipelining_equals_plain_math():
     m = 3
     batches = make_batches(m)
-    losses, grads = reference(m, per_token=False)
+    losses, ref = reference(m, per_token=False)
+    grads = [p.grad for p in ref.parameters()]
     model = ToyStage(range(LAYERS))
     total = 0.0
     for b in batches:
@@ -186,7 +201,8 @@ def test_no_pipelining_equals_plain_math():
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
     # per-token: the mean over every unmasked token of the batch
-    _, grads = reference(m, per_token=True)
+    _, ref = reference(m, per_token=True)
+    grads = [p.grad for p in ref.parameters()]
     model.zero_grad()
     out = [loss_func(b, model(b["x"])) for b in batches]
     (sum(o[0] for o in out) / sum(o[1] for o in out)).backward()

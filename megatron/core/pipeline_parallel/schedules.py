@@ -1,4 +1,5 @@
-"""Forward/backward schedules over micro-batches: no pipelining and 1F1B.
+"""Forward/backward schedules over micro-batches: no pipelining and 1F1B (the interleaved 1F1B
+schedule lives in :mod:`~megatron.core.pipeline_parallel.interleaved` and is re-exported here).
 
 Follows Megatron-Core ``megatron/core/pipeline_parallel/schedules.py`` (the 1F1B schedule of
 PipeDream-Flush, Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
@@ -61,8 +62,6 @@ class PipelineConfig:
             (fp16 loss scaling); None for none.
         deallocate_pipeline_outputs: free the data of an output activation once it is sent (its
             autograd graph is kept): the memory saving of Megatron-Core's ``deallocate_output_tensor``.
-        microbatch_group_size_per_vp_stage: interleaved schedule only: micro-batches run on one
-            model chunk before moving to the next (None: the pipeline size, Megatron's default).
     """
 
     hidden_size: int
@@ -75,12 +74,14 @@ class PipelineConfig:
     no_sync_func: Optional[Callable] = None
     grad_scale_func: Optional[Callable] = None
     deallocate_pipeline_outputs: bool = True
-    microbatch_group_size_per_vp_stage: Optional[int] = None
 
 
 def get_forward_backward_func():
-    """The schedule for the registry's layout: 1F1B when PP > 1, else no pipelining."""
+    """The schedule for the registry's layout: interleaved 1F1B when PP > 1 with virtual stages,
+    1F1B when PP > 1, else no pipelining."""
     if ps.get_pipeline_model_parallel_world_size() > 1:
+        if ps.get_virtual_pipeline_model_parallel_world_size() is not None:
+            return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
 
@@ -231,7 +232,8 @@ class _MicroBatchRunner:
         grad_mode = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with grad_mode:
             output, num_tokens = forward_step(
-                self.forward_step_func, data_iterator or self.data_iterator, model,
+                self.forward_step_func,
+                self.data_iterator if data_iterator is None else data_iterator, model,
                 self.num_microbatches, input_tensor, self.store, self.config, is_last_stage)
         self.total_num_tokens = self.total_num_tokens + num_tokens
         return output
@@ -367,3 +369,9 @@ def forward_backward_pipelining_without_interleaving(
         enable_grad_sync()
     runner.finalize([model])
     return runner.store
+
+
+# At the end: interleaved.py builds on the helpers above (a circular import resolved by order).
+from megatron.core.pipeline_parallel.interleaved import (  # noqa: E402
+    forward_backward_pipelining_with_interleaving,
+)

@@ -55,8 +55,8 @@ def _norms_and_clipping(max_norms):
         opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=max_norm), [model])
         opt_norm = opt.get_grad_norm()
         l2_norm = clip_grad_norm_fp32(params, max_norm=max_norm, model_parallel_group=group)
-        results.append((l2_norm, inf_norm, opt_norm, zeros, [p.grad for p in params]))
-    return results
+        results.append((l2_norm, inf_norm, opt_norm, zeros, [p.grad.tolist() for p in params]))
+    return results  # plain lists: queued tensors would share memory with an exiting child
 
 
 def test_global_norm_tp2_pp2_equals_dense():
@@ -82,6 +82,6 @@ def test_global_norm_tp2_pp2_equals_dense():
             assert inf == pytest.approx(expected_inf, rel=1e-6)
             assert zeros == expected_zeros
             w, b, e = params[2 * stage].grad, params[2 * stage + 1].grad, params[4].grad
-            torch.testing.assert_close(grads[0], w.chunk(2, 0)[tp], rtol=1e-6, atol=1e-7)
-            torch.testing.assert_close(grads[1], b, rtol=1e-6, atol=1e-7)
-            torch.testing.assert_close(grads[2], e.chunk(2, 0)[tp], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(torch.tensor(grads[0]), w.chunk(2, 0)[tp], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(torch.tensor(grads[1]), b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(torch.tensor(grads[2]), e.chunk(2, 0)[tp], rtol=1e-6, atol=1e-7)

@@ -140,8 +140,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
 
     Returns:
         ``(output_tensor, num_tokens)``: the ``[s, b, h]`` activation, or on the last stage the
-        scaled scalar loss to back-propagate; ``num_tokens`` is a 0-d int64 tensor (0 off the last
-        stage). Appends the loss dict to ``forward_data_store`` on the last stage.
+        scaled scalar loss to back-propagate; ``num_tokens`` is a 0-d int64 tensor on the loss's
+        device (0 on the CPU off the last stage). Appends the loss dict to ``forward_data_store`` on the last stage.
 
     Raises:
         ValueError: if ``loss_func`` does not return 2 or 3 values.
@@ -154,7 +154,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
     outputs = loss_func(output_tensor)
     if len(outputs) == 3:
         loss, num_tokens, loss_dict = outputs
-        num_tokens = torch.as_tensor(num_tokens).detach().to("cpu", torch.int64)
+        # Stays on its device: moving it to the CPU would synchronize with the GPU every micro-batch.
+        num_tokens = torch.as_tensor(num_tokens).detach().to(torch.int64)
         if not config.calculate_per_token_loss:
             # clamp: a micro-batch whose tokens are all masked contributes zero, not NaN.
             loss = loss / num_tokens.clamp(min=1).to(loss.device, loss.dtype) / num_microbatches
@@ -235,7 +236,8 @@ class _MicroBatchRunner:
                 self.forward_step_func,
                 self.data_iterator if data_iterator is None else data_iterator, model,
                 self.num_microbatches, input_tensor, self.store, self.config, is_last_stage)
-        self.total_num_tokens = self.total_num_tokens + num_tokens
+        # A 0-d CPU tensor combines with a CUDA one: the sum lands on the loss's device.
+        self.total_num_tokens = num_tokens + self.total_num_tokens
         return output
 
     def finalize(self, model_chunks):

@@ -3,7 +3,9 @@
 ``run_distributed(world_size, fn, *args)`` starts ``world_size`` processes, initializes
 ``torch.distributed`` with the gloo backend through a file rendezvous, calls ``fn(*args)`` in every
 process and returns the list of per-rank results (rank order). ``fn`` must be a module-level
-function (it is pickled); it sets up model-parallel groups itself if it needs them.
+function (it is pickled); it sets up model-parallel groups itself if it needs them. Its result may
+hold tensors, numbers, strings and lists / tuples / dicts of them (it is sent back with
+``torch.save`` and read with ``weights_only=True``).
 
 A child's exception fails the caller with that child's traceback; a hang fails after ``timeout``
 seconds instead of blocking the test run. Children come from a fork server that has imported torch
@@ -12,6 +14,7 @@ once, so starting a world costs little.
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import tempfile
@@ -19,6 +22,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.multiprocessing as mp
 
 _CTX = None
@@ -44,7 +48,11 @@ def _child(rank, world_size, init_file, timeout, fn, args, results):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         out = fn(*args)
-        results.put((rank, True, out))
+        # Tensors travel by value (serialized bytes): a tensor sent through the queue as shared
+        # memory can vanish when this process exits before the parent has read it.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # report everything, including SystemExit, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -88,7 +96,7 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 180.0):
                     continue
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                out[rank] = value
+                out[rank] = torch.load(io.BytesIO(value), weights_only=True)
                 received += 1
         finally:
             for p in procs:

@@ -67,7 +67,7 @@ def _round_trip(save_dir):
     model, opt, sched = _parts(0)
     sched.num_steps = 5
     args = SimpleNamespace(save=save_dir, load=save_dir, finetune=False, no_load_optim=False,
-                           no_load_rng=False, keep_last_checkpoints=None)
+                           no_load_rng=False, keep_last_checkpoints=1, hidden_size=4)
     ckpt.save_checkpoint(3, model, opt, sched, args, consumed_train_samples=24,
                          consumed_valid_samples=8)
     ckpt.save_checkpoint(6, model, opt, sched, args, consumed_train_samples=48,
@@ -89,7 +89,12 @@ def test_save_load_round_trip_two_pipeline_stages(tmp_path):
         assert same_weights and same_opt and steps == 5 and same_rng
     assert (tmp_path / ckpt.TRACKER_FILENAME).read_text() == "6"
     assert sorted(os.listdir(tmp_path / "iter_0000006")) == ["mp_rank_00_000", "mp_rank_00_001"]
-    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    # --keep-last-checkpoints 1 removed iteration 3 once 6 was complete; no staging folder is left.
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000006", ckpt.TRACKER_FILENAME]
+    # --use-checkpoint-args takes the model shape from the saved arguments.
+    args = SimpleNamespace(load=str(tmp_path), hidden_size=99, num_layers=3)
+    assert ckpt.load_args_from_checkpoint(args) == ["hidden_size"]
+    assert args.hidden_size == 4 and args.num_layers == 3
     state = torch.load(tmp_path / "iter_0000006" / "mp_rank_00_001" / "model_optim_rng.pt",
                        weights_only=True)
     assert state["args"]["save"] == str(tmp_path) and state["iteration"] == 6

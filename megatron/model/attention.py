@@ -56,6 +56,7 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_partition = config.num_attention_heads // tp
         self.groups_per_partition = config.num_query_groups // tp
         self.kv_channels = d
+        self.layer_number = layer_number
         self.attention_dropout = config.attention_dropout
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device)
@@ -73,17 +74,23 @@ class SelfAttention(torch.nn.Module):
                 **common)
 
     def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None,
+                inference_params=None) -> torch.Tensor:
         """Attend.
 
         Args:
-            hidden: ``[s, b, h]``.
+            hidden: ``[s, b, h]``, or this rank's chunk ``[s/T, b, h]`` with sequence parallelism
+                (gathered by ``query_key_value``; the output is reduce-scattered back).
             rotary: ``(cos, sin)``, each ``[s, b, 1, d]`` fp32 (:class:`RotaryEmbedding`).
             attention_mask: None for causal attention, or bool ``[b, 1, s, s]`` with True where
                 attention is forbidden (Megatron's convention; document-level causal masks).
+            inference_params: None (training), or a
+                :class:`megatron.inference.InferenceParams` KV cache: this step's keys/values are
+                appended to the layer's cache and the queries attend to all cached positions.
 
         Returns:
-            ``[s, b, h]`` (the row-parallel output, all-reduced over the tensor-parallel group).
+            ``[s, b, h]`` (the row-parallel output, all-reduced over the tensor-parallel group), or
+            ``[s/T, b, h]`` reduce-scattered with sequence parallelism.
         """
         qkv, _ = self.query_key_value(hidden)
         s, b = qkv.shape[:2]
@@ -93,6 +100,9 @@ class SelfAttention(torch.nn.Module):
         q = apply_rotary_pos_emb(q.view(s, b, n, d), cos, sin)
         k = apply_rotary_pos_emb(k.view(s, b, g, d), cos, sin)
         v = v.view(s, b, g, d)
+        if inference_params is not None:
+            k, v = inference_params.append_kv(self.layer_number, k, v)
+            attention_mask = inference_params.attention_mask(s, q.device)
         # SDPA wants [b, heads, s, d].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if g != n:

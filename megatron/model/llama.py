@@ -13,19 +13,18 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
+                                                  linear_with_sequence_parallel)
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    scatter_to_sequence_parallel_region)
 from megatron.model.attention import check_attention_config
 from megatron.model.initialization import init_method_normal, init_seed
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
-from megatron.model.transformer import TransformerLayer
+from megatron.model.transformer import TransformerLayer, hidden_dropout
 
 
 def _check_config(config: ModelConfig, layer_numbers: Sequence[int]) -> None:
-    if config.sequence_parallel:
-        raise NotImplementedError("--sequence-parallel is not supported yet by the LLaMA model; "
-                                  "drop the flag")
     check_attention_config(config)
     if config.padded_vocab_size % config.tensor_model_parallel_size:
         raise ValueError(f"padded vocabulary size ({config.padded_vocab_size}) must be divisible by "
@@ -55,6 +54,10 @@ class LlamaModel(torch.nn.Module):
     ``word_embeddings_for_head`` (last stage with tied embeddings and PP > 1: a copy of the word
     embedding, initialised identically, as Megatron-LM's legacy model).
 
+    With ``sequence_parallel`` (and TP > 1; Korthikanti et al. 2022, section 4.2.2) the hidden
+    states between the tensor-parallel blocks, and so the tensors passed between pipeline stages,
+    are ``[s/T, b, h]``: this rank's contiguous sequence chunk; s must be divisible by T.
+
     Args:
         config: the model configuration (its ``tensor_model_parallel_size`` must equal the
             tensor-parallel group's size when the registry is initialized).
@@ -67,7 +70,6 @@ class LlamaModel(torch.nn.Module):
     Raises:
         ValueError: heads, groups, ffn or vocabulary not divisible by TP; layer numbers out of
             range; a config TP size that disagrees with the process groups.
-        NotImplementedError: ``sequence_parallel`` (not supported yet).
     """
 
     def __init__(self, config: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
@@ -80,6 +82,8 @@ class LlamaModel(torch.nn.Module):
         self.post_process = post_process
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
+        # The layers ignore sequence_parallel at TP=1 (nothing to split); so does the model.
+        self.sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
         self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base, config.rope_scaling)
 
         if pre_process:
@@ -87,11 +91,13 @@ class LlamaModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(TransformerLayer(config, n, device=device) for n in layer_numbers)
         if post_process:
             self.final_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon,
+                                           sequence_parallel=self.sequence_parallel,
                                            params_dtype=config.params_dtype, device=device)
             if not self.share_embeddings_and_output_weights:
                 with init_seed(config.seed, 0, "output_layer"):
                     self.output_layer = ColumnParallelLinear(
                         config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
+                        sequence_parallel=self.sequence_parallel,
                         init_method=init_method_normal(config.init_method_std),
                         params_dtype=config.params_dtype, device=device)
             elif not pre_process:
@@ -130,13 +136,16 @@ class LlamaModel(torch.nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.share_embeddings_and_output_weights:
             return self.output_layer(hidden)[0]
+        weight = self.shared_embedding_or_output_weight()
+        if self.sequence_parallel:
+            # forward: all-gather of the sequence; backward: reduce-scatter.
+            return linear_with_sequence_parallel(hidden, weight, None)
         # forward: identity; backward: all-reduce over the tensor-parallel group.
-        hidden = copy_to_tensor_model_parallel_region(hidden)
-        return F.linear(hidden, self.shared_embedding_or_output_weight())
+        return F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
         """Run the stage.
 
         Args:
@@ -146,28 +155,41 @@ class LlamaModel(torch.nn.Module):
             attention_mask: None for causal attention, or bool ``[b, 1, s, s]``, True = masked out
                 (Megatron's convention; ``--reset-attention-mask``).
             labels: ``[b, s]`` int64 next-token targets (last stage).
+            inference_params: None (training), or a :class:`megatron.inference.InferenceParams`
+                KV cache for generation (pass ``position_ids`` of the new tokens then).
 
         Returns:
             Last stage with labels: per-token loss ``[b, s]`` fp32 (unreduced). Last stage without
             labels: logits ``[b, s, v/T]`` of this tensor-parallel rank's vocabulary partition.
-            Other stages: hidden ``[s, b, h]`` for the next stage.
+            Other stages: hidden ``[s, b, h]`` (``[s/T, b, h]`` with sequence parallelism) for the
+            next stage.
 
         Raises:
             RuntimeError: a non-first stage without :meth:`set_input_tensor`.
+            ValueError: with sequence parallelism, s not divisible by T.
         """
+        tp = self.config.tensor_model_parallel_size
         if self.pre_process:
+            if self.sequence_parallel and input_ids.shape[1] % tp:
+                raise ValueError(f"--sequence-parallel needs --seq-length ({input_ids.shape[1]}) "
+                                 f"divisible by --tensor-model-parallel-size ({tp})")
             hidden = self.word_embeddings(input_ids).transpose(0, 1).contiguous()
-            hidden = F.dropout(hidden, self.config.hidden_dropout, self.training)
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence_parallel_region(hidden)
+            hidden = hidden_dropout(hidden, self.config.hidden_dropout, self.training,
+                                    self.sequence_parallel)
         else:
             if self.input_tensor is None:
                 raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
             hidden = self.input_tensor
         s, b = hidden.shape[:2]
+        if self.sequence_parallel:
+            s *= tp
         if position_ids is None:
             position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, s)
         rotary = self.rotary(position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, rotary, attention_mask)
+            hidden = layer(hidden, rotary, attention_mask, inference_params)
         if not self.post_process:
             return hidden
 

@@ -1,0 +1,84 @@
+"""Build this rank's pipeline stage of a LLaMA from a checkpoint's stored arguments and load it."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+
+import torch
+
+from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
+                                    load_checkpoint, _torch_load)
+from megatron.config import ModelConfig
+from megatron.core import parallel_state as ps
+from megatron.model import get_layer_numbers
+from megatron.model.llama import LlamaModel
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def checkpoint_args(load_dir: str) -> dict:
+    """The ``args`` dict stored in the checkpoint named by ``load_dir``'s tracker.
+
+    Raises:
+        CheckpointError: no tracker file or no shard.
+    """
+    found = find_checkpoint(load_dir)
+    if found is None:
+        raise CheckpointError(f"--load {load_dir} has no latest_checkpointed_iteration.txt")
+    folder = get_checkpoint_dir(load_dir, *found)
+    shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
+    if not shards:
+        raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
+    return dict(_torch_load(shards[0]).get("args") or {})
+
+
+def model_config_from_args(saved: dict) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint's stored arguments."""
+    if saved.get("bf16"):
+        dtype = torch.bfloat16
+    elif saved.get("fp16"):
+        dtype = torch.float16
+    else:
+        dtype = _DTYPES.get(saved.get("params_dtype"), torch.float32)
+    return ModelConfig(
+        num_layers=saved["num_layers"], hidden_size=saved["hidden_size"],
+        ffn_hidden_size=saved["ffn_hidden_size"], num_attention_heads=saved["num_attention_heads"],
+        num_query_groups=saved.get("num_query_groups"), kv_channels=saved.get("kv_channels"),
+        padded_vocab_size=saved["padded_vocab_size"],
+        max_position_embeddings=saved["max_position_embeddings"],
+        norm_epsilon=saved.get("norm_epsilon", 1e-5), rotary_base=saved.get("rotary_base", 10000.0),
+        rope_scaling=saved.get("rope_scaling"),
+        untie_embeddings_and_output_weights=saved.get("untie_embeddings_and_output_weights", True),
+        params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
+
+
+def load_model_for_inference(load_dir: str, device=None):
+    """This rank's stage of the checkpoint at ``load_dir``, weights loaded, in eval mode.
+
+    Needs ``parallel_state.initialize_model_parallel`` with the checkpoint's TP and PP sizes.
+
+    Returns:
+        ``(model, saved_args)``.
+
+    Raises:
+        CheckpointError: the process layout differs from the checkpoint's (reshard it with
+            ``tools/checkpoint/convert.py --loader megatron --saver megatron``).
+    """
+    saved = checkpoint_args(load_dir)
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    want = (saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1))
+    if (tp, pp) != want:
+        raise CheckpointError(f"{load_dir} was saved at TP={want[0]}, PP={want[1]} but this run has "
+                              f"TP={tp}, PP={pp}; reshard with tools/checkpoint/convert.py --loader "
+                              f"megatron --saver megatron --target-tensor-parallel-size {tp} "
+                              f"--target-pipeline-parallel-size {pp}")
+    config = model_config_from_args(saved)
+    model = LlamaModel(config, pre_process=ps.is_pipeline_first_stage(),
+                       post_process=ps.is_pipeline_last_stage(),
+                       layer_numbers=get_layer_numbers(config.num_layers, pp,
+                                                       ps.get_pipeline_model_parallel_rank()),
+                       device=device)
+    load_checkpoint([model], None, None, argparse.Namespace(load=load_dir, finetune=True))
+    return model.eval(), saved

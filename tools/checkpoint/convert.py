@@ -1,0 +1,81 @@
+"""Convert LLaMA checkpoints between HuggingFace, Megatron-LLaMA and our Megatron layout, at any
+tensor/pipeline-parallel layout (Megatron-LM's ``tools/checkpoint/convert.py`` calling convention).
+
+Usage::
+
+    python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron \\
+        --load-dir Llama-2-7b-hf --save-dir ckpt --target-tensor-parallel-size 2 \\
+        --target-pipeline-parallel-size 2 [--target-params-dtype bf16]
+    python tools/checkpoint/convert.py --loader megatron --saver hf --load-dir ckpt --save-dir out
+
+A loader module ``loader_<name>.py`` provides ``add_arguments(parser)`` and
+``load_checkpoint(args) -> (meta, stream)``; a saver ``saver_<name>.py`` provides
+``add_arguments(parser)`` and ``save_checkpoint(meta, stream, args)``. ``meta`` holds the model's
+shape under ``ModelConfig`` field names plus ``true_vocab_size``; ``stream`` yields, in order,
+``("embeddings", {"word_embeddings"})``, one ``("layer", {...})`` per layer with the logical
+tensors of :data:`tools.checkpoint.layout.LAYER_KEYS`, and ``("final", {"final_norm",
+"output_layer" (None when tied)})``. Megatron-LM runs loader and saver as two processes joined by
+a queue; here the saver pulls from the loader's generator in one process, which streams the same
+way (one layer in flight) without pickling every tensor through a pipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make `tools` and `megatron` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+LOADERS = {"hf": "loader_hf", "megatron": "loader_megatron", "megatron-llama": "loader_megatron_llama",
+           "megatron_llama": "loader_megatron_llama"}
+SAVERS = {"megatron": "saver_megatron", "hf": "saver_hf"}
+
+
+def build_parser(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-type", default="GPT", choices=["GPT"],
+                        help="only GPT (decoder-only LLaMA) models")
+    parser.add_argument("--loader", required=True, choices=sorted(LOADERS))
+    parser.add_argument("--saver", required=True, choices=sorted(SAVERS))
+    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=None)
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    parser.add_argument("--target-params-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="dtype of the written weights (default: the source's)")
+    parser.add_argument("--include-optimizer", action="store_true",
+                        help="also convert the optimizer state (megatron loader and saver only)")
+    known, _ = parser.parse_known_args(argv)
+    loader = importlib.import_module(f"tools.checkpoint.{LOADERS[known.loader]}")
+    saver = importlib.import_module(f"tools.checkpoint.{SAVERS[known.saver]}")
+    loader.add_arguments(parser)
+    saver.add_arguments(parser)
+    return parser, loader, saver
+
+
+def main(argv=None) -> str:
+    """Run one conversion; returns the folder written.
+
+    Raises:
+        ValueError / FileNotFoundError: with the flag or file at fault (unsupported config field,
+            layout that does not divide the model, missing checkpoint files).
+    """
+    parser, loader, saver = build_parser(argv)
+    args = parser.parse_args(argv)
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if args.include_optimizer:
+        parser.error("--include-optimizer is not supported yet: convert the weights and resume with "
+                     "--finetune (a fresh optimizer), or keep the original layout")
+    meta, stream = loader.load_checkpoint(args)
+    return saver.save_checkpoint(meta, stream, args)
+
+
+if __name__ == "__main__":
+    print(f"saved {main()}")

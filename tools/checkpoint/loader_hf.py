@@ -1,0 +1,176 @@
+"""Loader ``--loader hf``: a HuggingFace LLaMA folder (``config.json``, ``*.safetensors`` or
+``pytorch_model*.bin``, tokenizer files), streamed tensor by tensor.
+
+Safetensors are read lazily through ``safetensors.safe_open``; ``.bin`` files with
+``torch.load(weights_only=True, mmap=True)``. Config fields we do not implement are refused
+(:func:`meta_from_hf_config`), never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megatron.model.rotary import check_rope_scaling
+from tools.checkpoint.layout import DTYPES, find_file, load_torch_file
+
+# config.json fields that do not change the math (bookkeeping, generation defaults, dtypes).
+_HARMLESS = {
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "pretraining_tp", "id2label", "label2id", "return_dict", "output_attentions",
+    "output_hidden_states", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
+    "tokenizer_class", "attention_dropout", "max_length", "min_length", "do_sample",
+    "temperature", "top_k", "top_p", "quantization_config_none",
+}
+# fields we implement (read below)
+_IMPLEMENTED = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "tie_word_embeddings", "hidden_act", "attention_bias",
+    "mlp_bias",
+}
+# implemented only at these values
+_REQUIRED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None)}
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("hf loader")
+    group.add_argument("--allow-unknown-hf-fields", action="store_true",
+                       help="convert even if config.json has fields this tool does not know")
+
+
+def _rope(cfg: dict):
+    """(theta, llama3 scaling dict or None) from old (rope_theta/rope_scaling) or new
+    (rope_parameters) style configs."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (params if params else None)
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+    check_rope_scaling(scaling)
+    if scaling is not None:
+        scaling = {k: scaling[k] for k in ("rope_type", "factor", "low_freq_factor",
+                                           "high_freq_factor", "original_max_position_embeddings")}
+    return theta, scaling
+
+
+def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: bool = False) -> dict:
+    """Model metadata (``ModelConfig`` field names) of a HuggingFace LLaMA ``config.json``.
+
+    Raises:
+        ValueError: not a LLaMA, a field at a value we do not implement (``attention_bias``,
+            ``mlp_bias``, another activation, another ``rope_scaling`` type), or unknown fields.
+    """
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not 'llama'")
+    for key, allowed in _REQUIRED_VALUES.items():
+        if cfg.get(key, allowed[0]) not in allowed:
+            raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (only {allowed[0]!r}); "
+                             "this model cannot be converted without changing its outputs")
+    if cfg.get("attention_dropout", 0.0):
+        raise ValueError(f"{path}: attention_dropout={cfg['attention_dropout']} is not converted; "
+                         "set it to 0 and pass --attention-dropout when training")
+    unknown = sorted(k for k in cfg if k not in _HARMLESS | _IMPLEMENTED)
+    if unknown and not allow_unknown:
+        raise ValueError(f"{path}: fields {unknown} are not implemented by this converter; "
+                         "remove them if they do not change the model, or pass "
+                         "--allow-unknown-hf-fields to convert anyway")
+    theta, scaling = _rope(cfg)
+    heads = cfg["num_attention_heads"]
+    return {
+        "num_layers": cfg["num_hidden_layers"], "hidden_size": cfg["hidden_size"],
+        "ffn_hidden_size": cfg["intermediate_size"], "num_attention_heads": heads,
+        "num_query_groups": cfg.get("num_key_value_heads") or heads,
+        "kv_channels": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        "true_vocab_size": cfg["vocab_size"], "max_position_embeddings": cfg["max_position_embeddings"],
+        "norm_epsilon": cfg.get("rms_norm_eps", 1e-6), "rotary_base": theta, "rope_scaling": scaling,
+        "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
+        "hf_token_ids": {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    }
+
+
+class HFWeights:
+    """Lazy access to the tensors of a HuggingFace folder by name."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        index = find_file(folder, ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
+        if index is not None:
+            with open(index, encoding="utf-8") as f:
+                self.where = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+        else:
+            single = find_file(folder, ["model.safetensors", "pytorch_model.bin"])
+            if single is None:
+                raise FileNotFoundError(f"{folder} holds no model.safetensors(.index.json) nor "
+                                        "pytorch_model.bin(.index.json)")
+            self.where = None
+            self.single = single
+        self._open = {}
+
+    def _file(self, path: str):
+        if path not in self._open:
+            if path.endswith(".safetensors"):
+                from safetensors import safe_open
+                self._open[path] = safe_open(path, framework="pt")
+            else:
+                self._open[path] = load_torch_file(path)
+        return self._open[path]
+
+    def keys(self):
+        if self.where is not None:
+            return set(self.where)
+        f = self._file(self.single)
+        return set(f.keys())
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.where.get(name) if self.where is not None else self.single
+        if path is None:
+            raise KeyError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+        f = self._file(path)
+        if path.endswith(".safetensors"):
+            if name not in f.keys():
+                raise KeyError(f"{path}: tensor {name} is missing")
+            return f.get_tensor(name)
+        if name not in f:
+            raise KeyError(f"{path}: tensor {name} is missing")
+        return f[name]
+
+
+def load_checkpoint(args):
+    """``(meta, stream)`` of the HuggingFace folder ``args.load_dir`` (see ``convert.py``)."""
+    folder = args.load_dir
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"--load-dir {folder} has no config.json (not a HuggingFace folder)")
+    with open(cfg_path, encoding="utf-8") as f:
+        meta = meta_from_hf_config(json.load(f), cfg_path, getattr(args, "allow_unknown_hf_fields", False))
+    meta["tokenizer_dir"] = folder
+    weights = HFWeights(folder)
+    first = weights.get("model.embed_tokens.weight")
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[first.dtype]
+    if first.shape[0] != meta["true_vocab_size"]:
+        raise ValueError(f"{folder}: embed_tokens has {first.shape[0]} rows but config.json says "
+                         f"vocab_size={meta['true_vocab_size']}")
+    return meta, _stream(weights, meta)
+
+
+
+def _stream(weights: HFWeights, meta: dict):
+    yield "embeddings", {"word_embeddings": weights.get("model.embed_tokens.weight")}
+    names = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
+             "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+             "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight",
+             "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+    for i in range(meta["num_layers"]):
+        yield "layer", {k: weights.get(f"model.layers.{i}.{v}") for k, v in names.items()}
+    output = None
+    if meta["untie_embeddings_and_output_weights"]:
+        output = weights.get("lm_head.weight")
+    yield "final", {"final_norm": weights.get("model.norm.weight"), "output_layer": output}

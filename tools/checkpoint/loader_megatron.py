@@ -1,0 +1,126 @@
+"""Loader ``--loader megatron``: our checkpoints (Megatron legacy layout) at any TP/PP.
+
+Reads the tracker (``release`` or an iteration), finds the layout from the ``mp_rank_*`` folders,
+takes the model shape from the stored ``args`` and streams one pipeline stage at a time (its
+tensor-parallel shards memory-mapped). The output layer comes from the *last* stage; with tied
+embeddings the first stage's word embedding is the one streamed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import torch
+
+from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
+from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
+
+_SHARD = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_dp_(\d{3}))?$")
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("megatron loader")
+    group.add_argument("--true-vocab-size", type=int, default=None,
+                       help="vocabulary size without padding, when the checkpoint does not store it")
+
+
+def find_shards(load_dir: str):
+    """``(folder, {(tp_rank, pp_rank): path}, tp, pp)`` of the checkpoint named by the tracker.
+
+    Data-parallel copies (``_dp_DDD``, Megatron-LLaMA) are skipped: the lowest is used.
+
+    Raises:
+        CheckpointError: no tracker, no shards, or an incomplete TP x PP grid.
+    """
+    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"--load-dir {load_dir} has no latest_checkpointed_iteration.txt")
+    folder = get_checkpoint_dir(load_dir, *read_metadata(tracker))
+    shards = {}
+    for path in sorted(glob.glob(os.path.join(folder, "mp_rank_*"))):
+        m = _SHARD.match(os.path.basename(path))
+        if not m:
+            continue
+        key = (int(m.group(1)), int(m.group(2) or 0))
+        shards.setdefault(key, os.path.join(path, "model_optim_rng.pt"))
+    if not shards:
+        raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
+    tp = max(t for t, _ in shards) + 1
+    pp = max(p for _, p in shards) + 1
+    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in shards]
+    if missing:
+        raise CheckpointError(f"{folder} is incomplete: no shard for (tensor rank, pipeline rank) "
+                              f"{missing[:4]}")
+    return folder, shards, tp, pp
+
+
+def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
+    meta = {k: saved.get(k) for k in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
+        "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
+        "tokenizer_type", "tokenizer_model", "hf_token_ids")}
+    meta["num_query_groups"] = meta["num_query_groups"] or meta["num_attention_heads"]
+    meta["kv_channels"] = meta["kv_channels"] or meta["hidden_size"] // meta["num_attention_heads"]
+    meta["norm_epsilon"] = meta["norm_epsilon"] or 1e-5
+    meta["rotary_base"] = meta["rotary_base"] or 10000.0
+    meta["true_vocab_size"] = true_vocab_size or saved.get("true_vocab_size")
+    meta["vocab_rows"] = padded_rows
+    return meta
+
+
+def load_checkpoint(args):
+    """``(meta, stream)`` of the checkpoint under ``args.load_dir`` (see ``convert.py``)."""
+    folder, shards, tp, pp = find_shards(args.load_dir)
+    first = load_torch_file(shards[(0, 0)])
+    saved = first.get("args")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{shards[(0, 0)]} stores no args dict; is it one of ours? "
+                              "(Megatron-LLaMA checkpoints: --loader megatron-llama)")
+    padded = first["model"]["word_embeddings.weight"].shape[0] * tp
+    meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None))
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[first["model"]["word_embeddings.weight"].dtype]
+    stages = [[lambda t=t, p=p: load_torch_file(shards[(t, p)])["model"] for t in range(tp)]
+              for p in range(pp)]
+    return meta, stream_stages(stages, meta, names=OUR_NAMES)
+
+
+OUR_NAMES = {"embedding": "word_embeddings.weight", "layer": "layers.{}.", "final_norm":
+             "final_layernorm.weight", "output": "output_layer.weight"}
+
+
+def stream_stages(stages, meta: dict, names: dict):
+    """Stream logical tensors from ``stages[p][t]()`` (a callable returning the flat state dict of
+    tensor rank t, pipeline stage p), one stage loaded at a time.
+
+    ``names`` gives the keys: ``embedding``, ``layer`` (a prefix with ``{}`` for the local layer
+    index), ``final_norm``, ``output`` (per-rank vocabulary partitions) or ``output_replicated``
+    (the full output weight on every rank, Megatron-LLaMA's ``lm_head``).
+    """
+    rows = meta["true_vocab_size"] or meta["vocab_rows"]
+
+    def vocab(parts):
+        return unpad_vocab(torch.cat(parts, 0), rows)
+
+    per_stage = meta["num_layers"] // len(stages)
+    for p, loaders in enumerate(stages):
+        states = [load() for load in loaders]
+        if p == 0:
+            yield "embeddings", {"word_embeddings": vocab([s[names["embedding"]] for s in states])}
+        for i in range(per_stage):
+            prefix = names["layer"].format(i)
+            parts = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
+            if not parts[0]:
+                raise CheckpointError(f"pipeline stage {p} lacks layer {i} ({prefix}*)")
+            yield "layer", partitions_to_layer(parts, meta)
+        if p == len(stages) - 1:
+            output = None
+            if meta["untie_embeddings_and_output_weights"]:
+                if "output_replicated" in names:
+                    output = unpad_vocab(states[0][names["output_replicated"]], rows)
+                else:
+                    output = vocab([s[names["output"]] for s in states])
+            yield "final", {"final_norm": states[0][names["final_norm"]], "output_layer": output}
+        del states

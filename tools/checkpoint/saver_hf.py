@@ -1,0 +1,155 @@
+"""Saver ``--saver hf``: a HuggingFace LLaMA folder loadable by
+``transformers.LlamaForCausalLM.from_pretrained``.
+
+Writes sharded safetensors (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``,
+or one ``model.safetensors``), a ``config.json`` with the true vocabulary size (padding rows are
+never exported) and copies the tokenizer files. Tensors are buffered only up to
+``--max-shard-size`` before a shard is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from tools.checkpoint.layout import DTYPES
+from tools.checkpoint.loader_hf import TOKENIZER_FILES
+
+_HF_LAYER = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
+             "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+             "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight",
+             "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("hf saver")
+    group.add_argument("--max-shard-size", type=_size, default=_size("5GB"),
+                       help="largest safetensors shard, e.g. 2GB, 500MB or bytes (default 5GB)")
+    group.add_argument("--tokenizer-dir", default=None,
+                       help="folder whose tokenizer files are copied (default: the source's)")
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    t = str(text).strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            return int(float(t[:-len(unit)]) * factor)
+    return int(t)
+
+
+def hf_config(meta: dict, dtype: torch.dtype) -> dict:
+    """``config.json`` of the model (``LlamaConfig`` fields, both rope spellings for old and new
+    transformers)."""
+    rope = {"rope_type": "default"} if meta.get("rope_scaling") is None else dict(meta["rope_scaling"])
+    ids = meta.get("hf_token_ids") or {}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": meta["true_vocab_size"], "hidden_size": meta["hidden_size"],
+        "intermediate_size": meta["ffn_hidden_size"], "num_hidden_layers": meta["num_layers"],
+        "num_attention_heads": meta["num_attention_heads"],
+        "num_key_value_heads": meta["num_query_groups"], "head_dim": meta["kv_channels"],
+        "max_position_embeddings": meta["max_position_embeddings"],
+        "rms_norm_eps": meta["norm_epsilon"], "rope_theta": meta["rotary_base"],
+        "rope_scaling": meta.get("rope_scaling"),
+        "rope_parameters": dict(rope, rope_theta=meta["rotary_base"]),
+        "tie_word_embeddings": not meta["untie_embeddings_and_output_weights"],
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "torch_dtype": str(dtype).replace("torch.", ""),
+        "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
+        "pad_token_id": ids.get("pad_token_id"),
+    }
+
+
+class _ShardWriter:
+    def __init__(self, folder: str, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.pending, self.pending_bytes, self.files, self.weight_map = {}, 0, [], {}
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        tmp = os.path.join(self.folder, f"shard-{len(self.files):05d}.tmp")
+        save_file(self.pending, tmp, metadata={"format": "pt"})
+        self.files.append((tmp, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        n = len(self.files)
+        for i, (tmp, names) in enumerate(self.files):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, os.path.join(self.folder, final))
+            self.weight_map.update({k: final for k in names})
+        if n > 1:
+            with open(os.path.join(self.folder, "model.safetensors.index.json"), "w",
+                      encoding="utf-8") as f:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map},
+                          f, indent=2, sort_keys=True)
+
+
+def save_checkpoint(meta: dict, stream, args) -> str:
+    """Consume the loader's stream; write the HuggingFace folder ``args.save_dir``.
+
+    Raises:
+        ValueError: the true vocabulary size is unknown (padding rows would leak into the export),
+            or a target tensor/pipeline-parallel size other than 1 was asked for.
+        FileExistsError: ``--save-dir`` already holds a model.
+    """
+    if (args.target_tensor_parallel_size or 1) != 1 or (args.target_pipeline_parallel_size or 1) != 1:
+        raise ValueError("--saver hf writes one unsharded model: drop "
+                         "--target-tensor/pipeline-parallel-size")
+    if not meta.get("true_vocab_size"):
+        raise ValueError("the checkpoint does not store its true vocabulary size, so padding rows "
+                         "cannot be removed: pass --true-vocab-size N (the tokenizer's vocabulary)")
+    folder = args.save_dir
+    if os.path.exists(os.path.join(folder, "config.json")):
+        raise FileExistsError(f"--save-dir {folder} already holds a model; choose an empty folder")
+    os.makedirs(folder, exist_ok=True)
+    dtype = DTYPES[args.target_params_dtype or meta.get("params_dtype") or "fp32"]
+    writer = _ShardWriter(folder, args.max_shard_size)
+    layer = 0
+    for kind, payload in stream:
+        if kind == "embeddings":
+            writer.add("model.embed_tokens.weight", payload["word_embeddings"].to(dtype))
+        elif kind == "layer":
+            for key, name in _HF_LAYER.items():
+                writer.add(f"model.layers.{layer}.{name}", payload[key].to(dtype))
+            layer += 1
+        elif kind == "final":
+            writer.add("model.norm.weight", payload["final_norm"].to(dtype))
+            if payload["output_layer"] is not None:
+                writer.add("lm_head.weight", payload["output_layer"].to(dtype))
+    writer.finish()
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config(meta, dtype), f, indent=2)
+    _copy_tokenizer(args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model"),
+                    folder)
+    return folder
+
+
+def _copy_tokenizer(source, folder: str) -> None:
+    if not source:
+        print(" no tokenizer files copied (the source names none; pass --tokenizer-dir)")
+        return
+    if os.path.isfile(source):  # a SentencePiece model file
+        shutil.copy2(source, os.path.join(folder, "tokenizer.model"))
+        return
+    for name in TOKENIZER_FILES:
+        path = os.path.join(source, name)
+        if os.path.isfile(path):
+            shutil.copy2(path, os.path.join(folder, name))

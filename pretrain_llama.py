@@ -18,9 +18,6 @@ from megatron.core import parallel_state as ps
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
 
-_EOD = {"token": None}  # end-of-document id of the run's tokenizer, set by main()
-
-
 def model_provider(args, device, pre_process=True, post_process=True):
     """This pipeline stage of the LLaMA model (its share of layers, on ``device``)."""
     from megatron.config import build_model_config
@@ -69,13 +66,13 @@ def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_a
     return attention_mask, loss_mask, position_ids
 
 
-def get_batch(data_iterator, args, device):
+def get_batch(data_iterator, args, eod, device):
     """Next micro-batch: ``(tokens, labels, loss_mask, attention_mask, position_ids)`` on ``device``."""
     data = next(data_iterator)
     tokens_ = torch.as_tensor(data["text"]).long().to(device)
     tokens, labels = tokens_[:, :-1].contiguous(), tokens_[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, _EOD["token"], args.reset_position_ids, args.reset_attention_mask,
+        tokens, eod, args.reset_position_ids, args.reset_attention_mask,
         args.eod_mask_loss)
     return tokens, labels, loss_mask, attention_mask, position_ids
 
@@ -96,10 +93,11 @@ def loss_func(loss_mask, output_tensor):
     return loss[0], loss[1].detach().to(torch.int64), {"lm loss": (reporting[0], reporting[1])}
 
 
-def forward_step(args, data_iterator, model):
-    """One micro-batch forward: ``(output_tensor, loss_func)`` for the schedule."""
+def forward_step(args, eod, data_iterator, model):
+    """One micro-batch forward: ``(output_tensor, loss_func)`` for the schedule (``eod``: the
+    tokenizer's end-of-document id)."""
     device = next(model.parameters()).device
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args, device)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args, eod, device)
     output = model(tokens, position_ids, attention_mask,
                    labels=labels if ps.is_pipeline_last_stage() else None)
     return output, partial(loss_func, loss_mask)
@@ -132,13 +130,12 @@ def main(argv=None):
     from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 
     tokenizer = build_tokenizer(args)
-    _EOD["token"] = tokenizer.eod
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     if int(os.environ.get("RANK", "0")) == 0:
         for message in arguments.report_ignored_flags(args):
             print(f" WARNING: {message}", flush=True)
-    return pretrain(args, model_provider=model_provider, forward_step_func=partial(forward_step, args),
+    return pretrain(args, model_provider=model_provider, forward_step_func=partial(forward_step, args, tokenizer.eod),
                     datasets_provider=train_valid_test_datasets_provider)
 
 

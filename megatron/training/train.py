@@ -20,10 +20,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.training import builders
 from megatron.training.initialize import initialize_megatron, shutdown
-from megatron.training.microbatches import build_num_microbatches_calculator
 from megatron.training.logging import (TensorBoardLogger, format_iteration_line,
                                        format_validation_block, memory_report, print_rank_0,
                                        print_rank_last)
+from megatron.training.microbatches import build_num_microbatches_calculator
 
 
 @dataclass

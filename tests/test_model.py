@@ -257,7 +257,6 @@ def test_get_layer_numbers():
 
 @pytest.mark.parametrize("changes,match", [
     ({"num_attention_heads": 6, "num_query_groups": 4}, "--num-query-groups"),
-    ({"sequence_parallel": True}, "--sequence-parallel"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"tensor_model_parallel_size": 2}, "initialize_model_parallel"),
 ])

@@ -37,6 +37,14 @@ def _run(config, document_mask):
     # Position-dependent weights so that every gradient depends on every token differently.
     weights = torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)
     (loss * weights).sum().backward()
+    if model.sequence_parallel:
+        # What finalize_model_grads does: norm weights and row-parallel biases saw only this
+        # rank's sequence chunk, so their gradients are summed over the tensor-parallel group.
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        for p in model.parameters():
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
     params = {n: (p.detach().clone(), p.grad.clone(),
                   p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
               for n, p in model.named_parameters()}
@@ -46,15 +54,7 @@ def _run(config, document_mask):
 def _rank_main(tp, config, document_mask):
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tp, 1)
-    logits, loss, params = _run(config.replace(tensor_model_parallel_size=tp), document_mask)
-    # numpy travels by value; torch tensors would go through shared memory that dies with the child.
-    return logits.numpy(), loss.numpy(), {n: (w.numpy(), g.numpy(), d) for n, (w, g, d) in params.items()}
-
-
-def _from_numpy(result):
-    logits, loss, params = result
-    return (torch.from_numpy(logits), torch.from_numpy(loss),
-            {n: (torch.from_numpy(w), torch.from_numpy(g), d) for n, (w, g, d) in params.items()})
+    return _run(config.replace(tensor_model_parallel_size=tp), document_mask)
 
 
 def _logical(name, full, config, tp):
@@ -68,11 +68,15 @@ def _logical(name, full, config, tp):
     (2, {}, True),
     (4, {"num_query_groups": 4}, False),
     (2, {"untie_embeddings_and_output_weights": False, "add_bias_linear": True}, False),
-], ids=["tp2-gqa-document-mask", "tp4-gqa", "tp2-tied-bias"])
+    (2, {"sequence_parallel": True, "add_bias_linear": True}, True),
+    (4, {"sequence_parallel": True, "untie_embeddings_and_output_weights": False,
+         "num_query_groups": 4}, False),
+], ids=["tp2-gqa-document-mask", "tp4-gqa", "tp2-tied-bias", "tp2-sequence-parallel-bias",
+        "tp4-sequence-parallel-tied"])
 def test_tensor_parallel_equals_tp1(tp, changes, document_mask):
     config = small_config(**changes)
     ref_logits, ref_loss, ref_params = _run(config, document_mask)
-    results = [_from_numpy(r) for r in run_distributed(tp, _rank_main, tp, config, document_mask)]
+    results = run_distributed(tp, _rank_main, tp, config, document_mask)
 
     logits = torch.cat([r[0] for r in results], dim=-1)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
@@ -95,3 +99,28 @@ def test_tensor_parallel_equals_tp1(tp, changes, document_mask):
             for got, want in zip(_logical(name, full, config, tp), _logical(name, ref, config, 1)):
                 torch.testing.assert_close(got, want, atol=atol, rtol=0 if i == 0 else 1e-4,
                                            msg=f"{what} of {name}")
+
+
+def _stages_rank_main(tp, config):
+    from megatron.core import parallel_state
+    from megatron.model import get_layer_numbers
+    from megatron.model.llama import LlamaModel
+    parallel_state.initialize_model_parallel(tp, 1)
+    config = config.replace(tensor_model_parallel_size=tp)
+    tokens, positions, mask, labels = _inputs(config, document_mask=True)
+    whole = LlamaModel(config)
+    first, last = (LlamaModel(config, pre_process=r == 0, post_process=r == 1,
+                              layer_numbers=get_layer_numbers(config.num_layers, 2, r)) for r in range(2))
+    with torch.no_grad():
+        hidden = first(tokens, positions, mask)
+        last.set_input_tensor(hidden)
+        return tuple(hidden.shape), last(None, positions, mask, labels=labels), whole(tokens, positions, mask, labels=labels)
+
+
+def test_sequence_parallel_pipeline_stages_pass_sequence_chunks():
+    """With sequence parallelism a stage hands on its [s/T, b, h] chunk and the next stage still
+    sees the full sequence's positions: the stages compose to the whole model."""
+    config = small_config(sequence_parallel=True, untie_embeddings_and_output_weights=False)
+    for shape, staged, whole in run_distributed(2, _stages_rank_main, 2, config):
+        assert shape == (12, 2, config.hidden_size)
+        torch.testing.assert_close(staged, whole, atol=1e-6, rtol=1e-6)

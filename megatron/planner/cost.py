@@ -1,0 +1,186 @@
+"""Enumerate (TP, PP, DP, micro-batch, recompute, sequence parallel, distributed optimizer) layouts
+and rank the ones that fit by an estimated iteration time.
+
+The cost model (deliberately simple; every term is printed so a user can disagree with it):
+
+* compute: Megatron's model FLOPs of the iteration (:func:`megatron.model.flops.num_floating_point_operations`)
+  plus recompute FLOPs (full: one more forward of the layers, i.e. 1/3 of their training FLOPs;
+  selective: the attention core's forward), divided by ``gpus * peak * mfu``;
+* pipeline bubble: compute time of one pipeline rank times ``(p - 1) / m``, i.e. the bubble is
+  ``(p - 1) / (m + p - 1)`` of the iteration (Narayanan et al. 2021, section 2.2);
+* tensor-parallel communication, fully exposed: per layer and micro-batch 4 ring all-reduces
+  (2 forward, 2 backward; 2 more forward with full recompute) of ``s * b * h`` activations, or the
+  equivalent all-gather / reduce-scatter pairs with sequence parallelism, each moving
+  ``2 (t - 1) / t`` of the bytes at the intra-node bandwidth;
+* pipeline point-to-point: ``2 (m + p - 1)`` transfers of ``s * b * h`` activations on the
+  critical path, at the inter-node bandwidth when stages span nodes;
+* data-parallel gradient reduction once per iteration: a ring all-reduce of the fp32 grad buffer
+  (``2 (d - 1) / d * 4 Psi`` bytes), or with the distributed optimizer a reduce-scatter of fp32
+  gradients plus an all-gather of the parameters (``(d - 1) / d * (4 + e) Psi``); the backward of
+  the last micro-batch hides it (overlap) and the rest is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
+
+from megatron.config import ModelConfig
+from megatron.model.flops import num_floating_point_operations
+from megatron.tokenizer.tokenizer import vocab_size_with_padding
+from megatron.planner.memory import RECOMPUTE_CHOICES, MemoryEstimate, estimate_memory, param_numels
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The cluster: GPUs per node, memory (bytes) and dense bf16 peak (FLOP/s) per GPU, assumed
+    MFU, link bandwidths (bytes/s per GPU) and memory kept back for the CUDA context, NCCL
+    buffers and allocator fragmentation (bytes)."""
+
+    num_gpus: int
+    gpu_memory: float
+    peak_flops: float = 989e12
+    mfu: float = 0.45
+    gpus_per_node: int = 8
+    intra_node_bandwidth: float = 200e9
+    inter_node_bandwidth: float = 25e9
+    reserved_memory: float = 4 * 2 ** 30
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_microbatches: int
+    recompute: str
+    sequence_parallel: bool
+    use_distributed_optimizer: bool
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout's memory and iteration time (seconds) split into its terms."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    fits: bool
+
+    @property
+    def iteration_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+
+
+def _divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tensor_parallel_sizes(config: ModelConfig, gpus_per_node: int) -> List[int]:
+    """TP sizes that split heads, groups and the ffn evenly and stay inside one node."""
+    return [t for t in _divisors(gpus_per_node) if config.num_attention_heads % t == 0
+            and config.num_query_groups % t == 0 and config.ffn_hidden_size % t == 0]
+
+
+def config_for_tp(config: ModelConfig, tp: int, vocab_size: Optional[int],
+                  make_vocab_size_divisible_by: int = 128) -> ModelConfig:
+    """``config`` with the vocabulary padded for ``tp`` as the tokenizer pads it
+    (``vocab_size_with_padding``); unchanged when ``vocab_size`` is None."""
+    if vocab_size is None:
+        return config
+    return config.replace(padded_vocab_size=vocab_size_with_padding(
+        vocab_size, make_vocab_size_divisible_by, tp))
+
+
+def enumerate_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int) -> Iterator[Layout]:
+    """Every layout with TP x PP x DP = GPUs, layers divisible by PP, global batch divisible by
+    micro-batch x DP, micro-batch a power of two."""
+    for tp in tensor_parallel_sizes(config, min(hw.gpus_per_node, hw.num_gpus)):
+        for pp in _divisors(hw.num_gpus // tp) if hw.num_gpus % tp == 0 else []:
+            if config.num_layers % pp:
+                continue
+            dp = hw.num_gpus // (tp * pp)
+            if global_batch_size % dp:
+                continue
+            per_replica = global_batch_size // dp
+            mbs = 1
+            while mbs <= per_replica:
+                if per_replica % mbs == 0:
+                    for recompute in RECOMPUTE_CHOICES:
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for dist_opt in ((False, True) if dp > 1 else (False,)):
+                                yield Layout(tp, pp, dp, mbs, per_replica // mbs, recompute, sp, dist_opt)
+                mbs *= 2
+
+
+def _ring(bytes_: float, n: int, bandwidth: float, factor: float = 2.0) -> float:
+    return factor * (n - 1) / n * bytes_ / bandwidth if n > 1 else 0.0
+
+
+def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
+             bf16: bool = True, bucket_size: Optional[int] = None) -> Estimate:
+    """Memory and iteration time of ``layout`` under the module's cost model."""
+    L = layout
+    e = 2 if bf16 else 4
+    gbs = L.micro_batch_size * L.num_microbatches * L.dp
+    flops = num_floating_point_operations(config, gbs, seq_length)
+    layer_flops = num_floating_point_operations(config.replace(padded_vocab_size=0), gbs, seq_length)
+    if L.recompute == "full":
+        flops += layer_flops / 3
+    elif L.recompute == "selective":  # forward of scores and context: 4 s^2 (n d) per layer and sample
+        flops += 4.0 * gbs * seq_length ** 2 * config.num_attention_heads * config.kv_channels * config.num_layers
+    compute = flops / (hw.num_gpus * hw.peak_flops * hw.mfu)
+    bubble = compute * (L.pp - 1) / L.num_microbatches
+
+    act_bytes = seq_length * L.micro_batch_size * config.hidden_size * e
+    collectives = 4 + (2 if L.recompute == "full" else 0)
+    tp_comm = (config.num_layers // L.pp) * L.num_microbatches * collectives * _ring(act_bytes, L.tp, hw.intra_node_bandwidth)
+    # Pipeline neighbours are TP x DP ranks apart (Megatron's rank order).
+    stages_cross_nodes = hw.num_gpus > hw.gpus_per_node and L.tp * L.dp >= hw.gpus_per_node
+    pp_bw = hw.inter_node_bandwidth if stages_cross_nodes else hw.intra_node_bandwidth
+    pp_comm = 2 * (L.num_microbatches + L.pp - 1) * act_bytes / pp_bw if L.pp > 1 else 0.0
+
+    psi = sum(max((param_numels(config, L.tp, L.pp, r) for r in {0, L.pp - 1}), key=sum))
+    dp_bw = hw.intra_node_bandwidth if L.tp * L.dp <= hw.gpus_per_node else hw.inter_node_bandwidth
+    if L.use_distributed_optimizer:
+        dp_total = _ring((4 + e) * psi, L.dp, dp_bw, factor=1.0)
+    else:
+        dp_total = _ring(4 * psi, L.dp, dp_bw)
+    last_backward = compute / L.num_microbatches * 2 / 3  # backward of the last micro-batch
+    dp_comm = max(0.0, dp_total - last_backward)
+
+    mem = estimate_memory(config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=seq_length,
+                          micro_batch_size=L.micro_batch_size, num_microbatches=L.num_microbatches,
+                          bf16=bf16, sequence_parallel=L.sequence_parallel, recompute=L.recompute,
+                          use_distributed_optimizer=L.use_distributed_optimizer, bucket_size=bucket_size)
+    fits = mem.total + hw.reserved_memory <= hw.gpu_memory
+    return Estimate(L, mem, compute, bubble, tp_comm, pp_comm, dp_comm, fits)
+
+
+def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_length: int,
+                 bf16: bool = True, allow_sequence_parallel: bool = True,
+                 vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128
+                 ) -> List[Estimate]:
+    """Feasible layouts, fastest first (ties: less memory first).
+
+    ``vocab_size`` (unpadded) re-pads the vocabulary for each TP size, as training would;
+    without it ``config.padded_vocab_size`` is used for every layout.
+
+    Raises:
+        ValueError: when no layout exists at all for these sizes (e.g. a global batch that no
+            data-parallel size divides), naming the flags to change.
+    """
+    layouts = [l for l in enumerate_layouts(config, hw, global_batch_size)
+               if allow_sequence_parallel or not l.sequence_parallel]
+    if not layouts:
+        raise ValueError(f"no TP x PP x DP layout of {hw.num_gpus} GPUs divides --num-layers "
+                         f"({config.num_layers}) and --global-batch-size ({global_batch_size}); "
+                         "change --num-gpus or --global-batch-size")
+    results = [estimate(config_for_tp(config, l.tp, vocab_size, make_vocab_size_divisible_by),
+                        l, hw, seq_length, bf16) for l in layouts]
+    return sorted((r for r in results if r.fits), key=lambda r: (r.iteration_s, r.memory.total))

@@ -1,0 +1,218 @@
+"""Per-rank memory of a LLaMA training layout: parameters, gradients, optimizer state, activations.
+
+Parameters, gradient buffers and optimizer state are counted exactly as this codebase allocates
+them (``LlamaModel``'s parameters in registration order, the DDP grad buffer's DP-padded buckets,
+torch AdamW's state). Activations follow Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (section 4, equations 1-5), adapted to what our LLaMA
+layer saves for backward: RMSNorm instead of LayerNorm (fp32 statistics), SwiGLU instead of GeLU,
+grouped-query attention, SDPA/flash attention (no ``s x s`` scores or softmax stored, a
+log-sum-exp per head and token instead), no dropout masks when dropout is 0.
+
+Units: bytes unless a name says elements. Shapes: s = sequence, b = micro-batch, h = hidden,
+f = ffn hidden, n / g = query heads / key-value groups, d = per-head width, v = padded vocabulary,
+t = tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megatron.config import ModelConfig
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def param_numels(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0) -> List[int]:
+    """Element counts of one rank's parameters, in ``LlamaModel``'s registration order.
+
+    Args:
+        config: the whole model (its ``tensor_model_parallel_size`` is ignored; ``tp`` is used).
+        tp / pp: tensor- and pipeline-parallel sizes; pp_rank: the pipeline stage.
+
+    Returns:
+        One entry per parameter tensor of the stage on one tensor-parallel rank.
+    """
+    h, f, d, v = config.hidden_size, config.ffn_hidden_size, config.kv_channels, config.padded_vocab_size
+    nh, ng = config.num_attention_heads, config.num_query_groups
+    bias = config.add_bias_linear
+    layers = config.num_layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    numels = []
+    if first:
+        numels.append(v // tp * h)
+    qkv_out = (nh + 2 * ng) * d // tp
+    for _ in range(layers):
+        numels.append(h)                                    # input_layernorm
+        numels += [qkv_out * h] + ([qkv_out] if bias else [])
+        numels += [h * nh * d // tp] + ([h] if bias else [])  # row-parallel bias is replicated
+        numels.append(h)                                    # post_attention_layernorm
+        numels += [2 * f // tp * h] + ([2 * f // tp] if bias else [])
+        numels += [h * f // tp] + ([h] if bias else [])
+    if last:
+        numels.append(h)                                    # final_layernorm
+        if config.untie_embeddings_and_output_weights or not first:
+            numels.append(v // tp * h)                      # output layer or tied copy
+    return numels
+
+
+def grad_buffer_numel(numels: List[int], dp: int, bucket_size: Optional[int] = None) -> int:
+    """Elements of the DDP gradient buffer: buckets closed at ``bucket_size`` elements (None: the
+    DDP default ``max(40e6, 1e6 * dp)``), each padded to a multiple of ``dp``, parameters laid out
+    in reverse registration order (``ParamAndGradBuffer``'s layout)."""
+    if bucket_size is None:
+        bucket_size = max(40_000_000, 1_000_000 * dp)
+    start = cursor = 0
+    for n in reversed(numels):
+        cursor += n
+        if cursor - start >= bucket_size:
+            cursor = -(-cursor // dp) * dp
+            start = cursor
+    if cursor > start:
+        cursor = -(-cursor // dp) * dp
+    return cursor
+
+
+def optimizer_state_bytes(numels: List[int], *, mixed_precision: bool, distributed: bool = False,
+                          dp: int = 1, bucket_size: Optional[int] = None) -> int:
+    """AdamW state of one rank.
+
+    Without the distributed optimizer: torch AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32,
+    8 bytes per element), its per-tensor ``step`` (a 4-byte fp32 scalar per parameter tensor),
+    and, for bf16/fp16 models, the fp32 main parameters (4 bytes per element). With it
+    (issue 4's accounting): ``8 * Psi_pad / N`` bytes, ``12 * Psi_pad / N`` with mixed precision,
+    where ``Psi_pad`` is the padded grad buffer.
+    """
+    per_element = 12 if mixed_precision else 8
+    if distributed:
+        return per_element * grad_buffer_numel(numels, dp, bucket_size) // dp
+    return per_element * sum(numels) + 4 * len(numels)
+
+
+def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int,
+                               *, sequence_parallel: bool = False, recompute: str = "none",
+                               dtype_bytes: int = 2) -> int:
+    """Bytes one transformer layer saves for backward for one micro-batch on one rank.
+
+    Korthikanti et al.'s ``sbh(34 + 5as/h)`` term by term, for our layer (element size e):
+
+    * each RMSNorm: its input in fp32 (``4sbh``), fp32 ``1/rms`` (``4sb``), the normalised value
+      (``e sbh``, kept for the weight gradient), and its output, the next linear's input (``e sbh``);
+    * attention (GQA, n != g): rotated queries, keys and values repeated to n heads, the output
+      (``4 e sbnd / t``) plus an fp32 log-sum-exp per head and token (``4bns / t``); for MHA
+      (n == g) the keys are the rotated ``k`` and the values a view of the QKV output
+      (``e sb(4n + 2g)d / t``); bf16 casts of the rotary tables (``4 e sbd``) when e != 4;
+    * SwiGLU: the fused gate/up output (``2 e sbf / t``), ``silu(gate)`` and the product
+      (``2 e sbf / t``);
+    * dropout masks (1 byte per element, two of ``sbh``) only when ``hidden_dropout > 0``.
+
+    Sequence parallelism divides the ``sbh`` terms by t (column linears keep the un-gathered
+    input, as Megatron). Selective recompute (attention core, SwiGLU activation and norms
+    recomputed) keeps the layer input, the QKV output, the attention output, the gate/up
+    output and the SwiGLU product. Full recompute keeps the layer input only (``e sbh``, /t with
+    sequence parallelism); the one layer rebuilt during backward is added by
+    :func:`stage_activation_bytes`.
+
+    Raises:
+        ValueError: an unknown ``recompute``.
+    """
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE_CHOICES}")
+    s, b, e, t = seq_length, micro_batch_size, dtype_bytes, tp
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    n, g = config.num_attention_heads // t, config.num_query_groups // t
+    sbh = s * b * h / (t if sequence_parallel else 1)
+    sb = s * b / (t if sequence_parallel else 1)
+    if recompute == "full":
+        return int(e * sbh)
+    if recompute == "selective":
+        return int(e * sbh * 2 + e * s * b * (n + 2 * g) * d + e * s * b * n * d + 3 * e * s * b * f // t)
+    norms = 2 * (4 * sbh + 4 * sb + 2 * e * sbh)
+    heads = 4 * n if g != n else 4 * n + 2 * g
+    attention = e * s * b * heads * d + 4 * b * n * s + (4 * e * s * b * d if e != 4 else 0)
+    mlp = 4 * e * s * b * f // t
+    dropout = 2 * sbh if config.hidden_dropout > 0 else 0
+    return int(norms + attention + mlp + dropout)
+
+
+def head_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int,
+                          dtype_bytes: int = 2) -> int:
+    """Last stage: the final RMSNorm (as in a layer), the vocab-parallel cross entropy's fp32
+    softmax ``4sbv/t`` and its target mask and ids (``9sb``)."""
+    s, b, e, h = seq_length, micro_batch_size, dtype_bytes, config.hidden_size
+    norm = 4 * s * b * h + 4 * s * b + 2 * e * s * b * h
+    return int(norm + 4 * s * b * config.padded_vocab_size // tp + 9 * s * b)
+
+
+def in_flight_microbatches(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches (in units of a whole stage's layers) the first pipeline stage holds at the
+    peak of 1F1B: ``min(pp, m)``; interleaved with v chunks: ``pp * (1 + (pp - 1) / (pp * v))``
+    (Korthikanti et al. section 4.2.3), capped at all m micro-batches."""
+    if virtual_stages <= 1:
+        return float(min(pp, num_microbatches))
+    peak = pp * (1 + (pp - 1) / (pp * virtual_stages))
+    return min(peak, float(num_microbatches))
+
+
+def stage_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int, pp: int,
+                           num_microbatches: int, *, sequence_parallel: bool = False,
+                           recompute: str = "none", dtype_bytes: int = 2) -> int:
+    """Peak activation bytes of the busiest rank (the first stage for pp > 1; the single stage
+    holds the head too when pp == 1)."""
+    layers = config.num_layers // pp
+    per_layer = activation_bytes_per_layer(config, seq_length, micro_batch_size, tp,
+                                           sequence_parallel=sequence_parallel, recompute=recompute,
+                                           dtype_bytes=dtype_bytes)
+    total = per_layer * layers * in_flight_microbatches(pp, num_microbatches)
+    if recompute == "full":  # one layer rebuilt with all its intermediates during backward
+        total += activation_bytes_per_layer(config, seq_length, micro_batch_size, tp,
+                                            sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes)
+    if pp == 1:
+        total += head_activation_bytes(config, seq_length, micro_batch_size, tp, dtype_bytes)
+    return int(total)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank of one layout (the busiest pipeline stage)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    optimizer_distributed: int
+    activations: int
+    use_distributed_optimizer: bool
+
+    @property
+    def total(self) -> int:
+        opt = self.optimizer_distributed if self.use_distributed_optimizer else self.optimizer
+        return self.parameters + self.gradients + opt + self.activations
+
+
+def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_length: int,
+                    micro_batch_size: int, num_microbatches: int, bf16: bool = True,
+                    sequence_parallel: bool = False, recompute: str = "none",
+                    use_distributed_optimizer: bool = False,
+                    bucket_size: Optional[int] = None) -> MemoryEstimate:
+    """Per-rank memory of the busiest stage: the max over stages of weights + optimizer (the
+    first or last stage, which hold the embedding / output layer) with the first stage's
+    activations (the most in-flight micro-batches)."""
+    e = 2 if bf16 else 4
+    stages = [param_numels(config, tp, pp, r) for r in sorted({0, pp - 1})]
+    numels = max(stages, key=sum)
+    grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer
+    act = stage_activation_bytes(config, seq_length, micro_batch_size, tp, pp, num_microbatches,
+                                 sequence_parallel=sequence_parallel, recompute=recompute,
+                                 dtype_bytes=e)
+    if pp > 1:  # the last stage holds the head's activations for its micro-batch
+        last = (activation_bytes_per_layer(config, seq_length, micro_batch_size, tp,
+                                           sequence_parallel=sequence_parallel, recompute=recompute,
+                                           dtype_bytes=e) * (config.num_layers // pp)
+                + head_activation_bytes(config, seq_length, micro_batch_size, tp, e))
+        act = max(act, last)
+    return MemoryEstimate(
+        parameters=e * sum(numels), gradients=grads,
+        optimizer=optimizer_state_bytes(numels, mixed_precision=bf16),
+        optimizer_distributed=optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True,
+                                                    dp=dp, bucket_size=bucket_size),
+        activations=act, use_distributed_optimizer=use_distributed_optimizer)

@@ -1,0 +1,208 @@
+"""Plan a LLaMA training layout before launching: per-rank memory and the fastest layouts that fit.
+
+Example (LLaMA-2 7B on 8 x 80 GB)::
+
+    python tools/plan.py --hf-config path/to/config.json --num-gpus 8 --gpu-memory-gib 80 \\
+        --global-batch-size 256 --seq-length 4096
+
+or with Megatron's model flags (``--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008
+--num-attention-heads 32 --vocab-size 32000 ...``). It prints the ranked layouts (TP, PP, DP,
+micro-batch, recompute, sequence parallel, distributed optimizer) with their estimated memory and
+iteration time, the memory breakdown of the best one for every recompute / sequence-parallel
+setting, and the launch flags of the best one. The memory and cost models are documented in
+``megatron/planner/memory.py`` and ``megatron/planner/cost.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.config import ModelConfig  # noqa: E402
+from megatron.planner.cost import Hardware, config_for_tp, rank_layouts  # noqa: E402
+from megatron.planner.memory import RECOMPUTE_CHOICES, estimate_memory  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def get_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    m = p.add_argument_group("model (Megatron flags, or --hf-config)")
+    m.add_argument("--hf-config", help="a HuggingFace LLaMA config.json (overrides the model flags)")
+    m.add_argument("--num-layers", type=int)
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--ffn-hidden-size", type=int)
+    m.add_argument("--num-attention-heads", type=int)
+    m.add_argument("--num-query-groups", type=int, default=None, help="GQA groups (default: heads)")
+    m.add_argument("--kv-channels", type=int, default=None)
+    m.add_argument("--vocab-size", type=int, default=32000, help="unpadded tokenizer vocabulary")
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    t = p.add_argument_group("training")
+    t.add_argument("--global-batch-size", type=int, required=True)
+    t.add_argument("--seq-length", type=int, required=True)
+    t.add_argument("--fp32", action="store_true", help="fp32 model (default: --bf16)")
+    t.add_argument("--no-sequence-parallel", action="store_true", help="do not consider --sequence-parallel")
+    h = p.add_argument_group("hardware and cost model")
+    h.add_argument("--num-gpus", type=int, required=True)
+    h.add_argument("--gpus-per-node", type=int, default=8)
+    h.add_argument("--gpu-memory-gib", type=float, required=True)
+    h.add_argument("--reserved-gib", type=float, default=4.0,
+                   help="kept back for CUDA context, NCCL buffers, fragmentation (GiB)")
+    h.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100: 989)")
+    h.add_argument("--mfu", type=float, default=0.45, help="assumed model FLOP utilisation of compute")
+    h.add_argument("--intra-node-bandwidth", type=float, default=200.0, help="GB/s per GPU (NVLink)")
+    h.add_argument("--inter-node-bandwidth", type=float, default=25.0, help="GB/s per GPU (network)")
+    p.add_argument("--top", type=int, default=10, help="layouts to list")
+    args = p.parse_args(argv)
+    if args.hf_config is None:
+        missing = [f for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+                   if getattr(args, f) is None]
+        if missing:
+            p.error("give --hf-config or the model flags; missing: "
+                    + ", ".join("--" + f.replace("_", "-") for f in missing))
+    for flag in ("num_gpus", "global_batch_size", "seq_length"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    if not 0 < args.mfu <= 1:
+        p.error(f"--mfu ({args.mfu}) must be in (0, 1]")
+    return args
+
+
+def model_from_hf_config(path: str) -> tuple:
+    """``(ModelConfig, vocab_size)`` from a HuggingFace LLaMA ``config.json``.
+
+    Raises:
+        ValueError: the file lacks a field a LLaMA config has, naming it and the file.
+    """
+    with open(path) as f:
+        hf = json.load(f)
+    try:
+        heads = hf["num_attention_heads"]
+        config = ModelConfig(
+            num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+            ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+            num_query_groups=hf.get("num_key_value_heads", heads),
+            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+            padded_vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
+    except KeyError as err:
+        raise ValueError(f"{path}: missing {err.args[0]!r}; expected a LLaMA config.json "
+                         "(num_hidden_layers, hidden_size, intermediate_size, num_attention_heads, "
+                         "vocab_size)") from None
+    return config, hf["vocab_size"]
+
+
+def model_from_args(args) -> tuple:
+    if args.hf_config:
+        return model_from_hf_config(args.hf_config)
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, padded_vocab_size=args.vocab_size,
+        max_position_embeddings=args.seq_length,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights), args.vocab_size
+
+
+def launch_flags(config: ModelConfig, est, args) -> str:
+    """The layout and model flags for ``pretrain_llama.py`` (data, tokenizer, lr left to the user)."""
+    L = est.layout
+    flags = [f"--tensor-model-parallel-size {L.tp}", f"--pipeline-model-parallel-size {L.pp}",
+             f"--micro-batch-size {L.micro_batch_size}", f"--global-batch-size {args.global_batch_size}",
+             f"--seq-length {args.seq_length}", f"--num-layers {config.num_layers}",
+             f"--hidden-size {config.hidden_size}", f"--ffn-hidden-size {config.ffn_hidden_size}",
+             f"--num-attention-heads {config.num_attention_heads}"]
+    if config.num_query_groups != config.num_attention_heads:
+        flags += ["--group-query-attention", f"--num-query-groups {config.num_query_groups}"]
+    if config.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    if not args.fp32:
+        flags.append("--bf16")
+    if L.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if L.recompute != "none":
+        flags.append(f"--recompute-granularity {L.recompute}")
+        if L.recompute == "full":
+            flags += ["--recompute-method uniform", "--recompute-num-layers 1"]
+    if L.use_distributed_optimizer:
+        flags += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    return " \\\n    ".join(flags)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:7.2f}"
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    try:
+        config, vocab = model_from_args(args)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    hw = Hardware(num_gpus=args.num_gpus, gpu_memory=args.gpu_memory_gib * GIB,
+                  peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, gpus_per_node=args.gpus_per_node,
+                  intra_node_bandwidth=args.intra_node_bandwidth * 1e9,
+                  inter_node_bandwidth=args.inter_node_bandwidth * 1e9,
+                  reserved_memory=args.reserved_gib * GIB)
+    bf16 = not args.fp32
+    try:
+        ranked = rank_layouts(config, hw, args.global_batch_size, args.seq_length, bf16,
+                              allow_sequence_parallel=not args.no_sequence_parallel,
+                              vocab_size=vocab, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    tokens = args.global_batch_size * args.seq_length
+    print(f"model: {config.num_layers} layers, hidden {config.hidden_size}, ffn {config.ffn_hidden_size}, "
+          f"{config.num_attention_heads} heads / {config.num_query_groups} groups, vocab {vocab}; "
+          f"{args.num_gpus} GPUs x {args.gpu_memory_gib:g} GiB ({args.reserved_gib:g} reserved); "
+          f"global batch {args.global_batch_size} x {args.seq_length} tokens, {'bf16' if bf16 else 'fp32'}")
+    if not ranked:
+        print("no layout fits: add GPUs, lower --seq-length, or use GPUs with more memory")
+        return 1
+    print(f"\n{len(ranked)} layouts fit; the fastest {min(args.top, len(ranked))} "
+          "(memory in GiB per rank, time in s per iteration):")
+    print("  TP  PP  DP  mbs    m  recompute  SP  distopt |  params   grads   optim    acts   total"
+          " |  iter_s  bubble  tp_comm  dp_comm  tokens/s/GPU")
+    for r in ranked[:args.top]:
+        L, m = r.layout, r.memory
+        opt = m.optimizer_distributed if L.use_distributed_optimizer else m.optimizer
+        print(f"{L.tp:4d}{L.pp:4d}{L.dp:4d}{L.micro_batch_size:5d}{L.num_microbatches:5d}  {L.recompute:>9}"
+              f"  {'y' if L.sequence_parallel else 'n':>2}  {'y' if L.use_distributed_optimizer else 'n':>7} |"
+              f"{_gib(m.parameters)} {_gib(m.gradients)} {_gib(opt)} {_gib(m.activations)} {_gib(m.total)} |"
+              f"{r.iteration_s:8.3f}{r.bubble_s:8.3f}{r.tp_comm_s:9.3f}{r.dp_comm_s:9.3f}"
+              f"{tokens / r.iteration_s / args.num_gpus:14.0f}")
+
+    best = ranked[0]
+    L = best.layout
+    tp_config = config_for_tp(config, L.tp, vocab, args.make_vocab_size_divisible_by)
+    print(f"\nmemory per rank of the best layout's TP={L.tp} PP={L.pp} DP={L.dp} micro-batch "
+          f"{L.micro_batch_size} (GiB; busiest stage, {min(L.pp, L.num_microbatches)} micro-batches in flight):")
+    print(f"  parameters {_gib(best.memory.parameters)}   gradients (fp32 buffer) {_gib(best.memory.gradients)}"
+          f"   optimizer {_gib(best.memory.optimizer)} plain / {_gib(best.memory.optimizer_distributed)} distributed")
+    print("  activations:  recompute   no SP      SP")
+    for recompute in RECOMPUTE_CHOICES:
+        row = []
+        for sp in (False, True):
+            if sp and L.tp == 1:
+                row.append("      -")
+                continue
+            row.append(_gib(estimate_memory(tp_config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=args.seq_length,
+                                            micro_batch_size=L.micro_batch_size,
+                                            num_microbatches=L.num_microbatches, bf16=bf16,
+                                            sequence_parallel=sp, recompute=recompute).activations))
+        print(f"  {recompute:>22} {row[0]} {row[1]}")
+    print(f"\nestimated iteration {best.iteration_s:.3f} s = compute {best.compute_s:.3f} + bubble "
+          f"{best.bubble_s:.3f} + TP {best.tp_comm_s:.3f} + PP {best.pp_comm_s:.3f} + DP {best.dp_comm_s:.3f}")
+    print("\nlaunch flags of the best layout:\n    " + launch_flags(config, best, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,9 @@ One file per (tensor rank, pipeline rank), written by data-parallel rank 0. It h
 (``model0``, ``model1``, ... with virtual stages), ``optimizer``, ``opt_param_scheduler``,
 ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``, ``args`` (a dict of plain
 JSON-compatible values, so ``torch.load(weights_only=True)`` reads it), ``rng_state`` and
-``checkpoint_version`` 3.0.
+``checkpoint_version`` 3.0. With ``--use-distributed-optimizer`` every data-parallel rank also
+writes its optimizer shard ``distrib_optim_dp_DDD.pt`` beside it (per parameter name and element
+range, so a load at another DP size re-cuts the shards); ``optimizer`` then holds the common part.
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a temporary name,
 flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name
@@ -41,6 +43,12 @@ class CheckpointError(RuntimeError):
 
 
 # Names ------------------------------------------------------------------------------------------
+
+def distrib_optim_filename(data_parallel_rank) -> str:
+    """The distributed optimizer's shard file of one DP rank, beside ``model_optim_rng.pt``."""
+    rank = data_parallel_rank if isinstance(data_parallel_rank, str) else f"{data_parallel_rank:03d}"
+    return f"distrib_optim_dp_{rank}.pt"
+
 
 def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
     return os.path.join(checkpoints_path, TRACKER_FILENAME)
@@ -185,6 +193,16 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     dist.barrier()
 
     error = None
+    for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
+        getattr(chunk, "finish_param_sync", lambda: None)()
+    if hasattr(optimizer, "parameter_state"):  # distributed optimizer: one file per DP rank
+        shard = os.path.join(os.path.dirname(get_checkpoint_name(save_dir, iteration)).replace(
+            final_dir, staging, 1), distrib_optim_filename(parallel_state.get_data_parallel_rank()))
+        try:
+            os.makedirs(os.path.dirname(shard), exist_ok=True)
+            _write_atomic(optimizer.parameter_state(), shard)
+        except OSError as exc:
+            error = f"rank {rank} could not write {shard}: {exc}"
     if parallel_state.get_data_parallel_rank() == 0:
         state = {
             "args": args_to_dict(args), "checkpoint_version": CHECKPOINT_VERSION,
@@ -215,6 +233,19 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     return final_dir
 
 
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
 def _publish(save_dir, staging, final_dir, iteration, keep_last) -> None:
     """Rename the staged folder into place, then replace the tracker atomically."""
     old = final_dir + ".old"
@@ -230,6 +261,7 @@ def _publish(save_dir, staging, final_dir, iteration, keep_last) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, tracker)
+    _fsync_dir(save_dir)  # make the renames themselves durable
     if keep_last:
         for d in complete_checkpoints(save_dir)[:-keep_last]:
             if d != final_dir:
@@ -318,6 +350,9 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
     if not weights_only and not getattr(args, "no_load_optim", False):
         if optimizer is not None and state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
+            if hasattr(optimizer, "load_parameter_state"):  # re-cut at this run's DP size
+                optimizer.load_parameter_state(sorted(glob.glob(os.path.join(
+                    os.path.dirname(path), distrib_optim_filename("*")))))
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     if not weights_only and not getattr(args, "no_load_rng", False) and state.get("rng_state"):

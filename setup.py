@@ -18,6 +18,7 @@ setup(
         "safetensors",
         "tensorboard",
         "tqdm",
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers"],

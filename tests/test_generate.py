@@ -1,6 +1,8 @@
 """Text generation: greedy decoding with the KV cache at TP x PP equals transformers' generate on
 the exported model token for token; sampling filters behave."""
 
+import os
+
 import pytest
 import torch
 
@@ -77,3 +79,22 @@ def test_sample_filters():
     assert all((draws[:, i:i + 1] == top3[i]).any(-1).all() for i in range(4))
     with pytest.raises(ValueError, match="temperature"):
         sample(logits, temperature=0.0)
+
+
+def test_generate_tool_prints_greedy_sample(tmp_path, shared_data):
+    """tools/generate.py end to end (one process) with the SentencePiece tokenizer."""
+    import subprocess
+    import sys
+
+    make_hf(str(tmp_path / "hf"), vocab=32000)
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", tmp_path / "hf", "--save-dir",
+            tmp_path / "ckpt")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "tools", "generate.py"), "--load", str(tmp_path / "ckpt"),
+           "--prompt", "To be, or not", "--max-new-tokens", "8", "--greedy",
+           "--tokenizer-type", "Llama2Tokenizer",
+           "--tokenizer-model", os.path.join(shared_data, "sentencepiece-llama-32k.model")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--- sample ---\nTo be, or not" in out.stdout

@@ -1,0 +1,83 @@
+"""Sample continuations of prompts from a checkpoint at its TP/PP layout, with a KV cache.
+
+Usage (TP x PP processes; the checkpoint's layout, or reshard it first with
+``tools/checkpoint/convert.py --loader megatron --saver megatron``)::
+
+    torchrun --nproc-per-node 4 tools/generate.py --load ckpt --prompt "To be, or not" \\
+        --max-new-tokens 64 --greedy
+    python tools/generate.py --load ckpt --prompt "ROMEO:" --temperature 0.8 --top-k 40 --top-p 0.9
+
+The tokenizer comes from the checkpoint's stored ``--tokenizer-type`` / ``--tokenizer-model`` unless
+given here. Rank 0 prints one sample per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint folder (with the tracker file)")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    p.add_argument("--max-new-tokens", "--out-seq-length", dest="max_new_tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="arg-max decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tokenizer-type", default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list:
+    """Generate; returns the texts (on every rank)."""
+    from megatron.core import parallel_state as ps
+    from megatron.inference import generate
+    from megatron.inference.model_loader import checkpoint_args, load_model_for_inference
+    from megatron.tokenizer import build_tokenizer
+    from megatron.training.initialize import initialize_distributed, select_device, shutdown
+
+    args = parse_args(argv)
+    saved = checkpoint_args(args.load)
+    tok_args = argparse.Namespace(
+        tokenizer_type=args.tokenizer_type or saved.get("tokenizer_type"),
+        tokenizer_model=args.tokenizer_model or saved.get("tokenizer_model"),
+        vocab_size=saved.get("true_vocab_size"))
+    tokenizer = build_tokenizer(tok_args)
+    device = select_device(args.distributed_backend)
+    created = initialize_distributed(args.distributed_backend)
+    try:
+        ps.initialize_model_parallel(saved.get("tensor_model_parallel_size", 1),
+                                     saved.get("pipeline_model_parallel_size", 1))
+        model, saved = load_model_for_inference(args.load, device=device)
+        prompts = [tokenizer.tokenize(text) for text in args.prompt]
+        eod = getattr(tokenizer, "_eod", None)
+        if eod is None:
+            try:
+                eod = tokenizer.eod
+            except (ValueError, AttributeError, NotImplementedError):
+                eod = None
+        out = generate(model, prompts, args.max_new_tokens, greedy=args.greedy,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       vocab_size=saved.get("true_vocab_size") or tokenizer.vocab_size,
+                       eod=eod, seed=args.seed, device=device)
+        texts = [tokenizer.detokenize(ids) for ids in out]
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            for text in texts:
+                print(f"--- sample ---\n{text}", flush=True)
+        return texts
+    finally:
+        shutdown(created)
+
+
+if __name__ == "__main__":
+    main()

@@ -77,13 +77,13 @@ def test_distributed_optimizer_formula():
     assert optimizer_state_bytes(numels, mixed_precision=True, distributed=True, dp=4) == 72
 
 
-def _saved_bytes(config, seq, mbs):
+def _saved_bytes(config, seq, mbs, local_seq=None):
     """Bytes of the distinct storages one layer's forward saves for backward, without the
     parameters and the rotary tables (made once per model forward, shared by all layers)."""
     from megatron.model.llama import LlamaModel
     model = LlamaModel(config)
     layer = model.layers[0]
-    x = torch.randn(seq, mbs, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
+    x = torch.randn(local_seq or seq, mbs, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
     rotary = model.rotary(torch.arange(seq).unsqueeze(0).expand(mbs, seq))
     excluded = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(rotary)}
     storages = {}
@@ -115,13 +115,18 @@ def test_activation_bytes_within_10_percent(dtype, heads, groups, seq, mbs):
 
 def _tp_saved_bytes(seq, mbs):
     ps.initialize_model_parallel(2, 1)
-    config = ModelConfig(**TINY, tensor_model_parallel_size=2)
-    return _saved_bytes(config, seq, mbs), activation_bytes_per_layer(config, seq, mbs, 2, dtype_bytes=4)
+    out = []
+    for sp in (False, True):
+        config = ModelConfig(**TINY, tensor_model_parallel_size=2, sequence_parallel=sp)
+        out.append((_saved_bytes(config, seq, mbs, seq // 2 if sp else seq),
+                    activation_bytes_per_layer(config, seq, mbs, 2, sequence_parallel=sp, dtype_bytes=4)))
+    return out
 
 
-def test_activation_bytes_tp2_within_10_percent():
-    for measured, planned in run_distributed(2, _tp_saved_bytes, 32, 2):
-        assert abs(planned - measured) <= 0.1 * measured, (planned, measured)
+def test_activation_bytes_tp2_with_and_without_sequence_parallel_within_10_percent():
+    for rank_results in run_distributed(2, _tp_saved_bytes, 32, 2):
+        for measured, planned in rank_results:
+            assert abs(planned - measured) <= 0.1 * measured, (planned, measured)
 
 
 def test_activation_model_orders_recompute_and_sequence_parallel():

@@ -14,23 +14,34 @@ from tests.test_ddp import Net, _data
 LR, WD, CLIP, STEPS = 1e-2, 0.1, 0.05, 4
 
 
-def _reference_params(steps):
-    """Plain torch AdamW on the whole batch in one process, torch's clip_grad_norm_."""
+def reference_adamw(steps, batch):
+    """Plain torch AdamW on the whole batch ``batch(step) -> (x, y)`` in one process, torch's
+    clip_grad_norm_. Returns ``({name: param}, [grad norm], [loss])``."""
     torch.manual_seed(0)
     ref = Net()
     decay = [p for n, p in ref.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in ref.named_parameters() if p.dim() == 1 or n.endswith(".bias")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
                              {"params": no_decay, "weight_decay": 0.0}], lr=LR)
-    norms = []
+    norms, losses = [], []
     for step in range(steps):
-        x, y = _data(8 * (step + 1))
-        x, y = x[-8:], y[-8:]
+        x, y = batch(step)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
+        loss = torch.nn.functional.mse_loss(ref(x), y)
+        losses.append(loss.item())
+        loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
         opt.step()
-    return {n: p.detach().clone() for n, p in ref.named_parameters()}, norms
+    return {n: p.detach().clone() for n, p in ref.named_parameters()}, norms, losses
+
+
+def _reference_params(steps):
+    def batch(step):
+        x, y = _data(8 * (step + 1))
+        return x[-8:], y[-8:]
+
+    params, norms, _ = reference_adamw(steps, batch)
+    return params, norms
 
 
 def _train_dp(bf16):
@@ -162,5 +173,5 @@ def test_bf16_reload_model_params_and_bad_config():
         OptimizerConfig(lr=1.0, bf16=True, fp16=True)
     with pytest.raises(ValueError, match="--lr"):
         OptimizerConfig()
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
         get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [net])

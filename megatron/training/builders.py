@@ -40,7 +40,9 @@ def setup_model_and_optimizer(args, model_provider, device):
         model, data_parallel_group=ps.get_data_parallel_group(),
         accumulate_allreduce_grads_in_fp32=True,
         bucket_size=None if bucket is None else int(bucket),
-        overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False))
+        overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
+        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        overlap_param_gather=getattr(args, "overlap_param_gather", False))
     chunks = [ddp]
     optimizer = get_megatron_optimizer(build_optimizer_config(args), chunks)
     scheduler = build_opt_param_scheduler(optimizer, args)

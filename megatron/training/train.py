@@ -93,6 +93,8 @@ def evaluate(forward_step_func, data_iterator, model, args, schedule_config) -> 
     """``--eval-iters`` forward-only iterations on the validation stream (which continues where the
     previous evaluation stopped). Returns ``{key: token-weighted mean}`` on the last stage."""
     for chunk in model:
+        # Pending parameter all-gathers of the distributed optimizer: evaluate the latest weights.
+        getattr(chunk, "finish_param_sync", lambda: None)()
         chunk.eval()
     sums: dict = {}
     with torch.no_grad():

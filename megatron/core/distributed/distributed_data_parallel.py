@@ -46,8 +46,12 @@ class DistributedDataParallel(torch.nn.Module):
             ``1/DP`` before a sum all-reduce.
         overlap_grad_reduce: launch a bucket's all-reduce asynchronously from the backward pass as
             soon as all its gradients of the last micro-batch are final (``--overlap-grad-reduce``).
-        use_distributed_optimizer: also move parameters into contiguous buffers (``param.data``
-            becomes a view) for the distributed optimizer's shards.
+        use_distributed_optimizer: move parameters into contiguous buffers (``param.data``
+            becomes a view) and reduce-scatter the buckets instead of all-reducing them: each
+            data-parallel rank ends with the reduced gradient of its shard of every bucket only.
+        overlap_param_gather: with the distributed optimizer, the parameter all-gathers launched
+            after the step (:meth:`start_param_sync`) are waited on in forward pre-hooks, just
+            before the first module using a bucket (``--overlap-param-gather``).
 
     Raises:
         ValueError: if ``average_in_collective`` is asked on a backend without ``ReduceOp.AVG``.
@@ -56,7 +60,8 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, *, data_parallel_group,
                  accumulate_allreduce_grads_in_fp32: bool = True,
                  bucket_size: Optional[int] = None, average_in_collective: bool = False,
-                 overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False):
+                 overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
+                 overlap_param_gather: bool = False):
         super().__init__()
         self.module = module
         self.data_parallel_group = data_parallel_group
@@ -75,6 +80,12 @@ class DistributedDataParallel(torch.nn.Module):
                              "elements")
         self.bucket_size = bucket_size
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+        self.overlap_param_gather = overlap_param_gather
+        # Buckets already launched when the last gradient of the backward arrived (benchmark).
+        self.launched_before_last_grad = 0
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
         # Factor applied to summed gradients: finalize_model_grads undoes it for per-token loss.
         self.gradient_scaling_factor = 1.0 / dp
@@ -90,12 +101,52 @@ class DistributedDataParallel(torch.nn.Module):
             ParamAndGradBuffer(params, grad_dtype, data_parallel_group, bucket_size,
                                gradient_scaling_factor=1.0 if average_in_collective else 1.0 / dp,
                                use_avg_op=average_in_collective,
-                               use_param_buffer=use_distributed_optimizer)
+                               use_param_buffer=use_distributed_optimizer,
+                               reduce_scatter=use_distributed_optimizer)
             for (_, grad_dtype), params in groups.items()]
         self.param_to_buffer = {p: buf for buf in self.buffers for p in buf.params}
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
                               for p in self.param_to_buffer]
+        if overlap_param_gather:
+            self._register_param_gather_hooks()
+
+    def _register_param_gather_hooks(self) -> None:
+        """Forward pre-hooks that wait for the all-gathers of a module's own parameters.
+
+        A parameter used outside its module's forward (the last stage's tied embedding copy,
+        read by the parent) would never trigger its module's hook: after the first forward, the
+        buckets of modules that were not called are waited on by the root module's pre-hook.
+        """
+        buckets_of = {}
+        for m in self.module.modules():
+            owned = [self.param_to_buffer[p].param_to_bucket[p]
+                     for p in m.parameters(recurse=False) if p in self.param_to_buffer]
+            if owned:
+                buckets_of[m] = list(dict.fromkeys(owned))
+        called, self._root_buckets = set(), None
+
+        def wait_for(buckets):
+            for b in buckets:
+                b.finish_param_sync()
+
+        def pre_hook(module, _args):
+            if self._root_buckets is None:
+                called.add(module)
+            wait_for(buckets_of.get(module, ()))
+
+        def root_pre_hook(module, _args):
+            wait_for(self._root_buckets or ())
+
+        def root_post_hook(module, _args, _out):
+            if self._root_buckets is None:
+                self._root_buckets = [b for m, bs in buckets_of.items() if m not in called
+                                      for b in bs]
+
+        self._hook_handles.append(self.module.register_forward_pre_hook(root_pre_hook))
+        for m in buckets_of:
+            self._hook_handles.append(m.register_forward_pre_hook(pre_hook))
+        self._hook_handles.append(self.module.register_forward_hook(root_post_hook))
 
     def _make_hook(self):
         def hook(param: torch.nn.Parameter) -> None:
@@ -105,6 +156,8 @@ class DistributedDataParallel(torch.nn.Module):
                 param.main_grad.add_(param.grad)
                 param.grad = None
             if self.overlap_grad_reduce and self.is_last_microbatch:
+                self.launched_before_last_grad = sum(
+                    b.launched for buf in self.buffers for b in buf.buckets)
                 self.param_to_buffer[param].register_grad_ready(param, async_op=True)
         return hook
 
@@ -146,12 +199,31 @@ class DistributedDataParallel(torch.nn.Module):
         for buf in self.buffers:
             buf.finish_grad_sync()
 
+    def start_param_sync(self) -> None:
+        """Launch the all-gather of every bucket's updated parameter shards (distributed
+        optimizer), asynchronously under ``overlap_param_gather``, else completed here."""
+        for buf in self.buffers:
+            buf.start_param_sync(async_op=self.overlap_param_gather)
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Complete every pending parameter all-gather: call before anything reads the weights
+        outside a forward (evaluation, checkpoint saving, export)."""
+        for buf in self.buffers:
+            buf.finish_param_sync()
+
+    def param_gathers_in_flight(self) -> int:
+        """Number of bucket all-gathers launched and not yet completed."""
+        return sum(b.param_sync_pending() for buf in self.buffers for b in buf.buckets)
+
     def scale_gradients(self, factor: float) -> None:
         """Multiply every ``main_grad`` by ``factor``."""
         for buf in self.buffers:
             buf.scale_gradients(factor)
 
     def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):

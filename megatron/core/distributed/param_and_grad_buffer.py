@@ -5,9 +5,15 @@ out in *reverse* registration order, so the parameters whose gradients are produ
 backward pass sit at the start of the buffer and fill the first bucket. A parameter never straddles
 two buckets. A bucket closes once it holds at least ``bucket_size`` elements; its end is padded with
 zeros to a multiple of the data-parallel size ``N``, so every bucket splits into ``N`` equal shards
-(rank ``r`` owns shard ``r``). The distributed optimizer reduce-scatters a bucket into those shards;
-plain data parallelism all-reduces the whole bucket. Padding costs at most ``N - 1`` elements per
-bucket.
+(rank ``r`` owns shard ``r``). The distributed optimizer reduce-scatters a bucket into those shards
+and, after its step, all-gathers the updated parameter shards back into the bucket's
+``param_data``; plain data parallelism all-reduces the whole bucket. Padding costs at most ``N - 1``
+elements per bucket.
+
+With the distributed optimizer a parameter marked ``shared_embedding`` (the tied embedding at
+PP > 1) gets a bucket of its own, as in Megatron-Core: its shard ranges are then the same on the
+first and last pipeline stage, so the embedding-group all-reduce that follows the reduce-scatter
+sums matching elements.
 
 Example, params a (3 elements), b (4), c (2) registered in that order, ``bucket_size=5``, N=2::
 
@@ -21,6 +27,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.distributed.collectives import all_gather_bucket, reduce_scatter_bucket
 
 
 def _dp_size(group) -> int:
@@ -42,7 +50,8 @@ class Bucket:
 
     def __init__(self, params: List[torch.nn.Parameter], grad_data: torch.Tensor,
                  param_data: Optional[torch.Tensor], offset: int, numel_unpadded: int, index: int,
-                 data_parallel_group, gradient_scaling_factor: float, use_avg_op: bool):
+                 data_parallel_group, gradient_scaling_factor: float, use_avg_op: bool,
+                 reduce_scatter: bool = False):
         self.params = params
         self.params_set = set(params)
         self.grad_data = grad_data
@@ -55,6 +64,9 @@ class Bucket:
         self.data_parallel_world_size = _dp_size(data_parallel_group)
         self.gradient_scaling_factor = gradient_scaling_factor
         self.use_avg_op = use_avg_op
+        self.reduce_scatter = reduce_scatter
+        self.data_parallel_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
+        self.param_handle = None
         self.reset()
 
     def reset(self) -> None:
@@ -69,10 +81,11 @@ class Bucket:
         return data_parallel_rank * size, (data_parallel_rank + 1) * size
 
     def start_grad_sync(self, async_op: bool) -> None:
-        """Scale the bucket and launch its all-reduce over the data-parallel group.
+        """Scale the bucket and launch its reduction over the data-parallel group.
 
         Collective: all-reduce (sum, or average with ``use_avg_op``) of ``grad_data`` over the
-        data-parallel group, after scaling by ``gradient_scaling_factor``.
+        data-parallel group, after scaling by ``gradient_scaling_factor``; with ``reduce_scatter``
+        a reduce-scatter (sum) instead, after which only this rank's shard is meaningful.
         """
         if self.launched:
             return
@@ -84,6 +97,14 @@ class Bucket:
             op = dist.ReduceOp.AVG
         elif self.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(self.gradient_scaling_factor)
+        if self.reduce_scatter:
+            if self.use_avg_op:
+                raise ValueError("average_in_collective is not available with the distributed "
+                                 "optimizer; leave it False")
+            self.handle = reduce_scatter_bucket(self.grad_data, self.data_parallel_rank,
+                                                self.data_parallel_group, async_op=async_op,
+                                                bucket=self.index)
+            return
         self.handle = dist.all_reduce(self.grad_data, op=op, group=self.data_parallel_group,
                                       async_op=async_op)
 
@@ -93,6 +114,27 @@ class Bucket:
         if self.handle is not None:
             self.handle.wait()
         self.handle = None
+
+    def start_param_sync(self, async_op: bool) -> None:
+        """Launch the all-gather of the updated parameter shards into ``param_data``.
+
+        Collective: all-gather over the data-parallel group (no-op at DP = 1).
+        """
+        if self.data_parallel_world_size == 1 or self.param_data is None:
+            return
+        self.finish_param_sync()
+        self.param_handle = all_gather_bucket(self.param_data, self.data_parallel_rank,
+                                              self.data_parallel_group, async_op=async_op,
+                                              bucket=self.index)
+
+    def param_sync_pending(self) -> bool:
+        return self.param_handle is not None and not self.param_handle.is_completed()
+
+    def finish_param_sync(self) -> None:
+        """Wait for this bucket's parameter all-gather, if one is in flight."""
+        if self.param_handle is not None:
+            self.param_handle.wait()
+            self.param_handle = None
 
     def register_grad_ready(self, param: torch.nn.Parameter, async_op: bool) -> None:
         """Mark ``param``'s gradient final; launch the bucket once every parameter is ready."""
@@ -115,6 +157,8 @@ class ParamAndGradBuffer:
         use_avg_op: reduce with ``ReduceOp.AVG`` instead of scaling then summing (NCCL only).
         use_param_buffer: also move the parameters' storage into one contiguous buffer
             (``param.data`` becomes a view), as the distributed optimizer's all-gather needs.
+        reduce_scatter: reduce-scatter the buckets instead of all-reducing them (distributed
+            optimizer); also gives a ``shared_embedding`` parameter a bucket of its own.
 
     Attributes:
         grad_data: the 1-D gradient buffer, ``numel`` elements of ``grad_dtype``.
@@ -126,7 +170,7 @@ class ParamAndGradBuffer:
     def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype,
                  data_parallel_group, bucket_size: Optional[int],
                  gradient_scaling_factor: float, use_avg_op: bool = False,
-                 use_param_buffer: bool = False):
+                 use_param_buffer: bool = False, reduce_scatter: bool = False):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.param_dtype = params[0].dtype
@@ -138,6 +182,7 @@ class ParamAndGradBuffer:
         self.data_parallel_world_size = _dp_size(data_parallel_group)
         device = params[0].device
 
+        self.reduce_scatter = reduce_scatter
         layout, bucket_bounds = self._layout(bucket_size)
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = layout
         self.numel = bucket_bounds[-1][1] if bucket_bounds else 0
@@ -160,7 +205,8 @@ class ParamAndGradBuffer:
             used = sum(p.numel() for p in members)
             pdata = self.param_data[start:end] if self.param_data is not None else None
             self.buckets.append(Bucket(members, self.grad_data[start:end], pdata, start, used, i,
-                                       data_parallel_group, gradient_scaling_factor, use_avg_op))
+                                       data_parallel_group, gradient_scaling_factor, use_avg_op,
+                                       reduce_scatter))
         self.param_to_bucket = {p: self.buckets[b] for p, (_, _, b) in layout.items()}
 
     def _layout(self, bucket_size):
@@ -177,9 +223,12 @@ class ParamAndGradBuffer:
 
         # Reverse order: gradients arrive roughly in reverse registration order in backward.
         for p in reversed(self.params):
+            alone = self.reduce_scatter and getattr(p, "shared_embedding", False)
+            if alone and cursor > bucket_start:
+                close_bucket()
             layout[p] = (cursor, cursor + p.numel(), len(bounds))
             cursor += p.numel()
-            if bucket_size is not None and cursor - bucket_start >= bucket_size:
+            if alone or (bucket_size is not None and cursor - bucket_start >= bucket_size):
                 close_bucket()
         if cursor > bucket_start:
             close_bucket()
@@ -200,6 +249,15 @@ class ParamAndGradBuffer:
             b.finish_grad_sync()
         for b in self.buckets:
             b.reset()
+
+    def start_param_sync(self, async_op: bool) -> None:
+        """Launch every bucket's parameter all-gather, in forward order (last bucket first)."""
+        for b in reversed(self.buckets):
+            b.start_param_sync(async_op)
+
+    def finish_param_sync(self) -> None:
+        for b in self.buckets:
+            b.finish_param_sync()
 
     def register_grad_ready(self, param: torch.nn.Parameter, async_op: bool) -> None:
         self.param_to_bucket[param].register_grad_ready(param, async_op)

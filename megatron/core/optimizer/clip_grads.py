@@ -49,7 +49,7 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter]) -> List[torch.Tensor]:
 
 
 def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
-                       model_parallel_group=None) -> float:
+                       model_parallel_group=None, data_parallel_group=None) -> float:
     """Norm of the gradients of the whole model, computed in fp32.
 
     Args:
@@ -57,6 +57,8 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
         norm_type: p of the p-norm; ``inf`` for the max norm.
         model_parallel_group: group to combine partial results over (sum of p-th powers, or max);
             None for a single model-parallel rank.
+        data_parallel_group: also combine over this group, for gradients sharded over data
+            parallelism (distributed optimizer); None when every DP rank holds all gradients.
 
     Returns:
         the total norm as a Python float (identical on every rank of the group).
@@ -67,6 +69,8 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
         total = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             total = torch.maximum(total, g.detach().abs().max().float())
+        if data_parallel_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=data_parallel_group)
         if model_parallel_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
         return total.item()
@@ -74,6 +78,8 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
     if grads:
         norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
         total = torch.stack(norms).pow(norm_type).sum()
+    if data_parallel_group is not None:
+        dist.all_reduce(total, group=data_parallel_group)
     if model_parallel_group is not None:
         dist.all_reduce(total, group=model_parallel_group)
     return total.item() ** (1.0 / norm_type)
@@ -104,13 +110,17 @@ def clip_grad_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm: float,
     return total
 
 
-def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group=None) -> int:
-    """Number of zero gradient elements over the whole model, each counted once (as the norm)."""
+def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group=None,
+                     data_parallel_group=None) -> int:
+    """Number of zero gradient elements over the whole model, each counted once (as the norm);
+    ``data_parallel_group`` as in :func:`get_grad_norm_fp32`."""
     grads = grads_for_norm(params)
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         total += g.numel() - torch.count_nonzero(g)
+    if data_parallel_group is not None:
+        dist.all_reduce(total, group=data_parallel_group)
     if model_parallel_group is not None:
         dist.all_reduce(total, group=model_parallel_group)
     return int(total.item())

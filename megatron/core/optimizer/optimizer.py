@@ -44,7 +44,7 @@ class OptimizerConfig:
         bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
         params_dtype: the model parameter dtype.
         loss_scale ... hysteresis: fp16 loss scaling (used once fp16 support lands).
-        use_distributed_optimizer: shard optimizer state over DP (not supported yet).
+        use_distributed_optimizer: shard optimizer state over DP (``DistributedOptimizer``).
         overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
         log_num_zeros_in_grad: count zero gradient elements each step.
 
@@ -354,21 +354,30 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         model_chunks: the (DDP-wrapped) model chunks of this rank.
         grad_scaler: fp16 loss scaler (the slot for fp16 support), None otherwise.
 
+    With ``config.use_distributed_optimizer`` the result is a
+    :class:`~megatron.core.optimizer.distrib_optimizer.DistributedOptimizer` (the chunks must be
+    wrapped with ``use_distributed_optimizer=True``).
+
     Raises:
-        ValueError: for ``--use-distributed-optimizer`` or ``--fp16`` without a grad scaler
-            (not supported yet), or chunks without a trainable parameter.
+        ValueError: for ``--fp16`` without a grad scaler (not supported yet), or chunks without a
+            trainable parameter.
     """
-    if config.use_distributed_optimizer:
-        raise ValueError("--use-distributed-optimizer is not supported yet; drop the flag")
     if config.fp16 and grad_scaler is None:
         raise ValueError("--fp16 (loss scaling) is not supported yet; use --bf16")
+
+    def make_adamw(groups):
+        device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
+        kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                 eps=config.adam_eps, weight_decay=config.weight_decay, **kernel)
+
+    if config.use_distributed_optimizer:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        return DistributedOptimizer(config, model_chunks, make_adamw, grad_scaler)
     groups = get_param_groups(model_chunks, config.weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
-    device = groups[0]["params"][0].device
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                  eps=config.adam_eps, weight_decay=config.weight_decay, **kernel)
+    optimizer = make_adamw(groups)
     if config.bf16 or config.fp16:
         return Float16OptimizerWithFloat16Params(optimizer, config, grad_scaler)
     return FP32Optimizer(optimizer, config, grad_scaler)

@@ -1,0 +1,177 @@
+"""Distributed optimizer against plain single-process AdamW (gloo, fp32): DP=2 and DP=4, 1 and 4
+micro-batches, every overlap; exact collective counts and sizes; optimizer-state bytes; saved
+weights equal the next forward's; a DP=4 checkpoint resumed at DP=2 continues the DP=4 run."""
+
+import types
+
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import collectives
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.dist import run_distributed
+from tests.test_ddp import Net, _data
+from tests.test_optimizer import CLIP, LR, WD, reference_adamw
+
+STEPS, GLOBAL = 3, 16
+BUCKET = 20  # Net's four layers -> four buckets (68, 272, 32, 144 elements)
+
+
+def _batch(step):
+    x, y = _data(GLOBAL * (step + 1))
+    return x[-GLOBAL:], y[-GLOBAL:]
+
+
+def _build(overlap_grad, overlap_param, bf16=False):
+    from megatron.core.distributed import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = Net().to(torch.bfloat16) if bf16 else Net()
+    ddp = DistributedDataParallel(net, data_parallel_group=ps.get_data_parallel_group(),
+                                  bucket_size=BUCKET, overlap_grad_reduce=overlap_grad,
+                                  use_distributed_optimizer=True,
+                                  overlap_param_gather=overlap_param)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16,
+                                                 use_distributed_optimizer=True), [ddp])
+    return net, ddp, opt
+
+
+def _iteration(ddp, opt, step, num_mb):
+    """One training iteration on this rank's part of the global batch; returns the global loss
+    (mean over ranks) and the collectives issued."""
+    from megatron.core.distributed import finalize_model_grads
+
+    rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    x, y = _batch(step)
+    x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+    dtype = ddp.module.fc.weight.dtype
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    total = torch.zeros(())
+    with collectives.recording() as events:
+        for i, (xm, ym) in enumerate(zip(x.chunk(num_mb), y.chunk(num_mb))):
+            last = i == num_mb - 1
+            ctx = ddp.no_sync() if not last else torch.enable_grad()
+            with ctx:
+                loss = torch.nn.functional.mse_loss(ddp(xm.to(dtype)).float(), ym) / num_mb
+                loss.backward()
+            total += loss.detach()
+        finalize_model_grads([ddp])
+        ok, _, _ = opt.step()
+    assert ok
+    torch.distributed.all_reduce(total)
+    return total.item() / dp, events
+
+
+def _check_counts(ddp, events):
+    buckets = ddp.buffers[0].buckets
+    rs = [e for e in events if e["op"] == "reduce_scatter"]
+    ag = [e for e in events if e["op"] == "all_gather"]
+    assert [e["bucket"] for e in rs] == list(range(len(buckets)))           # backward order
+    assert [e["bucket"] for e in ag] == list(reversed(range(len(buckets))))  # forward order
+    psi = sum(p.numel() for p in ddp.module.parameters())
+    psi_pad = sum(b.numel_padded for b in buckets)
+    assert sum(e["numel"] for e in rs) == sum(e["numel"] for e in ag) == psi_pad
+    assert psi <= psi_pad <= 1.01 * psi
+    return psi, psi_pad
+
+
+def _train_and_count():
+    """Every overlap combination and 1 / 4 micro-batches; counts checked each iteration."""
+    ps.initialize_model_parallel(1, 1)
+    dp = ps.get_data_parallel_world_size()
+    out = {}
+    for num_mb in (1, 4):
+        for overlap in ((False, False), (True, False), (True, True)):
+            net, ddp, opt = _build(*overlap)
+            assert len(ddp.buffers[0].buckets) >= 4
+            losses = []
+            for step in range(STEPS):
+                loss, events = _iteration(ddp, opt, step, num_mb)
+                losses.append(loss)
+                psi, psi_pad = _check_counts(ddp, events)
+            if overlap[0]:  # every bucket but the last launched before the last gradient
+                assert ddp.launched_before_last_grad == len(ddp.buffers[0].buckets) - 1
+            ddp.finish_param_sync()
+            # fp32: main params are the model params' shard views, state = two moments only.
+            owned = sum(e.main.numel() for e in opt.entries)
+            assert opt.state_bytes() == 8 * owned
+            assert owned <= psi_pad // dp
+            out[(num_mb, overlap)] = ({n: p.detach().clone() for n, p in net.named_parameters()},
+                                      losses, owned, psi)
+    net, ddp, opt = _build(True, True, bf16=True)
+    for step in range(2):
+        _iteration(ddp, opt, step, 2)
+    owned = sum(e.main.numel() for e in opt.entries)
+    assert opt.state_bytes() == 12 * owned  # fp32 main params too
+    ddp.finish_param_sync()
+    for e in opt.entries:  # model shard == bf16-rounded main shard; other shards gathered
+        assert torch.equal(e.model_shard, e.main.to(torch.bfloat16))
+    gathered = torch.cat([p.detach().float().view(-1) for p in net.parameters()])
+    everyone = [torch.zeros_like(gathered) for _ in range(dp)]
+    torch.distributed.all_gather(everyone, gathered)
+    assert all(torch.equal(everyone[0], t) for t in everyone)
+    return out
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_equals_adamw_counts_and_state_bytes(dp):
+    ref, _, ref_losses = reference_adamw(STEPS, _batch)
+    results = run_distributed(dp, _train_and_count)
+    for case, (params, losses, _, _) in results[0].items():
+        assert losses == pytest.approx(ref_losses, rel=1e-5), case
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref[name], rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+    for case in results[0]:  # the shards partition the model: sum of owned elements == psi
+        assert sum(r[case][2] for r in results) == results[0][case][3]
+
+
+def _args(folder, **kw):
+    return types.SimpleNamespace(save=str(folder), load=str(folder), keep_last_checkpoints=None,
+                                 finetune=False, no_load_optim=False, no_load_rng=True, **kw)
+
+
+def _save_then_continue(folder, steps_before, steps_after):
+    """DP=4: train, save (with a param all-gather in flight), check the saved weights are those
+    the next forward uses, then train on; losses after the save."""
+    from megatron import checkpointing
+
+    ps.initialize_model_parallel(1, 1)
+    net, ddp, opt = _build(True, True)
+    for step in range(steps_before):
+        _iteration(ddp, opt, step, 2)
+    checkpointing.save_checkpoint(steps_before, [ddp], opt, None, _args(folder),
+                                  consumed_train_samples=0, consumed_valid_samples=0)
+    assert all(b.param_handle is None for b in ddp.buffers[0].buckets)  # save waited for them
+    seen = {}
+
+    def capture(module, _inputs, _output):  # the weights the forward has just used
+        seen.setdefault("w", {k: v.clone() for k, v in module.state_dict().items()})
+
+    handle = net.register_forward_hook(capture)
+    losses = [_iteration(ddp, opt, steps_before + k, 2)[0] for k in range(steps_after)]
+    handle.remove()
+    path = checkpointing.get_checkpoint_name(str(folder), steps_before)
+    saved = torch.load(path, weights_only=True)["model"]
+    for k, v in seen["w"].items():
+        assert torch.equal(saved[k], v), k
+    return losses
+
+
+def _resume(folder, steps_before, steps_after):
+    from megatron import checkpointing
+
+    ps.initialize_model_parallel(1, 1)
+    _, ddp, opt = _build(True, True)
+    loaded = checkpointing.load_checkpoint([ddp], opt, None, _args(folder))
+    assert loaded["iteration"] == steps_before
+    return [_iteration(ddp, opt, steps_before + k, 4)[0] for k in range(steps_after)]
+
+
+def test_save_dp4_resume_dp2(tmp_path):
+    uninterrupted = run_distributed(4, _save_then_continue, tmp_path, 2, 2)[0]
+    resumed = run_distributed(2, _resume, tmp_path, 2, 2)[0]
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+    shards = sorted(p.name for p in (tmp_path / "iter_0000002" / "mp_rank_00").iterdir())
+    assert shards == [f"distrib_optim_dp_{r:03d}.pt" for r in range(4)] + ["model_optim_rng.pt"]

@@ -159,11 +159,18 @@ def _add_training_args(parser):
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="= --recompute-granularity selective")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="full recompute: uniform groups of --recompute-num-layers layers, or the "
+                        "first --recompute-num-layers layers of each stage (block)")
     g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--recompute-modules", nargs="+", default=None,
+                   choices=["core_attn", "act", "layernorm", "mlp"],
+                   help="selective recompute: what to recompute (default: core_attn act layernorm)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="norms and dropout on [s/TP, b, h] (needs TP > 1)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="normalise the loss by the unmasked tokens of the global batch")
     g.add_argument("--eod-mask-loss", action="store_true")

@@ -13,6 +13,7 @@ that builds it lands and removes its entry).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import List, Optional, Tuple
 
 # dest -> (flag as users write it, the feature and issue that will build it).
@@ -27,11 +28,6 @@ NOT_YET_SUPPORTED = {
                                               "interleaved pipeline, issue 5"),
     "virtual_pipeline_model_parallel_size": ("--virtual-pipeline-model-parallel-size",
                                              "interleaved pipeline, issue 5"),
-    "sequence_parallel": ("--sequence-parallel", "sequence parallelism, issue 5"),
-    "recompute_activations": ("--recompute-activations", "activation recompute, issue 5"),
-    "recompute_granularity": ("--recompute-granularity", "activation recompute, issue 5"),
-    "recompute_method": ("--recompute-method", "activation recompute, issue 5"),
-    "recompute_num_layers": ("--recompute-num-layers", "activation recompute, issue 5"),
     "fp16": ("--fp16", "fp16 loss scaling, issue 5; use --bf16"),
     "loss_scale": ("--loss-scale", "fp16 loss scaling, issue 5"),
     "initial_loss_scale": ("--initial-loss-scale", "fp16 loss scaling, issue 5"),
@@ -86,6 +82,8 @@ def validate(args, world_size: int, defaults: dict, check_files: bool = True):
     _validate_llama_architecture(args)
     _validate_model_shape(args)
     _validate_parallel_layout(args, world_size)
+    _validate_sequence_parallel(args)
+    _validate_recompute(args)
     _validate_batch(args)
     _validate_training_length(args)
     _validate_learning_rate(args)
@@ -242,6 +240,36 @@ def _validate_parallel_layout(args, world_size):
                          f"--pipeline-model-parallel-size ({pp})")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
+
+
+def _validate_sequence_parallel(args):
+    tp = args.tensor_model_parallel_size
+    if not args.sequence_parallel:
+        return
+    if tp == 1:
+        # As Megatron-LM: nothing to split over one rank.
+        warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1: "
+                      "disabled")
+        args.sequence_parallel = False
+        return
+    if args.seq_length % tp:
+        raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+
+
+def _validate_recompute(args):
+    from megatron.model.recompute import check_recompute_config  # the model's own rule
+
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            raise ValueError("--recompute-activations means --recompute-granularity selective; "
+                             f"it contradicts --recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "selective"
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    vpp_layers = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    check_recompute_config(args.recompute_granularity, args.recompute_method,
+                           args.recompute_num_layers, args.recompute_modules,
+                           vpp_layers or layers)
 
 
 def _validate_batch(args):

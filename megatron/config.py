@@ -39,6 +39,15 @@ class ModelConfig:
         params_dtype: dtype of the model parameters (fp32, or bf16/fp16 for mixed precision).
         tensor_model_parallel_size: TP size the model is partitioned over.
         sequence_parallel: Megatron sequence parallelism (norms/dropout on ``[s/TP, b, h]``).
+        recompute_granularity: None, ``"selective"`` (recompute the cheap, memory-heavy parts
+            named by ``recompute_modules`` inside each layer) or ``"full"`` (recompute whole
+            layers from their input); see :mod:`megatron.model.recompute`.
+        recompute_method: with full granularity, ``"uniform"`` (checkpoint groups of
+            ``recompute_num_layers`` layers) or ``"block"`` (checkpoint the first
+            ``recompute_num_layers`` layers of each pipeline stage / model chunk).
+        recompute_num_layers: layers per group (uniform) or recomputed layers per stage (block).
+        recompute_modules: what selective recompute recomputes (``core_attn``, ``act``,
+            ``layernorm``, ``mlp``).
         seed: base seed of the layout-independent weight initialisation.
     """
 
@@ -61,9 +70,15 @@ class ModelConfig:
     params_dtype: torch.dtype = torch.float32
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[tuple] = None
     seed: int = 1234
 
     def __post_init__(self):
+        if self.recompute_modules is not None:
+            object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.kv_channels is None:
@@ -291,7 +306,11 @@ def build_model_config(args, padded_vocab_size: Optional[int] = None) -> ModelCo
     if vocab is None:
         raise ValueError("the padded vocabulary size is unknown: build the tokenizer first and "
                          "set args.padded_vocab_size (megatron.tokenizer.vocab_size_with_padding)")
-    return _from_args(ModelConfig, args, padded_vocab_size=vocab, params_dtype=_params_dtype(args))
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is None and getattr(args, "recompute_activations", False):
+        granularity = "selective"  # Megatron: --recompute-activations = selective granularity
+    return _from_args(ModelConfig, args, padded_vocab_size=vocab, params_dtype=_params_dtype(args),
+                      recompute_granularity=granularity)
 
 
 def build_training_config(args) -> TrainingConfig:

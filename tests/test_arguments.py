@@ -238,6 +238,7 @@ def test_configs_from_args(files):
 # aliases that imply another flag).
 VALIDATION_ONLY = {"normalization", "position_embedding_type", "swiglu", "no_position_embedding",
                    "causal_lm", "group_query_attention", "ckpt_format"}
+VALIDATION_ONLY |= {"recompute_activations"}  # becomes --recompute-granularity selective
 
 
 def test_no_flag_is_silently_ignored():

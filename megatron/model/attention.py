@@ -12,10 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import ModelConfig
+from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
                                            scaled_init_method_normal)
+from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rotary import apply_rotary_pos_emb
 
 
@@ -41,6 +43,9 @@ class SelfAttention(torch.nn.Module):
     (:mod:`megatron.model.initialization`); ``dense`` is a RowParallelLinear ``nh d -> h`` with
     the scaled init. Query head ``i`` reads key/value group ``i // (nh / ng)`` (as HuggingFace's
     ``repeat_kv``), which keeps every rank's heads with their own groups.
+
+    Selective recompute of ``core_attn`` (:mod:`megatron.model.recompute`): RoPE and SDPA keep
+    nothing but ``qkv``; their output is recomputed when backward reaches ``dense``.
 
     Args:
         config: the model configuration.
@@ -72,6 +77,7 @@ class SelfAttention(torch.nn.Module):
                 config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
                 init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
                 **common)
+        self.recompute_core_attn = "core_attn" in selective_modules(config)
 
     def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
                 attention_mask: Optional[torch.Tensor] = None,
@@ -93,10 +99,23 @@ class SelfAttention(torch.nn.Module):
             ``[s/T, b, h]`` reduce-scattered with sequence parallelism.
         """
         qkv, _ = self.query_key_value(hidden)
+        if not (self.recompute_core_attn and inference_params is None and recompute_active(self)):
+            out, _ = self.dense(self._core_attention(qkv, rotary[0], rotary[1], attention_mask,
+                                                     inference_params))
+            return out
+        ckpt = CheckpointWithoutOutput()
+        out, _ = self.dense(ckpt.checkpoint(self._core_attention, qkv, rotary[0], rotary[1],
+                                            attention_mask))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
+    def _core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor],
+                        inference_params=None) -> torch.Tensor:
+        """RoPE and SDPA: ``qkv [s, b, (n + 2 g) d] -> [s, b, n d]``."""
         s, b = qkv.shape[:2]
         n, g, d = self.heads_per_partition, self.groups_per_partition, self.kv_channels
         q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
-        cos, sin = rotary
         q = apply_rotary_pos_emb(q.view(s, b, n, d), cos, sin)
         k = apply_rotary_pos_emb(k.view(s, b, g, d), cos, sin)
         v = v.view(s, b, g, d)
@@ -117,6 +136,4 @@ class SelfAttention(torch.nn.Module):
                                                      is_causal=mask is None)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, n * d)
-        out, _ = self.dense(out)
-        return out
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)

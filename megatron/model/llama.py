@@ -15,10 +15,10 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
                                                   linear_with_sequence_parallel)
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.model.attention import check_attention_config
 from megatron.model.initialization import init_method_normal, init_seed
+from megatron.model.recompute import forward_layers
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import TransformerLayer, hidden_dropout
@@ -112,7 +112,8 @@ class LlamaModel(torch.nn.Module):
         with init_seed(c.seed, 0, "word_embeddings"):
             return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
                                           init_method=init_method_normal(c.init_method_std),
-                                          params_dtype=c.params_dtype, device=device)
+                                          params_dtype=c.params_dtype, device=device,
+                                          reduce_scatter_embeddings=self.sequence_parallel)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Give a non-first stage its input ``[s, b, h]`` (a list of one tensor is accepted, as
@@ -173,9 +174,12 @@ class LlamaModel(torch.nn.Module):
             if self.sequence_parallel and input_ids.shape[1] % tp:
                 raise ValueError(f"--sequence-parallel needs --seq-length ({input_ids.shape[1]}) "
                                  f"divisible by --tensor-model-parallel-size ({tp})")
-            hidden = self.word_embeddings(input_ids).transpose(0, 1).contiguous()
             if self.sequence_parallel:
-                hidden = scatter_to_sequence_parallel_region(hidden)
+                # Megatron's order: the partial embeddings are reduce-scattered along the
+                # sequence (no all-reduce then scatter), giving [s/T, b, h].
+                hidden = self.word_embeddings(input_ids)
+            else:
+                hidden = self.word_embeddings(input_ids).transpose(0, 1).contiguous()
             hidden = hidden_dropout(hidden, self.config.hidden_dropout, self.training,
                                     self.sequence_parallel)
         else:
@@ -188,8 +192,8 @@ class LlamaModel(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, s)
         rotary = self.rotary(position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, attention_mask, inference_params)
+        hidden = forward_layers(self.layers, hidden, rotary, attention_mask, inference_params,
+                                self.config)
         if not self.post_process:
             return hidden
 

@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import ModelConfig
+from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import checkpoint
 from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
                                            scaled_init_method_normal)
+from megatron.model.recompute import recompute_active, selective_modules
 
 
 class SwiGLUMLP(torch.nn.Module):
@@ -21,6 +24,10 @@ class SwiGLUMLP(torch.nn.Module):
     rank are ``[gate rows of the rank; up rows of the rank]`` (Megatron-LLaMA's layout); a naive
     split of ``[gate; up]`` would give rank 0 only gate rows. ``dense_4h_to_h`` is a
     RowParallelLinear ``f -> h`` with the scaled init.
+
+    Selective recompute (:mod:`megatron.model.recompute`): ``mlp`` re-runs the whole block in
+    backward; ``act`` keeps neither the activation's intermediate nor its output
+    ``[s, b, f/T]`` (recomputed from the kept ``gate_up`` when backward reaches ``dense_4h_to_h``).
 
     Args:
         config: the model configuration.
@@ -49,10 +56,28 @@ class SwiGLUMLP(torch.nn.Module):
                 f, config.hidden_size, input_is_parallel=True,
                 init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
                 **common)
+        modules = selective_modules(config)
+        self.recompute_mlp = "mlp" in modules
+        self.recompute_act = "act" in modules and not self.recompute_mlp
+
+    @staticmethod
+    def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.dense_h_to_4h(hidden)
+        if not (self.recompute_act and recompute_active(self)):
+            out, _ = self.dense_4h_to_h(self._swiglu(gate_up))
+            return out
+        ckpt = CheckpointWithoutOutput()
+        out, _ = self.dense_4h_to_h(ckpt.checkpoint(self._swiglu, gate_up))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]`` (all-reduced over the tensor-parallel group)."""
-        gate_up, _ = self.dense_h_to_4h(hidden)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out, _ = self.dense_4h_to_h(F.silu(gate) * up)
-        return out
+        """``[s, b, h] -> [s, b, h]`` (all-reduced over the tensor-parallel group), or
+        ``[s/T, b, h] -> [s/T, b, h]`` with sequence parallelism."""
+        if self.recompute_mlp and recompute_active(self):
+            return checkpoint(self._forward, False, hidden)
+        return self._forward(hidden)

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention import SelfAttention
+from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.model.mlp import SwiGLUMLP
+from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 
 
@@ -32,7 +34,9 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
 class TransformerLayer(torch.nn.Module):
     """``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``.
 
-    Hidden dropout: see :func:`hidden_dropout`.
+    Hidden dropout: see :func:`hidden_dropout`. With selective recompute of ``layernorm``
+    (:mod:`megatron.model.recompute`) each norm's output is freed once the block that reads it
+    has run, and recomputed when backward reaches that block.
 
     Args:
         config: the model configuration.
@@ -51,13 +55,25 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = SwiGLUMLP(config, layer_number, device=device)
+        self.recompute_norms = "layernorm" in selective_modules(config)
+
+    def _norm_then(self, norm, block, hidden, *args):
+        """``block(norm(hidden), *args)``, keeping no copy of the norm's output if asked."""
+        if not (self.recompute_norms and recompute_active(self)):
+            return block(norm(hidden), *args)
+        ckpt = CheckpointWithoutOutput()
+        out = block(ckpt.checkpoint(norm, hidden), *args)
+        ckpt.discard_output_and_register_recompute(out)
+        return out
 
     def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
                 attention_mask: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``; ``rotary``, ``attention_mask`` and ``inference_params``
         (KV cache, generation only) as in :meth:`SelfAttention.forward`."""
-        attn = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask,
-                                   inference_params)
-        hidden = hidden + F.dropout(attn, self.hidden_dropout, self.training)
-        mlp = self.mlp(self.post_attention_layernorm(hidden))
-        return hidden + F.dropout(mlp, self.hidden_dropout, self.training)
+        attn = self._norm_then(self.input_layernorm, self.self_attention, hidden, rotary,
+                               attention_mask, inference_params)
+        hidden = hidden + hidden_dropout(attn, self.hidden_dropout, self.training,
+                                         self.sequence_parallel)
+        mlp = self._norm_then(self.post_attention_layernorm, self.mlp, hidden)
+        return hidden + hidden_dropout(mlp, self.hidden_dropout, self.training,
+                                       self.sequence_parallel)

@@ -248,26 +248,34 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
     ``[r * v/TP, (r+1) * v/TP)``.
 
     Token ids outside the rank's range look up zeros; the all-reduce over the tensor-parallel
-    group (forward; identity backward) assembles the full embedding.
+    group (forward; identity backward) assembles the full embedding. With
+    ``reduce_scatter_embeddings`` (sequence parallelism, as Megatron-Core) the partial sums are
+    instead reduce-scattered along the sequence (forward; all-gather in backward), which costs
+    half the all-reduce's traffic and returns this rank's chunk, sequence-first.
 
     Args:
         num_embeddings: v, the padded vocabulary size (divisible by TP).
         embedding_dim: h.
         init_method: called on the full fp32 master weight ``[v, h]``.
         params_dtype, device, group: as :class:`ColumnParallelLinear`.
+        reduce_scatter_embeddings: return ``[s/TP, b, h]`` (see above); ids must be ``[b, s]``
+            with s divisible by TP.
 
-    Weight ``[v/TP, h]``; ``forward(ids [b, s] int64) -> [b, s, h]`` (any id shape works).
+    Weight ``[v/TP, h]``; ``forward(ids [b, s] int64) -> [b, s, h]`` (any id shape works), or
+    ``[s/TP, b, h]`` with ``reduce_scatter_embeddings`` at TP > 1.
 
     Raises:
         ValueError: if ``num_embeddings`` is not divisible by TP.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
-                 params_dtype: torch.dtype = torch.float32, device=None, group=None):
+                 params_dtype: torch.dtype = torch.float32, device=None, group=None,
+                 reduce_scatter_embeddings: bool = False):
         super().__init__()
         self._set_group(resolve_tensor_parallel_group(group))
         world, rank = group_world_size(self.group), group_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
         self.tensor_model_parallel_size = world
         per_partition = divide(num_embeddings, world, "VocabParallelEmbedding num_embeddings (pad the "
                                "vocabulary with --make-vocab-size-divisible-by)")
@@ -284,6 +292,9 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
         masked_input = (input_ - self.vocab_start_index).masked_fill(input_mask, 0)
         output_parallel = F.embedding(masked_input, self.weight)
         output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            output_parallel = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, self.group)
         return reduce_from_tensor_model_parallel_region(output_parallel, self.group)
 
     def extra_repr(self) -> str:

@@ -18,11 +18,6 @@ from typing import List, Optional, Tuple
 
 # dest -> (flag as users write it, the feature and issue that will build it).
 NOT_YET_SUPPORTED = {
-    "use_distributed_optimizer": ("--use-distributed-optimizer", "distributed optimizer, issue 4"),
-    "overlapped_distributed_optimizer": ("--overlapped-distributed-optimizer",
-                                         "distributed optimizer, issue 4"),
-    "overlap_grad_reduce": ("--overlap-grad-reduce", "distributed optimizer, issue 4"),
-    "overlap_param_gather": ("--overlap-param-gather", "distributed optimizer, issue 4"),
     "distributed_checkpointing": ("--distributed-checkpointing", "distributed optimizer, issue 4"),
     "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage",
                                               "interleaved pipeline, issue 5"),
@@ -88,6 +83,7 @@ def validate(args, world_size: int, defaults: dict, check_files: bool = True):
     _validate_training_length(args)
     _validate_learning_rate(args)
     _validate_distributed(args)
+    _validate_distributed_optimizer(args)
     _validate_checkpointing(args)
     _validate_data(args, check_files)
     _validate_tokenizer(args, check_files)
@@ -324,6 +320,18 @@ def _validate_distributed(args):
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.local_rank is None:
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _validate_distributed_optimizer(args):
+    if args.overlapped_distributed_optimizer:
+        # Megatron-LLaMA's flag: the distributed optimizer with both overlaps.
+        args.use_distributed_optimizer = True
+        args.overlap_grad_reduce = True
+        args.overlap_param_gather = True
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (plain data "
+                         "parallelism has no parameter all-gather): add it, or use "
+                         "--overlapped-distributed-optimizer")
 
 
 def _validate_checkpointing(args):

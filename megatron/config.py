@@ -199,7 +199,7 @@ class OptimizerConfig:
         bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
         params_dtype: the model parameter dtype.
         loss_scale ... hysteresis: fp16 loss scaling (the grad scaler arrives with fp16 support).
-        use_distributed_optimizer: shard optimizer state over DP (not supported yet).
+        use_distributed_optimizer: shard optimizer state over DP (``DistributedOptimizer``).
         overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
         accumulate_allreduce_grads_in_fp32: fp32 gradient buffers and reduction.
         log_num_zeros_in_grad: count zero gradient elements each step.

@@ -91,6 +91,7 @@ def test_ignored_flags_are_reported_once_each(files):
 TWO = ["--tensor-model-parallel-size", "2"]
 
 ERRORS = [
+    (["--overlap-param-gather"], 4, r"--overlap-param-gather needs --use-distributed-optimizer"),
     (["--num-attention-heads", "6", "--num-query-groups", "3", "--tensor-model-parallel-size",
       "4"], 4, r"--num-attention-heads \(6\) must be divisible by --tensor-model-parallel-size \(4\)"),
     (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
@@ -239,6 +240,8 @@ def test_configs_from_args(files):
 VALIDATION_ONLY = {"normalization", "position_embedding_type", "swiglu", "no_position_embedding",
                    "causal_lm", "group_query_attention", "ckpt_format"}
 VALIDATION_ONLY |= {"recompute_activations"}  # becomes --recompute-granularity selective
+# Megatron-LLaMA's flag: sets --use-distributed-optimizer and both overlaps.
+VALIDATION_ONLY |= {"overlapped_distributed_optimizer"}
 
 
 def test_no_flag_is_silently_ignored():
@@ -255,6 +258,13 @@ def test_no_flag_is_silently_ignored():
     unused = [d for d in parser_defaults() if d not in NOT_YET_SUPPORTED and d not in IGNORED_FLAGS
               and d not in VALIDATION_ONLY and not re.search(rf"\b{d}\b", text)]
     assert unused == []
+
+
+def test_overlapped_distributed_optimizer_means_both_overlaps(files):
+    args = check(base_argv(files) + ["--overlapped-distributed-optimizer"])
+    assert args.use_distributed_optimizer and args.overlap_grad_reduce and args.overlap_param_gather
+    args = check(base_argv(files) + ["--use-distributed-optimizer"])
+    assert not args.overlap_grad_reduce and not args.overlap_param_gather
 
 
 def test_validate_is_idempotent(files):

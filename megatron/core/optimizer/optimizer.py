@@ -10,7 +10,9 @@ After Megatron-LM's ``megatron/core/optimizer/optimizer.py``:
 
 ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)`` as Megatron does:
 ``grad_norm`` is None when ``clip_grad`` is 0, ``num_zeros_in_grad`` None unless
-``log_num_zeros_in_grad``; ``update_successful`` is False when a grad scaler found inf/nan.
+``log_num_zeros_in_grad``; ``update_successful`` is False (and nothing is updated) when a main
+gradient, or the loss flagged through ``nonfinite_loss``, is inf/NaN on any rank: an fp16 overflow
+(the grad scaler backs off) or a non-finite bf16/fp32 iteration.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class OptimizerConfig:
         clip_grad: global L2 norm to clip to; 0 disables clipping (and the norm computation).
         bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
         params_dtype: the model parameter dtype.
-        loss_scale ... hysteresis: fp16 loss scaling (used once fp16 support lands).
+        loss_scale ... hysteresis: fp16 loss scaling (:mod:`~megatron.core.optimizer.grad_scaler`).
         use_distributed_optimizer: shard optimizer state over DP (``DistributedOptimizer``).
         overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
         log_num_zeros_in_grad: count zero gradient elements each step.
@@ -128,6 +130,9 @@ class MegatronOptimizer:
         self.optimizer = optimizer
         self.config = config
         self.grad_scaler = grad_scaler
+        # Set by the training loop before step() when this rank's loss is inf/NaN: folded into the
+        # step's one found-inf all-reduce, so every rank skips the iteration alike.
+        self.nonfinite_loss = False
 
     def get_parameters(self) -> List[torch.nn.Parameter]:
         """The parameters the torch optimizer updates (the main params)."""
@@ -168,6 +173,28 @@ class MegatronOptimizer:
     def state(self):
         return self.optimizer.state
 
+    def _found_nonfinite(self, grads: List[torch.Tensor], inv_scale=None) -> bool:
+        """Unscale ``grads`` in place (when ``inv_scale`` is given) and tell whether any of them, or
+        the loss of any rank (``nonfinite_loss``), is inf/NaN.
+
+        Collective: all-reduce (max) of the flag over the model-parallel group, and over the
+        data-parallel group when the main grads are DP shards (distributed optimizer).
+        """
+        device = grads[0].device if grads else torch.device("cpu")
+        found = torch.tensor(float(self.nonfinite_loss), device=device)
+        self.nonfinite_loss = False
+        if inv_scale is not None:
+            inv_scale = inv_scale.to(device)
+        for g in grads:
+            if inv_scale is not None:
+                g.mul_(inv_scale)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        dp_group = getattr(self, "_dp_group", lambda: None)()
+        for group in (_model_parallel_group(), dp_group):
+            if group is not None:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item() > 0)
+
     def _clip_count_and_step(self) -> Tuple[Optional[float], Optional[int]]:
         grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0 else None
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
@@ -190,12 +217,19 @@ class FP32Optimizer(MegatronOptimizer):
         for p in params:
             if getattr(p, "main_grad", None) is not None:
                 p.grad = p.main_grad  # a view: no copy
-        grad_norm, num_zeros = self._clip_count_and_step()
+        found_inf = self._found_nonfinite(
+            [p.grad for p in params if p.grad is not None],
+            None if self.grad_scaler is None else self.grad_scaler.inv_scale)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+        grad_norm = num_zeros = None
+        if not found_inf:
+            grad_norm, num_zeros = self._clip_count_and_step()
         for p in params:
             if getattr(p, "main_grad", None) is not None:
                 # Drop the alias, or the next backward would accumulate into main_grad twice.
                 p.grad = None
-        return True, grad_norm, num_zeros
+        return not found_inf, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -215,27 +249,20 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     """
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
-        """Collective: all-reduce (max) of the found-inf flag over the model-parallel group."""
-        grads = self._main_grads()
-        device = grads[0].device if grads else torch.device("cpu")
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        inv_scale = self.grad_scaler.inv_scale.to(device)
-        for g in grads:
-            g.mul_(inv_scale)
-            found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
-        group = _model_parallel_group()
-        if group is not None:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
-        return bool(found_inf.item() > 0)
+        """Unscale the main grads (fp16) and check them and the loss for inf/NaN (every dtype).
+        Collective: see :meth:`MegatronOptimizer._found_nonfinite`."""
+        return self._found_nonfinite(
+            self._main_grads(), None if self.grad_scaler is None else self.grad_scaler.inv_scale)
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         self._copy_model_grads_to_main_grads()
+        # fp16 overflow, or inf/NaN in bf16: skip the iteration on every rank (nothing changes).
+        found_inf = self._unscale_main_grads_and_check_for_nan()
         if self.grad_scaler is not None:
-            found_inf = self._unscale_main_grads_and_check_for_nan()
             self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
+        if found_inf:
+            return False, None, None
         grad_norm, num_zeros = self._clip_count_and_step()
         self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
@@ -352,18 +379,19 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     Args:
         config: the :class:`OptimizerConfig`.
         model_chunks: the (DDP-wrapped) model chunks of this rank.
-        grad_scaler: fp16 loss scaler (the slot for fp16 support), None otherwise.
+        grad_scaler: fp16 loss scaler; None builds the one of ``config`` for ``--fp16``
+            (:func:`~megatron.core.optimizer.grad_scaler.build_grad_scaler`).
 
     With ``config.use_distributed_optimizer`` the result is a
     :class:`~megatron.core.optimizer.distrib_optimizer.DistributedOptimizer` (the chunks must be
     wrapped with ``use_distributed_optimizer=True``).
 
     Raises:
-        ValueError: for ``--fp16`` without a grad scaler (not supported yet), or chunks without a
-            trainable parameter.
+        ValueError: for invalid loss-scale settings, or chunks without a trainable parameter.
     """
     if config.fp16 and grad_scaler is None:
-        raise ValueError("--fp16 (loss scaling) is not supported yet; use --bf16")
+        from megatron.core.optimizer.grad_scaler import build_grad_scaler
+        grad_scaler = build_grad_scaler(config)
 
     def make_adamw(groups):
         device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))

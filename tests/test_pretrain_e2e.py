@@ -111,6 +111,11 @@ def test_two_rank_layouts_match_one_process(single, data_prefix, tmp_path_factor
         runs.append((f"masked {tp}{pp}", _argv(data_prefix, cache, *UNTIED, *MASKED,
                                                *_layout(tp, pp))))
     runs.append(("tied 12", _argv(data_prefix, cache, *_layout(1, 2))))
+    runs.append(("sp selective 21", _argv(data_prefix, cache, *UNTIED, *_layout(2, 1),
+                                          "--sequence-parallel", "--recompute-activations")))
+    runs.append(("full recompute 12", _argv(data_prefix, cache, *UNTIED, *_layout(1, 2),
+                                            "--recompute-granularity", "full", "--recompute-method",
+                                            "block", "--recompute-num-layers", "1")))
     # Save at 5 and stop, then resume from the checkpoint to 10.
     runs.append(("first half", _argv(data_prefix, cache, *UNTIED, *_layout(1, 2), "--save", ckpt,
                                      "--save-interval", "5", "--exit-interval", "5")))
@@ -120,6 +125,8 @@ def test_two_rank_layouts_match_one_process(single, data_prefix, tmp_path_factor
         _close(out[f"untied {tp}{pp}"], single["untied"], f"TP={tp} PP={pp} DP={2 // (tp * pp)}")
         _close(out[f"masked {tp}{pp}"], single["masked"], f"masked TP={tp} PP={pp}")
     _close(out["tied 12"], single["tied"], "tied embeddings PP=2")
+    _close(out["sp selective 21"], single["untied"], "TP=2 --sequence-parallel --recompute-activations")
+    _close(out["full recompute 12"], single["untied"], "PP=2 full block recompute")
 
     first, second, whole = out["first half"], out["second half"], out["untied 12"]
     assert first["iteration"] == [1, 2, 3, 4, 5] and second["iteration"] == [6, 7, 8, 9, 10]

@@ -56,6 +56,7 @@ def schedule_config(args, model_chunks) -> PipelineConfig:
         params_dtype=torch.bfloat16 if getattr(args, "bf16", False) else torch.float32,
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=getattr(args, "sequence_parallel", False),
         finalize_model_grads_func=finalize_model_grads,
         no_sync_func=model_chunks[0].no_sync)
 

@@ -223,6 +223,9 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--max-consecutive-nan-iterations", type=int, default=3,
+                   help="stop training after this many iterations in a row with inf/NaN loss or "
+                        "gradients (each one skipped); 0 = never stop")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="fp32 gradient buffers and reduction (always on with --bf16)")
 

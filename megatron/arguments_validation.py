@@ -23,13 +23,6 @@ NOT_YET_SUPPORTED = {
                                               "interleaved pipeline, issue 5"),
     "virtual_pipeline_model_parallel_size": ("--virtual-pipeline-model-parallel-size",
                                              "interleaved pipeline, issue 5"),
-    "fp16": ("--fp16", "fp16 loss scaling, issue 5; use --bf16"),
-    "loss_scale": ("--loss-scale", "fp16 loss scaling, issue 5"),
-    "initial_loss_scale": ("--initial-loss-scale", "fp16 loss scaling, issue 5"),
-    "min_loss_scale": ("--min-loss-scale", "fp16 loss scaling, issue 5"),
-    "loss_scale_window": ("--loss-scale-window", "fp16 loss scaling, issue 5"),
-    "hysteresis": ("--hysteresis", "fp16 loss scaling, issue 5"),
-    "rampup_batch_size": ("--rampup-batch-size", "batch-size ramp-up, issue 5"),
     "exit_signal_handler": ("--exit-signal-handler", "signals and time limits, issue 7"),
     "exit_duration_in_mins": ("--exit-duration-in-mins", "signals and time limits, issue 7"),
     "keep_last_checkpoints": ("--keep-last-checkpoints", "crash-safe checkpoints, issue 7"),
@@ -81,6 +74,8 @@ def validate(args, world_size: int, defaults: dict, check_files: bool = True):
     _validate_recompute(args)
     _validate_batch(args)
     _validate_training_length(args)
+    _validate_rampup(args)
+    _validate_loss_scaling(args)
     _validate_learning_rate(args)
     _validate_distributed(args)
     _validate_distributed_optimizer(args)
@@ -285,6 +280,47 @@ def _validate_training_length(args):
                          f"--train-samples {args.train_samples})")
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters ({args.eval_iters}) must be >= 0 (0 = no evaluation)")
+
+
+def _validate_rampup(args):
+    """Megatron's rule: a ramp-up is sample-based (``--train-samples``); each ramp step must be
+    whole micro-batches on every data-parallel rank."""
+    if args.rampup_batch_size is None:
+        return
+    from megatron.training.microbatches import build_num_microbatches_calculator
+
+    shown = " ".join(map(str, args.rampup_batch_size))
+    try:
+        args.rampup_batch_size = [int(x) for x in args.rampup_batch_size]
+    except ValueError:
+        raise ValueError(f"--rampup-batch-size ({shown}) takes three integers: START INCR "
+                         f"SAMPLES") from None
+    if args.train_iters is not None:
+        raise ValueError(f"--rampup-batch-size ({shown}) needs sample-based training (as in "
+                         f"Megatron-LM): replace --train-iters ({args.train_iters}) by "
+                         f"--train-samples, and --lr-*-iters by --lr-*-samples")
+    start, incr, _ = args.rampup_batch_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if start % per_step or incr % per_step:
+        raise ValueError(f"--rampup-batch-size ({shown}): START and INCR must be multiples of "
+                         f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+                         f"({args.data_parallel_size}) = {per_step}")
+    build_num_microbatches_calculator(args)  # its own checks (START <= global, INCR divides)
+
+
+def _validate_loss_scaling(args):
+    _require_positive(args, ("loss_scale", "initial_loss_scale", "min_loss_scale",
+                             "loss_scale_window", "hysteresis"))
+    if args.max_consecutive_nan_iterations < 0:
+        raise ValueError(f"--max-consecutive-nan-iterations ({args.max_consecutive_nan_iterations})"
+                         f" must be >= 0 (0 = never stop)")
+    if not args.fp16:
+        return
+    if args.loss_scale is None and args.min_loss_scale > args.initial_loss_scale:
+        raise ValueError(f"--min-loss-scale ({args.min_loss_scale}) must be <= "
+                         f"--initial-loss-scale ({args.initial_loss_scale})")
+    # As Megatron: fp16 gradients are accumulated and reduced in fp32.
+    args.accumulate_allreduce_grads_in_fp32 = True
 
 
 def _validate_learning_rate(args):

@@ -12,10 +12,25 @@ from megatron.core.pipeline_parallel import PipelineConfig
 
 
 def train_iters(args) -> int:
-    """Iterations of the run: ``--train-iters``, or ``--train-samples`` / global batch."""
+    """Iterations of the run (Megatron-LM's ``update_train_iters``): ``--train-iters``, or with
+    ``--train-samples`` the iterations of the ramp-up (while at most SAMPLES samples are consumed,
+    each iteration taking the ramped global batch) plus the remaining samples in whole global
+    batches (a partial last batch is dropped)."""
     if getattr(args, "train_iters", None):
         return args.train_iters
-    return args.train_samples // args.global_batch_size
+    if getattr(args, "rampup_batch_size", None) is None:
+        return args.train_samples // args.global_batch_size
+    from megatron.training.microbatches import build_num_microbatches_calculator
+
+    calculator = build_num_microbatches_calculator(args)
+    iterations = consumed = 0
+    while consumed <= int(args.rampup_batch_size[2]) and consumed <= args.train_samples:
+        calculator.update(consumed, False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    if args.train_samples > consumed:
+        iterations += (args.train_samples - consumed) // args.global_batch_size
+    return iterations
 
 
 def num_microbatches(args) -> int:
@@ -49,11 +64,16 @@ def setup_model_and_optimizer(args, model_provider, device):
     return chunks, optimizer, scheduler
 
 
-def schedule_config(args, model_chunks) -> PipelineConfig:
-    """The pipeline schedule's configuration for this run."""
+def schedule_config(args, model_chunks, optimizer=None) -> PipelineConfig:
+    """The pipeline schedule's configuration for this run; with an fp16 ``optimizer`` the last
+    stage's loss is multiplied by its loss scale before backward (``grad_scale_func``)."""
+    dtype = (torch.bfloat16 if getattr(args, "bf16", False)
+             else torch.float16 if getattr(args, "fp16", False) else torch.float32)
+    scaler = getattr(optimizer, "grad_scaler", None)
     return PipelineConfig(
         hidden_size=args.hidden_size,
-        params_dtype=torch.bfloat16 if getattr(args, "bf16", False) else torch.float32,
+        params_dtype=dtype,
+        grad_scale_func=None if scaler is None else optimizer.scale_loss,
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=getattr(args, "sequence_parallel", False),
@@ -65,10 +85,14 @@ def _samples(args) -> list:
     """Samples each split must provide: Megatron's ``train_valid_test_num_samples``."""
     from megatron.data.dataset_builder import get_train_valid_test_num_samples
 
-    return get_train_valid_test_num_samples(
-        global_batch_size=args.global_batch_size, train_iters=getattr(args, "train_iters", None),
-        train_samples=getattr(args, "train_samples", None), eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters)
+    # Evaluations follow the iterations (more of them under a ramp-up), the training split the
+    # samples: Megatron's arithmetic after update_train_iters.
+    samples = get_train_valid_test_num_samples(
+        global_batch_size=args.global_batch_size, train_iters=train_iters(args),
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters)
+    if getattr(args, "train_samples", None):
+        samples[0] = args.train_samples
+    return samples
 
 
 def build_data_iterators(args, datasets_provider, consumed_train: int, consumed_valid: int):

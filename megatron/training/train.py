@@ -33,8 +33,15 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-    history: dict = field(default_factory=lambda: {"iteration": [], "lm loss": [], "grad norm": [],
-                                                    "learning rate": [], "valid": []})
+    history: dict = field(default_factory=lambda: {
+        "iteration": [], "lm loss": [], "grad norm": [], "learning rate": [], "valid": [],
+        "global batch size": [], "consumed samples": [], "loss scale": [], "skipped": [],
+        "nan": []})
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Raised on every rank after ``--max-consecutive-nan-iterations`` skipped non-finite
+    iterations in a row; no checkpoint is written on the way out."""
 
 
 def reduce_loss_dicts(loss_dicts: list) -> dict:
@@ -82,10 +89,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False, config=schedule_config)
+    reduced = reduce_loss_dicts(losses) if ps.is_pipeline_last_stage(ignore_virtual=True) else {}
+    # Only the last stage sees the loss: the optimizer folds this flag into its found-inf
+    # all-reduce, so an inf/NaN loss skips the step on every rank alike.
+    optimizer.nonfinite_loss = any(not math.isfinite(v) for v in reduced.values())
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=global_batch_size)
-    reduced = reduce_loss_dicts(losses) if ps.is_pipeline_last_stage(ignore_virtual=True) else {}
     return reduced, 0 if update_successful else 1, grad_norm, num_zeros
 
 
@@ -127,6 +137,7 @@ class _Trainer:
                                     getattr(args, "tensorboard_queue_size", 1000))
         self.memory_reported = False
         self.microbatches = build_num_microbatches_calculator(args)
+        self.nan_streak = 0  # consecutive skipped non-finite iterations (bf16/fp32)
         self._reset_window()
 
     def _reset_window(self):
@@ -147,6 +158,7 @@ class _Trainer:
             st.iteration += 1
             st.consumed_train_samples += batch
             self._record(losses, skipped, grad_norm, elapsed, batch)
+            self._stop_after_nan_streak(skipped)
             if args.eval_interval and st.iteration % args.eval_interval == 0 and self.valid_it:
                 self.validate(f"iteration {st.iteration}")
             saved = False
@@ -167,7 +179,14 @@ class _Trainer:
         args, st, w = self.args, self.state, self.window
         grad_norm = None if grad_norm is None else float(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
-        nan = any(not math.isfinite(v) for v in losses.values())
+        # fp16: a skipped step is an overflow (the scaler backs off); otherwise it had inf/NaN.
+        nan = (any(not math.isfinite(v) for v in losses.values())
+               or bool(skipped and getattr(self.optimizer, "grad_scaler", None) is None))
+        loss_scale = float(getattr(self.optimizer, "get_loss_scale", lambda: 1.0)())
+        for key, value in (("global batch size", batch), ("consumed samples",
+                           st.consumed_train_samples), ("loss scale", loss_scale),
+                           ("skipped", skipped), ("nan", int(nan))):
+            st.history[key].append(value)
         st.history["iteration"].append(st.iteration)
         st.history["lm loss"].append(losses.get("lm loss"))
         st.history["grad norm"].append(grad_norm)
@@ -176,9 +195,8 @@ class _Trainer:
         w["iters"] += 1
         w["skipped"] += skipped
         w["nans"] += int(nan)
-        for k, v in losses.items():
+        for k, v in (losses.items() if not skipped else ()):  # Megatron: skipped not averaged
             w["losses"][k] = w["losses"].get(k, 0.0) + v
-        loss_scale = float(getattr(self.optimizer, "get_loss_scale", lambda: 1.0)())
         self.tb.training(st.iteration, st.consumed_train_samples, learning_rate=lr,
                          batch_size=batch, losses=losses, grad_norm=grad_norm,
                          iteration_time_s=elapsed, loss_scale=loss_scale)
@@ -191,7 +209,8 @@ class _Trainer:
             consumed_samples=st.consumed_train_samples, elapsed_ms=per_iter * 1000.0,
             tokens_per_s=batch * args.seq_length / per_iter,
             learning_rate=lr, global_batch_size=batch,
-            losses={k: v / w["iters"] for k, v in w["losses"].items()}, loss_scale=loss_scale,
+            losses={k: v / max(w["iters"] - w["skipped"], 1) for k, v in w["losses"].items()},
+            loss_scale=loss_scale,
             grad_norm=grad_norm, skipped=w["skipped"], nans=w["nans"],
             tflops_per_device=flops / (per_iter * 1e12 * dist.get_world_size())))
         if not self.memory_reported:
@@ -199,6 +218,29 @@ class _Trainer:
                 print(memory_report(f"(after {st.iteration} iterations)", self.device), flush=True)
             self.memory_reported = True
         self._reset_window()
+
+    def _stop_after_nan_streak(self, skipped: int) -> None:
+        """Count bf16/fp32 iterations skipped for inf/NaN (equal on every rank: the optimizer's
+        flag is all-reduced); raise after ``--max-consecutive-nan-iterations`` in a row.
+
+        Raises:
+            NonFiniteTrainingError: naming the iteration and the last checkpoint, left intact.
+        """
+        limit = getattr(self.args, "max_consecutive_nan_iterations", 3)
+        nan_step = bool(skipped) and getattr(self.optimizer, "grad_scaler", None) is None
+        self.nan_streak = self.nan_streak + 1 if nan_step else 0
+        if not limit or self.nan_streak < limit:
+            return
+        it, save = self.state.iteration, getattr(self.args, "save", None)
+        found = checkpointing.find_checkpoint(save) if save else None
+        kept = (f"the last checkpoint (iteration {found[0]} in {save}) is left as it was"
+                if found else "no checkpoint was written")
+        message = (f"training stopped at iteration {it}: iterations {it - self.nan_streak + 1} to "
+                   f"{it} had inf/NaN loss or gradients ({self.nan_streak} in a row, "
+                   f"--max-consecutive-nan-iterations {limit}); each was skipped without an "
+                   f"update; {kept}. Lower --lr, check the data, or resume from the checkpoint.")
+        print_rank_0(message)
+        raise NonFiniteTrainingError(message)
 
     def validate(self, prefix: str, iterator=None, label: str = "validation"):
         args, st = self.args, self.state
@@ -251,7 +293,7 @@ def pretrain(args, *, model_provider, forward_step_func, datasets_provider) -> d
         iterators = builders.build_data_iterators(args, datasets_provider, state.consumed_train_samples,
                                                state.consumed_valid_samples)
         trainer = _Trainer(args, device, forward_step_func, model, optimizer, scheduler, iterators,
-                           builders.schedule_config(args, model), state)
+                           builders.schedule_config(args, model, optimizer), state)
         print_rank_0(f" training from iteration {state.iteration} to {builders.train_iters(args)}")
         completed = trainer.run()
         state.history["final valid"] = None

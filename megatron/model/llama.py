@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.fused_cross_entropy import linear_cross_entropy
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
                                                   linear_with_sequence_parallel)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -134,6 +135,11 @@ class LlamaModel(torch.nn.Module):
         raise RuntimeError("shared_embedding_or_output_weight() called on an intermediate "
                            "pipeline stage, which holds no embedding")
 
+    def _output_weight(self) -> torch.Tensor:
+        if not self.share_embeddings_and_output_weights:
+            return self.output_layer.weight
+        return self.shared_embedding_or_output_weight()
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.share_embeddings_and_output_weights:
             return self.output_layer(hidden)[0]
@@ -197,7 +203,13 @@ class LlamaModel(torch.nn.Module):
         if not self.post_process:
             return hidden
 
-        logits = self._logits(self.final_layernorm(hidden))
+        hidden = self.final_layernorm(hidden)
+        if labels is not None and not self.sequence_parallel:
+            # Output layer and loss fused: one fp32 [s*b, v/T] buffer instead of four.
+            loss = linear_cross_entropy(copy_to_tensor_model_parallel_region(hidden),
+                                        self._output_weight(), labels.t())
+            return loss.t().contiguous()
+        logits = self._logits(hidden)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())

@@ -70,9 +70,9 @@ def main(argv=None) -> str:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
-    if args.include_optimizer:
-        parser.error("--include-optimizer is not supported yet: convert the weights and resume with "
-                     "--finetune (a fresh optimizer), or keep the original layout")
+    if args.include_optimizer and (args.loader, args.saver) != ("megatron", "megatron"):
+        parser.error("--include-optimizer needs --loader megatron --saver megatron (only our "
+                     "training checkpoints hold an optimizer state we can re-split)")
     meta, stream = loader.load_checkpoint(args)
     return saver.save_checkpoint(meta, stream, args)
 

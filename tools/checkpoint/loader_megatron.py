@@ -15,6 +15,7 @@ import re
 import torch
 
 from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
+from tools.checkpoint import optimizer_state
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
 
 _SHARD = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_dp_(\d{3}))?$")
@@ -82,6 +83,15 @@ def load_checkpoint(args):
     padded = first["model"]["word_embeddings.weight"].shape[0] * tp
     meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None))
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[first["model"]["word_embeddings.weight"].dtype]
+    if getattr(args, "include_optimizer", False):
+        optimizer_state.refuse_distributed(shards[(0, 0)])
+        common = optimizer_state.unpack(first, shards[(0, 0)])[1]
+        meta["optimizer"] = dict(common, **{k: first.get(k) for k in (
+            "iteration", "consumed_train_samples", "consumed_valid_samples",
+            "opt_param_scheduler")}, source_args=saved, mixed=first["optimizer"] is not None
+            and "fp32_from_fp16_params" in first["optimizer"])
+        del first
+        return meta, stream_with_optimizer(shards, tp, pp, meta)
     stages = [[lambda t=t, p=p: load_torch_file(shards[(t, p)])["model"] for t in range(tp)]
               for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
@@ -99,28 +109,50 @@ def stream_stages(stages, meta: dict, names: dict):
     index), ``final_norm``, ``output`` (per-rank vocabulary partitions) or ``output_replicated``
     (the full output weight on every rank, Megatron-LLaMA's ``lm_head``).
     """
-    rows = meta["true_vocab_size"] or meta["vocab_rows"]
+    for p, loaders in enumerate(stages):
+        states = [load() for load in loaders]
+        yield from stage_messages(states, p, len(stages), meta, names)
+        del states
+
+
+def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int | None = None):
+    """The messages of pipeline stage ``p`` of ``pp`` from its per-tensor-rank flat state dicts
+    (vocabulary cut to ``rows``, default the true vocabulary size)."""
+    rows = rows or meta["true_vocab_size"] or meta["vocab_rows"]
 
     def vocab(parts):
         return unpad_vocab(torch.cat(parts, 0), rows)
 
-    per_stage = meta["num_layers"] // len(stages)
-    for p, loaders in enumerate(stages):
-        states = [load() for load in loaders]
-        if p == 0:
-            yield "embeddings", {"word_embeddings": vocab([s[names["embedding"]] for s in states])}
-        for i in range(per_stage):
-            prefix = names["layer"].format(i)
-            parts = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
-            if not parts[0]:
-                raise CheckpointError(f"pipeline stage {p} lacks layer {i} ({prefix}*)")
-            yield "layer", partitions_to_layer(parts, meta)
-        if p == len(stages) - 1:
-            output = None
-            if meta["untie_embeddings_and_output_weights"]:
-                if "output_replicated" in names:
-                    output = unpad_vocab(states[0][names["output_replicated"]], rows)
-                else:
-                    output = vocab([s[names["output"]] for s in states])
-            yield "final", {"final_norm": states[0][names["final_norm"]], "output_layer": output}
-        del states
+    per_stage = meta["num_layers"] // pp
+    if p == 0:
+        yield "embeddings", {"word_embeddings": vocab([s[names["embedding"]] for s in states])}
+    for i in range(per_stage):
+        prefix = names["layer"].format(i)
+        parts = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
+        if not parts[0]:
+            raise CheckpointError(f"pipeline stage {p} lacks layer {i} ({prefix}*)")
+        yield "layer", partitions_to_layer(parts, meta)
+    if p == pp - 1:
+        output = None
+        if meta["untie_embeddings_and_output_weights"]:
+            if "output_replicated" in names:
+                output = unpad_vocab(states[0][names["output_replicated"]], rows)
+            else:
+                output = vocab([s[names["output"]] for s in states])
+        yield "final", {"final_norm": states[0][names["final_norm"]], "output_layer": output}
+
+
+def stream_with_optimizer(shards, tp: int, pp: int, meta: dict):
+    """Like :func:`stream_stages` over our shards, each payload with an ``"optimizer"`` entry:
+    ``{quantity: payload of the same message}`` (see :mod:`tools.checkpoint.optimizer_state`).
+    Vocabulary rows stay padded: the padded rows are trained too (they are in the softmax)."""
+    rows = meta["vocab_rows"]
+    for p in range(pp):
+        ckpts = [load_torch_file(shards[(t, p)]) for t in range(tp)]
+        unpacked = [optimizer_state.unpack(c, shards[(t, p)]) for t, c in enumerate(ckpts)]
+        model = stage_messages([c["model"] for c in ckpts], p, pp, meta, OUR_NAMES, rows)
+        per_q = {q: stage_messages([u[0][q] for u in unpacked], p, pp, meta, OUR_NAMES, rows)
+                 for q in optimizer_state.QUANTITIES}
+        for kind, payload in model:
+            yield kind, dict(payload, optimizer={q: next(g)[1] for q, g in per_q.items()})
+        del ckpts, unpacked

@@ -1,10 +1,18 @@
 """Saver ``--saver megatron``: a ``release/`` checkpoint in our (Megatron legacy) layout at the
 target TP/PP, loadable by ``megatron.checkpointing.load_checkpoint`` (``--load DIR --finetune``).
 
-Streaming: one pipeline stage (all its tensor-parallel partitions) is held at a time and written
-as soon as its last layer arrives; the word embedding is kept until the stages that need it
-(first, and last when tied with PP > 1) are written. Files are written under ``release.tmp/`` and
-the folder and the tracker are put in place only after every file exists.
+Streaming: each layer's tensor-parallel pieces are spilled to a per-rank file as the layer
+arrives; when a stage's last layer is in, the shards of that stage are written one (tensor rank,
+pipeline stage) at a time from the memory-mapped spill files, so memory stays near the largest
+output shard. The word embedding is kept only for a tied last stage with PP > 1. Files are written
+under ``release.tmp/`` and the folder and the tracker are put in place only after every file
+exists.
+
+``--include-optimizer`` (from ``--loader megatron``): the Adam moments and fp32 main parameters
+are re-split exactly like the weights (:mod:`tools.checkpoint.optimizer_state`) and the
+checkpoint is written as ``iter_XXXXXXX`` of the source's iteration with its scheduler state and
+consumed samples, so ``--load`` resumes training at the new layout. RNG states are not carried
+(they are per tensor-parallel rank): resume with ``--no-load-rng``.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 
 from megatron.checkpointing import CHECKPOINT_VERSION, get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.tokenizer import vocab_size_with_padding
+from tools.checkpoint import optimizer_state
 from tools.checkpoint.layout import DTYPES, check_layout, layer_to_partitions, pad_vocab, split
 
 
@@ -50,10 +59,13 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
 
 
 def save_checkpoint(meta: dict, stream, args) -> str:
-    """Consume the loader's stream; write ``args.save_dir/release``. Returns that folder.
+    """Consume the loader's stream; write ``args.save_dir/release`` (with ``--include-optimizer``:
+    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts).
+    Returns that folder.
 
     Raises:
-        ValueError: the target layout does not divide the model (before anything is written).
+        ValueError: the target layout does not divide the model, or (with the optimizer) changes
+            the padded vocabulary (before anything is written).
         FileExistsError: ``--save-dir`` already holds a checkpoint.
     """
     tp = args.target_tensor_parallel_size or 1
@@ -65,64 +77,135 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                     or 128)
     vocab_rows = meta["true_vocab_size"] or meta["vocab_rows"]
     padded = vocab_size_with_padding(vocab_rows, divisible_by, tp)
+    optim = meta.get("optimizer") if getattr(args, "include_optimizer", False) else None
+    if optim is not None and padded != meta["vocab_rows"]:
+        raise ValueError(f"--include-optimizer: the padded vocabulary would change from "
+                         f"{meta['vocab_rows']} to {padded} rows at tensor-parallel size {tp} "
+                         "(the padded rows are trained, so the model would change); pass "
+                         "--make-vocab-size-divisible-by so that both layouts pad to the same size")
     save = args.save_dir
     if os.path.exists(get_checkpoint_tracker_filename(save)):
         raise FileExistsError(f"--save-dir {save} already holds a checkpoint; choose an empty folder")
-    staging = os.path.join(save, "release.tmp")
+    name = "release" if optim is None else f"iter_{int(optim['iteration']):07d}"
+    staging = os.path.join(save, name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     ckpt_args = checkpoint_args(meta, tp, pp, padded, dtype_name, divisible_by)
+    extra = {"iteration": 0, "optimizer": None, "opt_param_scheduler": None, "rng_state": None}
+    if optim is not None:
+        ckpt_args = dict(optim["source_args"], **ckpt_args)
+        extra = {k: optim[k] for k in ("iteration", "consumed_train_samples",
+                                       "consumed_valid_samples", "opt_param_scheduler")}
+    writer = _StageWriter(staging, tp, pp, ckpt_args, extra, optim,
+                          mixed=dtype_name != "fp32")
     per_stage = meta["num_layers"] // pp
 
     def cast(t):
         return t.detach().to(dtype).contiguous()
 
-    def vocab_parts(weight):
-        return split(pad_vocab(cast(weight), padded), tp, 0)
+    def fp32(t):
+        return t.detach().float().contiguous()
 
-    embedding = None
-    stage, states = 0, [dict() for _ in range(tp)]
-    for kind, payload in stream:
-        if kind == "embeddings":
-            embedding = payload["word_embeddings"]
-            for r, part in enumerate(vocab_parts(embedding)):
-                states[r]["word_embeddings.weight"] = part
-        elif kind == "layer":
-            local = sum(k.endswith("input_layernorm.weight") for k in states[0])
-            for r, part in enumerate(layer_to_partitions({k: cast(v) for k, v in payload.items()}, tp)):
-                states[r].update({f"layers.{local}.{k}": v for k, v in part.items()})
-            if local + 1 == per_stage and stage < pp - 1:
-                _write(staging, states, stage, pp, ckpt_args)
-                stage, states = stage + 1, [dict() for _ in range(tp)]
+    def vocab_parts(weight, convert=cast):
+        return split(pad_vocab(convert(weight), padded), tp, 0)
+
+    def place(payload, kind, to_rank):
+        """Partition one message (weights, then each optimizer quantity) and hand each rank's
+        pieces to ``to_rank(rank, quantity or None, {name: tensor})``."""
+        weights = payload["optimizer"]["main"] if optim and dtype == torch.float32 else payload
+        sources = [(None, weights, cast)] + [(q, payload["optimizer"][q], fp32)
+                                            for q in (optimizer_state.QUANTITIES if optim else ())]
+        for q, part, convert in sources:
+            if kind == "embeddings":
+                for r, piece in enumerate(vocab_parts(part["word_embeddings"], convert)):
+                    to_rank(r, q, {"word_embeddings.weight": piece})
+            elif kind == "layer":
+                tensors = {k: convert(v) for k, v in part.items() if k != "optimizer"}
+                for r, piece in enumerate(layer_to_partitions(tensors, tp)):
+                    to_rank(r, q, {f"layers.{writer.local}.{k}": v for k, v in piece.items()})
+            else:  # final
+                for r in range(tp):
+                    to_rank(r, q, {"final_layernorm.weight": convert(part["final_norm"])})
                 if meta["untie_embeddings_and_output_weights"]:
-                    embedding = None  # no later stage needs it: free it
-        elif kind == "final":
-            for r in range(tp):
-                states[r]["final_layernorm.weight"] = cast(payload["final_norm"])
-            if meta["untie_embeddings_and_output_weights"]:
-                for r, part in enumerate(vocab_parts(payload["output_layer"])):
-                    states[r]["output_layer.weight"] = part
-            elif pp > 1:
-                for r, part in enumerate(vocab_parts(embedding)):
-                    states[r]["word_embeddings_for_head.weight"] = part
-            _write(staging, states, stage, pp, ckpt_args)
-        else:
+                    for r, piece in enumerate(vocab_parts(part["output_layer"], convert)):
+                        to_rank(r, q, {"output_layer.weight": piece})
+                elif pp > 1:
+                    for r, piece in enumerate(vocab_parts(embedding[q], convert)):
+                        to_rank(r, q, {"word_embeddings_for_head.weight": piece})
+
+    embedding = {}
+    for kind, payload in stream:
+        if kind not in ("embeddings", "layer", "final"):
             raise ValueError(f"unknown message {kind!r} from the loader")
-    final = os.path.join(save, "release")
+        if kind == "embeddings" and not meta["untie_embeddings_and_output_weights"] and pp > 1:
+            # tied: the last stage holds a copy (the same values, and the same Adam state, since
+            # Megatron all-reduces the two copies' gradients)
+            embedding = {None: payload["word_embeddings"]}
+            embedding.update({q: payload["optimizer"][q]["word_embeddings"] for q in
+                              (optimizer_state.QUANTITIES if optim else ())})
+        place(payload, kind, writer.add)
+        if kind == "layer":
+            writer.local += 1
+            if writer.local == per_stage and writer.stage < pp - 1:
+                writer.finish_stage()
+        elif kind == "final":
+            writer.finish_stage()
+    final = os.path.join(save, name)
     os.replace(staging, final)
     tracker = get_checkpoint_tracker_filename(save)
     with open(tracker + ".tmp", "w", encoding="utf-8") as f:
-        f.write("release")
+        f.write(name if optim is None else str(int(optim["iteration"])))
     os.replace(tracker + ".tmp", tracker)
     return final
 
 
-def _write(staging: str, states, stage: int, pp: int, ckpt_args: dict) -> None:
-    for r, state in enumerate(states):
-        name = get_checkpoint_name(staging, 0, release=False, pipeline_parallel=pp > 1,
-                                   tensor_rank=r, pipeline_rank=stage)
-        # get_checkpoint_name adds iter_0000000/; the staging folder stands for release/.
-        name = name.replace(os.path.join(staging, "iter_0000000"), staging, 1)
-        os.makedirs(os.path.dirname(name), exist_ok=True)
-        torch.save({"model": state, "args": ckpt_args, "checkpoint_version": CHECKPOINT_VERSION,
-                    "iteration": 0, "optimizer": None, "opt_param_scheduler": None,
-                    "rng_state": None}, name)
+class _StageWriter:
+    """Writes one (tensor rank, pipeline stage) shard at a time.
+
+    Pieces of the current stage are spilled per tensor rank to ``.spill`` files as they come (one
+    layer in memory); at the end of a stage each rank's pieces are read back memory-mapped and its
+    shard written, so the peak is about one output shard, not a whole stage of TP shards.
+    """
+
+    def __init__(self, staging, tp, pp, ckpt_args, extra, optim, mixed):
+        self.staging, self.tp, self.pp = staging, tp, pp
+        self.ckpt_args, self.extra, self.optim, self.mixed = ckpt_args, extra, optim, mixed
+        self.stage, self.local, self.spills = 0, 0, [[] for _ in range(tp)]
+        self.pending = [dict() for _ in range(tp)]
+        os.makedirs(staging, exist_ok=True)
+
+    def add(self, rank: int, quantity, tensors: dict) -> None:
+        prefix = "" if quantity is None else f"optimizer/{quantity}/"
+        self.pending[rank].update({prefix + k: v for k, v in tensors.items()})
+        if quantity == (optimizer_state.QUANTITIES[-1] if self.optim else None):
+            self._spill(rank)  # the last piece of this message for this rank
+
+    def _spill(self, rank: int) -> None:
+        path = os.path.join(self.staging, f".spill_{rank}_{len(self.spills[rank])}.pt")
+        torch.save(self.pending[rank], path)
+        self.spills[rank].append(path)
+        self.pending[rank] = {}
+
+    def finish_stage(self) -> None:
+        for r in range(self.tp):
+            flat = {}
+            for path in self.spills[r]:
+                flat.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            model = {k: v for k, v in flat.items() if not k.startswith("optimizer/")}
+            state = dict(self.extra, model=model, args=self.ckpt_args,
+                         checkpoint_version=CHECKPOINT_VERSION)
+            if self.optim is not None:
+                quantities = {q: {k[len(f"optimizer/{q}/"):]: v for k, v in flat.items()
+                                  if k.startswith(f"optimizer/{q}/")}
+                              for q in optimizer_state.QUANTITIES}
+                state["optimizer"] = optimizer_state.pack(model, quantities, self.optim, self.mixed)
+            name = get_checkpoint_name(self.staging, 0, release=False, pipeline_parallel=self.pp > 1,
+                                       tensor_rank=r, pipeline_rank=self.stage)
+            # get_checkpoint_name adds iter_0000000/; the staging folder stands for the final one.
+            name = name.replace(os.path.join(self.staging, "iter_0000000"), self.staging, 1)
+            os.makedirs(os.path.dirname(name), exist_ok=True)
+            torch.save(state, name)
+            del flat, model, state
+            for path in self.spills[r]:
+                os.remove(path)
+            self.spills[r] = []
+        self.stage, self.local = self.stage + 1, 0

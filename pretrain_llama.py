@@ -19,13 +19,17 @@ from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
 
 def model_provider(args, device, pre_process=True, post_process=True):
-    """This pipeline stage of the LLaMA model (its share of layers, on ``device``)."""
+    """This pipeline stage of the LLaMA model (its share of layers, on ``device``); with virtual
+    pipeline stages, the chunk of the registry's current virtual rank (Megatron's provider)."""
     from megatron.config import build_model_config
-    from megatron.model import LlamaModel, get_layer_numbers
+    from megatron.model import LlamaModel, get_layer_numbers, get_virtual_layer_numbers
 
     config = build_model_config(args)
-    layers = get_layer_numbers(args.num_layers, ps.get_pipeline_model_parallel_world_size(),
-                               ps.get_pipeline_model_parallel_rank())
+    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    vp = ps.get_virtual_pipeline_model_parallel_world_size()
+    layers = (get_layer_numbers(args.num_layers, pp, rank) if vp is None else
+              get_virtual_layer_numbers(args.num_layers, pp, rank, vp,
+                                        ps.get_virtual_pipeline_model_parallel_rank()))
     return LlamaModel(config, pre_process=pre_process, post_process=post_process,
                       layer_numbers=layers, device=device)
 
@@ -66,10 +70,41 @@ def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_a
     return attention_mask, loss_mask, position_ids
 
 
-def get_batch(data_iterator, args, eod, device):
-    """Next micro-batch: ``(tokens, labels, loss_mask, attention_mask, position_ids)`` on ``device``."""
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, args) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` in a batch as it is read (the embedding would
+    index out of range, or silently train padded rows). Costs one min/max per micro-batch on the
+    CPU copy, never a scan of the whole ``.bin``.
+
+    Raises:
+        ValueError: naming the id, the tokenizer flags and the data flags.
+    """
+    low, high = int(tokens.min()), int(tokens.max())
+    if low >= 0 and high < vocab_size:
+        return
+    bad = high if high >= vocab_size else low
+    data = args.data_path or args.train_data_path or args.valid_data_path
+    data = " ".join(map(str, data)) if isinstance(data, (list, tuple)) else data
+    raise ValueError(
+        f"token id {bad} in a batch read from --data-path {data} is outside the vocabulary "
+        f"[0, {vocab_size}) of --tokenizer-type {args.tokenizer_type}"
+        + (f" --vocab-size {args.vocab_size}" if getattr(args, "vocab_size", None) else "")
+        + (f" --tokenizer-model {args.tokenizer_model}" if getattr(args, "tokenizer_model", None)
+           else "")
+        + ": the data was tokenized with another tokenizer; pass that tokenizer's flags, or "
+          "re-run tools/preprocess_data.py with this one")
+
+
+def get_batch(data_iterator, args, eod, device, vocab_size=None):
+    """Next micro-batch: ``(tokens, labels, loss_mask, attention_mask, position_ids)`` on ``device``.
+
+    Raises:
+        ValueError: a token id outside ``[0, vocab_size)`` (when ``vocab_size`` is given).
+    """
     data = next(data_iterator)
-    tokens_ = torch.as_tensor(data["text"]).long().to(device)
+    tokens_ = torch.as_tensor(data["text"]).long()
+    if vocab_size is not None:
+        check_token_ids(tokens_, vocab_size, args)
+    tokens_ = tokens_.to(device)
     tokens, labels = tokens_[:, :-1].contiguous(), tokens_[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, eod, args.reset_position_ids, args.reset_attention_mask,
@@ -93,11 +128,12 @@ def loss_func(loss_mask, output_tensor):
     return loss[0], loss[1].detach().to(torch.int64), {"lm loss": (reporting[0], reporting[1])}
 
 
-def forward_step(args, eod, data_iterator, model):
+def forward_step(args, eod, data_iterator, model, vocab_size=None):
     """One micro-batch forward: ``(output_tensor, loss_func)`` for the schedule (``eod``: the
-    tokenizer's end-of-document id)."""
+    tokenizer's end-of-document id; ``vocab_size``: the tokenizer's, to check token ids)."""
     device = next(model.parameters()).device
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, args, eod, device)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, args, eod, device, vocab_size)
     output = model(tokens, position_ids, attention_mask,
                    labels=labels if ps.is_pipeline_last_stage() else None)
     return output, partial(loss_func, loss_mask)
@@ -135,9 +171,14 @@ def main(argv=None):
     if int(os.environ.get("RANK", "0")) == 0:
         for message in arguments.report_ignored_flags(args):
             print(f" WARNING: {message}", flush=True)
-    return pretrain(args, model_provider=model_provider, forward_step_func=partial(forward_step, args, tokenizer.eod),
+    return pretrain(args, model_provider=model_provider,
+                    forward_step_func=partial(forward_step, args, tokenizer.eod,
+                                              vocab_size=tokenizer.vocab_size),
                     datasets_provider=train_valid_test_datasets_provider)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # torchrun then shows the failing rank's traceback in its summary (the "root cause").
+    record(main)(sys.argv[1:])

@@ -23,13 +23,8 @@ NOT_YET_SUPPORTED = {
                                               "interleaved pipeline, issue 5"),
     "virtual_pipeline_model_parallel_size": ("--virtual-pipeline-model-parallel-size",
                                              "interleaved pipeline, issue 5"),
-    "exit_signal_handler": ("--exit-signal-handler", "signals and time limits, issue 7"),
-    "exit_duration_in_mins": ("--exit-duration-in-mins", "signals and time limits, issue 7"),
-    "keep_last_checkpoints": ("--keep-last-checkpoints", "crash-safe checkpoints, issue 7"),
     "mock_data": ("--mock-data", "synthetic data; use a small preprocessed dataset"),
     "optimizer": ("--optimizer", "only adam (AdamW) is implemented"),
-    "no_save_optim": ("--no-save-optim", "checkpoints always hold the optimizer state"),
-    "no_save_rng": ("--no-save-rng", "checkpoints always hold the RNG states"),
 }
 
 # dest -> (flag, why it has no effect here). Reported when the value differs from the default.
@@ -152,6 +147,7 @@ def _validate_required(args):
                              "tensor_model_parallel_size", "pipeline_model_parallel_size",
                              "train_iters", "train_samples", "log_interval", "eval_interval",
                              "save_interval", "exit_interval", "distributed_timeout_minutes",
+                             "exit_duration_in_mins", "keep_last_checkpoints",
                              "reduce_bucket_size", "norm_epsilon", "rotary_base"))
     for name in ("hidden_dropout", "attention_dropout"):
         p = getattr(args, name)
@@ -377,7 +373,8 @@ def _validate_checkpointing(args):
                          f"torch or convert the checkpoint")
     for flag, needs in (("save_interval", "save"), ("finetune", "load"),
                         ("use_checkpoint_args", "load"), ("no_load_optim", "load"),
-                        ("no_load_rng", "load")):
+                        ("no_load_rng", "load"), ("keep_last_checkpoints", "save"),
+                        ("exit_signal_handler", "save")):
         value = getattr(args, flag)
         if value not in (None, False) and getattr(args, needs) is None:
             shown = "" if value is True else f" ({value})"

@@ -195,7 +195,13 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     error = None
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
         getattr(chunk, "finish_param_sync", lambda: None)()
-    if hasattr(optimizer, "parameter_state"):  # distributed optimizer: one file per DP rank
+    save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
+    rng_states = None
+    if not getattr(args, "no_save_rng", False):  # one per DP rank (--data-parallel-random-init)
+        rng_states = [None] * parallel_state.get_data_parallel_world_size()
+        dist.all_gather_object(rng_states, get_rng_state(),
+                               group=parallel_state.get_data_parallel_group())
+    if save_optim and hasattr(optimizer, "parameter_state"):  # distributed optimizer: per DP rank
         shard = os.path.join(os.path.dirname(get_checkpoint_name(save_dir, iteration)).replace(
             final_dir, staging, 1), distrib_optim_filename(parallel_state.get_data_parallel_rank()))
         try:
@@ -208,11 +214,12 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             "args": args_to_dict(args), "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration, "consumed_train_samples": consumed_train_samples,
             "consumed_valid_samples": consumed_valid_samples,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer": optimizer.state_dict() if save_optim else None,
             "opt_param_scheduler": (opt_param_scheduler.state_dict()
                                     if opt_param_scheduler is not None else None),
-            "rng_state": [get_rng_state()],
         }
+        if rng_states is not None:
+            state["rng_state"] = rng_states
         for key, chunk in zip(_model_keys(model_chunks), model_chunks):
             state[key] = unwrap_model(chunk).state_dict()
         name = get_checkpoint_name(save_dir, iteration).replace(final_dir, staging, 1)
@@ -221,6 +228,9 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             _write_atomic(state, name)
         except OSError as exc:
             error = f"rank {rank} could not write {name}: {exc}"
+    if error is not None:
+        error += (f"; the previous checkpoint and {TRACKER_FILENAME} are intact (free space "
+                  "under --save, then restart with --load)")
     if not _all_ok(error is None, device):
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -262,6 +272,10 @@ def _publish(save_dir, staging, final_dir, iteration, keep_last) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, tracker)
     _fsync_dir(save_dir)  # make the renames themselves durable
+    # Staging folders of saves killed earlier: nothing points at them.
+    for stale in glob.glob(os.path.join(save_dir, "iter_*.tmp")) + glob.glob(
+            os.path.join(save_dir, "iter_*.old")):
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last:
         for d in complete_checkpoints(save_dir)[:-keep_last]:
             if d != final_dir:
@@ -270,21 +284,45 @@ def _publish(save_dir, staging, final_dir, iteration, keep_last) -> None:
 
 # Load -------------------------------------------------------------------------------------------
 
-def _torch_load(path: str) -> dict:
-    """``torch.load(weights_only=True)`` with errors that name the file."""
+def _looks_complete(folder: str) -> bool:
+    """Every ``mp_rank_*`` shard of ``folder`` present and a whole zip archive (``torch.save``'s
+    format: a truncated file lacks the central directory at its end), no temporary files left."""
+    import zipfile
+
+    shards = glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))
+    stray = glob.glob(os.path.join(folder, "mp_rank_*", "*.tmp"))
+    return bool(shards) and not stray and all(zipfile.is_zipfile(f) for f in shards)
+
+
+def last_complete_hint(load_dir: str, broken_folder: str) -> str:
+    """A sentence naming the newest complete checkpoint under ``load_dir`` other than
+    ``broken_folder`` and how to resume from it (rewrite the tracker file)."""
+    others = [d for d in complete_checkpoints(load_dir)
+              if os.path.abspath(d) != os.path.abspath(broken_folder) and _looks_complete(d)]
+    if not others:
+        return f" No other complete checkpoint is in {load_dir}."
+    last = others[-1]
+    number = int(os.path.basename(last)[len("iter_"):])
+    return (f" The last complete checkpoint is {last}: to resume from it, write {number} into "
+            f"{get_checkpoint_tracker_filename(load_dir)}.")
+
+
+def _torch_load(path: str, load_dir: str | None = None) -> dict:
+    """``torch.load(weights_only=True)`` with errors that name the file (and, given the
+    ``--load`` folder, the last complete checkpoint)."""
+    folder = os.path.dirname(os.path.dirname(path))
+    hint = last_complete_hint(load_dir, folder) if load_dir else ""
     if not os.path.isfile(path):
-        folder = os.path.dirname(os.path.dirname(path))
         present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        hint = (f"; {folder} holds {present} (was it saved with another tensor/pipeline-parallel "
-                "layout?)" if present else "")
-        raise CheckpointError(f"checkpoint shard {path} does not exist{hint}; complete checkpoints: "
-                              f"{complete_checkpoints(os.path.dirname(os.path.dirname(folder))) or 'none'}")
+        held = (f"; {folder} holds {present} (a partial checkpoint, or one saved with another "
+                "tensor/pipeline-parallel layout)" if present else "")
+        raise CheckpointError(f"checkpoint shard {path} does not exist{held}.{hint}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling errors come in many types
         raise CheckpointError(f"cannot read checkpoint shard {path}: {type(exc).__name__}: {exc}. "
                               "The file is truncated, corrupt, or holds objects other than tensors "
-                              "and plain values (refused for safety)") from exc
+                              f"and plain values (refused for safety).{hint}") from exc
 
 
 def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
@@ -336,7 +374,27 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
         return fresh
     iteration, release = found
     path = get_checkpoint_name(args.load, iteration, release)
-    state = _torch_load(path)
+    device = next(unwrap_model(model_chunks[0]).parameters()).device
+    error = None
+    try:
+        result = _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, args)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
+        error = exc
+    # Every rank learns of a failure on any rank, instead of waiting for it in the next collective.
+    if not _all_ok(error is None, device):
+        raise error or CheckpointError(
+            f"loading the checkpoint {get_checkpoint_dir(args.load, iteration, release)} failed on "
+            f"another rank (see its error).{last_complete_hint(args.load, os.path.dirname(os.path.dirname(path)))}")
+    if dist.get_rank() == 0:
+        print(f" loaded checkpoint from {args.load} at iteration "
+              f"{'release' if release else iteration}", flush=True)
+    return result
+
+
+def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, args) -> dict:
+    """Load this rank's shard ``path``; ``load_checkpoint``'s result."""
+    fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    state = _torch_load(path, args.load)
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         if key not in state:
@@ -348,26 +406,30 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
 
     weights_only = release or getattr(args, "finetune", False)
     if not weights_only and not getattr(args, "no_load_optim", False):
-        if optimizer is not None and state.get("optimizer") is not None:
+        if optimizer is not None and state.get("optimizer") is None:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
+                                  "--no-save-optim); pass --no-load-optim or --finetune")
+        if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
             if hasattr(optimizer, "load_parameter_state"):  # re-cut at this run's DP size
                 optimizer.load_parameter_state(sorted(glob.glob(os.path.join(
                     os.path.dirname(path), distrib_optim_filename("*")))))
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
-    if not weights_only and not getattr(args, "no_load_rng", False) and state.get("rng_state"):
-        set_rng_state(state["rng_state"][0])
+    if not weights_only and not getattr(args, "no_load_rng", False):
+        states = state.get("rng_state")
+        if not states:
+            raise CheckpointError(f"checkpoint {path} holds no RNG state (saved with "
+                                  "--no-save-rng); pass --no-load-rng to start new RNG streams")
+        dp_rank = parallel_state.get_data_parallel_rank()
+        # Megatron-LM keeps one state per DP rank; a different DP size falls back to the first.
+        set_rng_state(states[dp_rank] if len(states) == parallel_state.get_data_parallel_world_size()
+                      else states[0])
     if weights_only:
-        result = fresh
-    else:
-        result = {"iteration": state["iteration"],
-                  "consumed_train_samples": state.get("consumed_train_samples", 0),
-                  "consumed_valid_samples": state.get("consumed_valid_samples", 0)}
-    if dist.get_rank() == 0:
-        print(f" loaded checkpoint from {args.load} at iteration "
-              f"{'release' if release else iteration}", flush=True)
-    dist.barrier()
-    return result
+        return fresh
+    return {"iteration": state["iteration"],
+            "consumed_train_samples": state.get("consumed_train_samples", 0),
+            "consumed_valid_samples": state.get("consumed_valid_samples", 0)}
 
 
 # Arguments of the model's shape, taken over by --use-checkpoint-args (Megatron-LM's list).
@@ -378,7 +440,9 @@ CHECKPOINT_MODEL_ARGS = (
     "rotary_base", "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
     "normalization", "norm_epsilon", "make_vocab_size_divisible_by", "padded_vocab_size",
     "tokenizer_type", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "use_rope_scaling", "rope_scaling_factor",
+    "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
 )
 
 

@@ -157,7 +157,7 @@ LOAD_ERRORS = {
     "shape": r"tensor weight has shape \(3, 4\) in the checkpoint but \(5, 4\) in the model",
     "corrupt": r"cannot read checkpoint shard .*iter_0000004.*model_optim_rng.pt",
     "pickle": r"refused for safety",
-    "missing": r"model_optim_rng.pt does not exist.*complete checkpoints",
+    "missing": r"model_optim_rng.pt does not exist.*No other complete checkpoint",
 }
 
 

@@ -24,6 +24,7 @@ from megatron.training.logging import (TensorBoardLogger, format_iteration_line,
                                        format_validation_block, memory_report, print_rank_0,
                                        print_rank_last)
 from megatron.training.microbatches import build_num_microbatches_calculator
+from megatron.training.resilience import ExitConditions, collective_guard
 
 
 @dataclass
@@ -128,7 +129,7 @@ class _Trainer:
     """The loop's collaborators, so each step of the loop reads as one line."""
 
     def __init__(self, args, device, forward_step_func, model, optimizer, scheduler, iterators,
-                 schedule_config, state: TrainState):
+                 schedule_config, state: TrainState, start_time: float):
         self.args, self.device, self.forward_step_func = args, device, forward_step_func
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_it, self.valid_it, self.test_it = iterators
@@ -137,6 +138,10 @@ class _Trainer:
                                     getattr(args, "tensorboard_queue_size", 1000))
         self.memory_reported = False
         self.microbatches = build_num_microbatches_calculator(args)
+        self.exit = ExitConditions(getattr(args, "exit_signal_handler", False),
+                                   getattr(args, "exit_duration_in_mins", None),
+                                   start_time, device)
+        self.timeout = getattr(args, "distributed_timeout_minutes", None)
         self.nan_streak = 0  # consecutive skipped non-finite iterations (bf16/fp32)
         self._reset_window()
 
@@ -151,9 +156,10 @@ class _Trainer:
             self.microbatches.update(st.consumed_train_samples, True)
             batch = self.microbatches.get_current_global_batch_size()
             start = time.perf_counter()
-            losses, skipped, grad_norm, _ = train_step(
-                self.forward_step_func, self.train_it, self.model, self.optimizer, self.scheduler,
-                args, self.schedule_config, self.microbatches.get(), batch)
+            with collective_guard(f"the train step of iteration {st.iteration + 1}", self.timeout):
+                losses, skipped, grad_norm, _ = train_step(
+                    self.forward_step_func, self.train_it, self.model, self.optimizer,
+                    self.scheduler, args, self.schedule_config, self.microbatches.get(), batch)
             elapsed = time.perf_counter() - start
             st.iteration += 1
             st.consumed_train_samples += batch
@@ -169,6 +175,15 @@ class _Trainer:
                 if args.save and not saved:
                     self.save()
                 print_rank_0(f"exiting program at iteration {st.iteration}")
+                return False
+            reason = self.exit.check()  # every rank agrees: all stop after the same iteration
+            if reason:
+                if args.save and not saved:
+                    self.save()
+                print_rank_0(f"exiting program at iteration {st.iteration} "
+                             + ("after receiving SIGTERM" if reason == "signal" else
+                                f"after {args.exit_duration_in_mins:g} minutes "
+                                "(--exit-duration-in-mins)"))
                 return False
         if args.save and st.iteration > 0 and (not args.save_interval
                                                or st.iteration % args.save_interval != 0):
@@ -244,8 +259,9 @@ class _Trainer:
 
     def validate(self, prefix: str, iterator=None, label: str = "validation"):
         args, st = self.args, self.state
-        losses = evaluate(self.forward_step_func, iterator or self.valid_it, self.model, args,
-                          self.schedule_config)
+        with collective_guard(f"the evaluation at {prefix}", self.timeout):
+            losses = evaluate(self.forward_step_func, iterator or self.valid_it, self.model, args,
+                              self.schedule_config)
         if iterator is None:
             st.consumed_valid_samples += args.eval_iters * args.global_batch_size
             if losses:
@@ -257,10 +273,11 @@ class _Trainer:
     def save(self):
         st = self.state
         start = time.perf_counter()
-        folder = checkpointing.save_checkpoint(
-            st.iteration, self.model, self.optimizer, self.scheduler, self.args,
-            consumed_train_samples=st.consumed_train_samples,
-            consumed_valid_samples=st.consumed_valid_samples)
+        with collective_guard(f"the checkpoint save of iteration {st.iteration}", self.timeout):
+            folder = checkpointing.save_checkpoint(
+                st.iteration, self.model, self.optimizer, self.scheduler, self.args,
+                consumed_train_samples=st.consumed_train_samples,
+                consumed_valid_samples=st.consumed_valid_samples)
         print_rank_0(f"  successfully saved checkpoint at iteration {st.iteration:7d} to {folder} "
                      f"[ t {time.perf_counter() - start:.2f}s ]")
 
@@ -281,19 +298,22 @@ def pretrain(args, *, model_provider, forward_step_func, datasets_provider) -> d
         last pipeline stage), ``grad norm``, ``learning rate``, ``valid`` ([(iteration, loss)]),
         ``final valid`` (dict or None).
     """
+    start_time = time.time()  # --exit-duration-in-mins counts from here
     device, created_group = initialize_megatron(args)
+    trainer = None
     try:
         model, optimizer, scheduler = builders.setup_model_and_optimizer(args, model_provider, device)
         state = TrainState()
         if getattr(args, "load", None):
-            loaded = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+            with collective_guard("the checkpoint load", getattr(args, "distributed_timeout_minutes", None)):
+                loaded = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
             state.iteration = loaded["iteration"]
             state.consumed_train_samples = loaded["consumed_train_samples"]
             state.consumed_valid_samples = loaded["consumed_valid_samples"]
         iterators = builders.build_data_iterators(args, datasets_provider, state.consumed_train_samples,
                                                state.consumed_valid_samples)
         trainer = _Trainer(args, device, forward_step_func, model, optimizer, scheduler, iterators,
-                           builders.schedule_config(args, model, optimizer), state)
+                           builders.schedule_config(args, model, optimizer), state, start_time)
         print_rank_0(f" training from iteration {state.iteration} to {builders.train_iters(args)}")
         completed = trainer.run()
         state.history["final valid"] = None
@@ -310,4 +330,6 @@ def pretrain(args, *, model_provider, forward_step_func, datasets_provider) -> d
                             f"(tensorboard --logdir {args.tensorboard_dir})")
         return state.history
     finally:
+        if trainer is not None:
+            trainer.exit.restore()
         shutdown(created_group)

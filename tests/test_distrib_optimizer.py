@@ -94,20 +94,22 @@ def _train_and_count():
             if overlap[0]:  # every bucket but the last launched before the last gradient
                 assert ddp.launched_before_last_grad == len(ddp.buffers[0].buckets) - 1
             ddp.finish_param_sync()
-            # fp32: main params are the model params' shard views, state = two moments only.
-            owned = sum(e.main.numel() for e in opt.entries)
-            assert opt.state_bytes() == 8 * owned
-            assert owned <= psi_pad // dp
+            # fp32: main params are the parameter buffer's shard views, state = two moments of
+            # this rank's contiguous slice of every bucket, padding included.
+            owned = sum(r.numel_real for r in opt.runs)
+            assert opt.state_bytes() * dp == 8 * psi_pad
             out[(num_mb, overlap)] = ({n: p.detach().clone() for n, p in net.named_parameters()},
                                       losses, owned, psi)
     net, ddp, opt = _build(True, True, bf16=True)
     for step in range(2):
         _iteration(ddp, opt, step, 2)
-    owned = sum(e.main.numel() for e in opt.entries)
-    assert opt.state_bytes() == 12 * owned  # fp32 main params too
+    psi_pad = sum(b.numel_padded for b in ddp.buffers[0].buckets)
+    assert opt.state_bytes() * dp == 12 * psi_pad  # fp32 main params too
     ddp.finish_param_sync()
-    for e in opt.entries:  # model shard == bf16-rounded main shard; other shards gathered
-        assert torch.equal(e.model_shard, e.main.to(torch.bfloat16))
+    for model_shard, main in opt.shards:  # model shard == bf16-rounded main; others gathered
+        assert torch.equal(model_shard, main.to(torch.bfloat16))
+    for b in ddp.buffers[0].buckets:  # padding never becomes non-zero
+        assert not b.param_data[b.numel_unpadded:].any()
     gathered = torch.cat([p.detach().float().view(-1) for p in net.parameters()])
     everyone = [torch.zeros_like(gathered) for _ in range(dp)]
     torch.distributed.all_gather(everyone, gathered)

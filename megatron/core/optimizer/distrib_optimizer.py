@@ -2,70 +2,103 @@
 
 After Megatron-LM's ``DistributedOptimizer`` (ZeRO stage 1 with reduce-scattered gradients, i.e.
 ZeRO-2's gradient traffic). The DDP buffers are cut into buckets and every bucket into DP equal
-shards (:mod:`megatron.core.distributed.param_and_grad_buffer`); rank r owns shard r of every
-bucket and only for those elements keeps a main parameter and Adam's two moments:
+shards (:mod:`megatron.core.distributed.param_and_grad_buffer`); rank r owns the contiguous slice
+``shard_range(r)`` of every bucket, padding included, and only for those elements keeps a main
+parameter and Adam's two moments:
 
-* fp32 model: the main parameters *are* the model parameters' shard views (no copy), so the
-  optimizer state is 8 bytes per owned element;
-* bf16/fp16 model: fp32 main copies of the shard, 12 bytes per owned element.
+* fp32 model: the main parameters *are* the parameter buffer's shard views (no copy), so the
+  optimizer state is exactly ``8 * Psi_pad / N`` bytes per rank;
+* bf16/fp16 model: one flat fp32 main tensor per bucket shard, ``12 * Psi_pad / N`` bytes.
 
-One iteration: gradients accumulate locally in the fp32 buffer; the buckets are reduce-scattered
+Padding elements carry zero gradients, so their parameters and moments stay zero; they live in the
+buffer's padding, never in a real parameter. Weight decay and the grad norm differ per parameter
+(no decay on 1-D parameters; tensor-parallel duplicates counted on TP rank 0 only), so a bucket
+shard is handed to AdamW as a few *runs*: maximal contiguous slices whose parameters share the
+decay group and the norm attributes (the padding joins the last run). Runs are views of the flat
+shard; AdamW steps them with its multi-tensor kernels.
+
+One iteration: gradients accumulate locally in the grad buffer; the buckets are reduce-scattered
 (during the last backward under ``--overlap-grad-reduce``); ``step()`` clips on the shards (each
-element counted once over TP, PP and DP), steps AdamW on the owned pieces, writes them into the
-parameter buffer and launches the bucket all-gathers (waited on in the next forward's pre-hooks
-under ``--overlap-param-gather``, else at once).
+element counted once over TP, PP and DP), steps AdamW, writes the main shards into the parameter
+buffer and launches the bucket all-gathers (waited on in the next forward's pre-hooks under
+``--overlap-param-gather``, else at once).
 
-A main parameter is one piece ``param.view(-1)[start:end]`` of one model parameter, so the
-AdamW groups (weight decay or not) are those of the plain optimizer. Checkpoints keep the state
-per parameter name and element range (:meth:`parameter_state`), so a checkpoint saved at one DP
-size is re-cut at another (:meth:`load_parameter_state`).
+Checkpoints keep the state per parameter name and element range, padding dropped
+(:meth:`DistributedOptimizer.parameter_state`), so a checkpoint saved at one DP size is re-cut at
+another, and converts to and from the plain optimizer's layout
+(:mod:`~megatron.core.optimizer.distrib_optimizer_checkpoint`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from megatron.core.optimizer.clip_grads import count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
-from megatron.core.optimizer.optimizer import (_PARALLEL_ATTRS, MixedPrecisionOptimizer,
-                                               _model_parallel_group, get_param_groups)
-
-STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, grads_for_norm
+from megatron.core.optimizer.distrib_optimizer_checkpoint import (STATE_KEYS, param_names,
+                                                                  plain_to_records, read_shards)
+from megatron.core.optimizer.optimizer import (MixedPrecisionOptimizer, _model_parallel_group,
+                                               get_param_groups)
 
 
 @dataclass
-class ShardEntry:
-    """This rank's piece ``[start, end)`` (flattened elements) of one model parameter."""
+class Piece:
+    """Elements ``[start, end)`` of the flattened parameter ``name`` at ``offset`` in its run."""
 
     name: str
-    param: torch.nn.Parameter
     start: int
     end: int
-    model_shard: torch.Tensor  # view of the DDP param buffer
-    grad_shard: torch.Tensor   # view of the DDP grad buffer
-    main: torch.Tensor         # what AdamW updates (== model_shard for fp32 params)
+    offset: int
+
+
+@dataclass
+class Run:
+    """A contiguous slice of one bucket shard stepped as one AdamW parameter.
+
+    ``main`` is what AdamW updates (a view of the parameter buffer for fp32 models, of the bucket
+    shard's fp32 main tensor otherwise); ``grad_shard`` the matching view of the grad buffer.
+    ``numel_real`` elements at the start belong to parameters, the rest is bucket padding.
+    """
+
+    group: int
+    main: torch.Tensor
+    grad_shard: torch.Tensor
+    pieces: List[Piece] = field(default_factory=list)
+    numel_real: int = 0
 
 
 def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
-def _shard_entry(name: str, p: torch.nn.Parameter, chunk) -> Optional[ShardEntry]:
-    buf = chunk.param_to_buffer[p]
-    start, end, index = buf.param_index_map[p]
-    bucket = buf.buckets[index]
-    s, e = bucket.shard_range(bucket.data_parallel_rank)
-    lo, hi = max(start, bucket.offset + s), min(end, bucket.offset + e)
-    if lo >= hi:
-        return None
-    model_shard, grad_shard = buf.param_data[lo:hi], buf.grad_data[lo:hi]
-    main = model_shard if p.dtype == torch.float32 else model_shard.detach().float()
-    for attr in _PARALLEL_ATTRS:
-        if hasattr(p, attr):
-            setattr(main, attr, getattr(p, attr))
-    return ShardEntry(name, p, lo - start, hi - start, model_shard, grad_shard, main)
+def _runs_of_shard(bucket, buf, lo: int, hi: int, main: torch.Tensor, names, group_of) -> List[Run]:
+    """Cut the shard ``[lo, hi)`` (buffer elements) into runs; ``main`` is its flat main tensor."""
+    segments = []  # [key, first element, pieces, end of the last piece]
+    for p in bucket.params:  # buffer order
+        start, end, _ = buf.param_index_map[p]
+        a, b = max(start, lo), min(end, hi)
+        if a >= b:
+            continue
+        key = (group_of[p], bool(getattr(p, "tensor_model_parallel", False)),
+               bool(getattr(p, "shared_embedding", False)))
+        if not segments or segments[-1][0] != key:
+            segments.append([key, a, [], a])
+        seg = segments[-1]
+        seg[2].append(Piece(names[p], a - start, b - start, a - seg[1]))
+        seg[3] = b
+    if not segments:  # a shard of padding only
+        segments = [[(0, True, False), lo, [], lo]]
+    runs = []
+    for i, (key, a, pieces, real_end) in enumerate(segments):
+        end = segments[i + 1][1] if i + 1 < len(segments) else hi  # the last run takes the padding
+        view = main[a - lo:end - lo]
+        # What grads_for_norm reads to count each element of the model once.
+        view.tensor_model_parallel, view.shared_embedding = key[1], key[2]
+        runs.append(Run(key[0], view, buf.grad_data[a:end], pieces, real_end - a))
+    return runs
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -79,6 +112,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         make_adamw: ``(param_groups) -> torch.optim.AdamW`` (the plain optimizer's factory).
         grad_scaler: fp16 loss scaler or None.
 
+    Attributes:
+        shards: ``(model_shard, main)`` per bucket shard: the parameter buffer's view and the flat
+            fp32 main tensor (the same tensor for fp32 models).
+        runs: the AdamW parameters, in buffer order.
+
     Raises:
         ValueError: if a chunk was not wrapped with ``use_distributed_optimizer=True``.
     """
@@ -89,20 +127,27 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 raise ValueError("--use-distributed-optimizer needs the model wrapped by "
                                  "DistributedDataParallel(use_distributed_optimizer=True)")
         self.model_chunks = list(model_chunks)
-        names = {}
-        for ci, chunk in enumerate(model_chunks):
-            for n, p in _unwrap(chunk).named_parameters():
-                names.setdefault(p, (f"{ci}.{n}", chunk))
-        self.entries: List[ShardEntry] = []
-        groups = []
-        for group in get_param_groups(model_chunks, config.weight_decay):
-            pieces = [_shard_entry(names[p][0], p, names[p][1]) for p in group["params"]]
-            pieces = [e for e in pieces if e is not None]
-            self.entries += pieces
-            groups.append({**group, "params": [e.main for e in pieces]})
-        super().__init__(make_adamw(groups), config, grad_scaler)
+        names = param_names(model_chunks)
+        groups = get_param_groups(model_chunks, config.weight_decay)
+        group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
+        self.shards: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.runs: List[Run] = []
+        for chunk in model_chunks:
+            for buf in chunk.buffers:
+                for bucket in buf.buckets:
+                    s, e = bucket.shard_range(bucket.data_parallel_rank)
+                    lo, hi = bucket.offset + s, bucket.offset + e
+                    model_shard = buf.param_data[lo:hi]
+                    main = model_shard if model_shard.dtype == torch.float32 else model_shard.float()
+                    self.shards.append((model_shard, main))
+                    self.runs += _runs_of_shard(bucket, buf, lo, hi, main, names, group_of)
+        # Empty groups stay (a rank may own no piece of a group): indices equal on every rank.
+        torch_groups = [{**g, "params": [r.main for r in self.runs if r.group == gi]}
+                        for gi, g in enumerate(groups)]
+        super().__init__(make_adamw(torch_groups), config, grad_scaler)
         self.data_parallel_group = model_chunks[0].data_parallel_group
         self.data_parallel_world_size = model_chunks[0].data_parallel_world_size
+        self._loaded_from_plain = False
 
     # The step -----------------------------------------------------------------------------------
 
@@ -110,16 +155,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return self.data_parallel_group if self.data_parallel_world_size > 1 else None
 
     def _main_grads(self) -> List[torch.Tensor]:
-        return [e.main.grad for e in self.entries]
+        return [r.main.grad for r in self.runs]
 
     def _copy_model_grads_to_main_grads(self) -> None:
-        for e in self.entries:
-            e.main.grad = e.grad_shard if e.grad_shard.dtype == torch.float32 else e.grad_shard.float()
+        for r in self.runs:  # a view for fp32 grad buffers, an fp32 copy for bf16 ones
+            r.main.grad = r.grad_shard if r.grad_shard.dtype == torch.float32 else r.grad_shard.float()
 
     def _copy_main_params_to_model_params(self) -> None:
-        for e in self.entries:
-            if e.main is not e.model_shard:
-                e.model_shard.copy_(e.main)
+        for model_shard, main in self.shards:
+            if main is not model_shard:
+                model_shard.copy_(main)
 
     def get_grad_norm(self) -> float:
         """Global L2 norm over the shards: partial sums combined over DP, then TP x PP."""
@@ -128,8 +173,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                   data_parallel_group=self._dp_group())
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_parameters(), model_parallel_group=_model_parallel_group(),
-                                data_parallel_group=self._dp_group())
+        """Zero gradient elements of the model (padding excluded), each counted once."""
+        counted = {id(g) for g in grads_for_norm(self.get_parameters())}
+        device = self.runs[0].main.device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for r in self.runs:
+            if id(r.main.grad) in counted:
+                total += r.numel_real - torch.count_nonzero(r.main.grad[:r.numel_real])
+        for group in (self._dp_group(), _model_parallel_group()):
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        return int(total.item())
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
@@ -138,16 +192,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         Collectives: all-reduces of the norm (DP, then TP x PP); one all-gather per bucket.
         """
         update_successful, grad_norm, num_zeros = super().step()
-        for e in self.entries:
-            e.main.grad = None  # drop the alias of the grad buffer
+        self.zero_grad()  # drop the aliases of the grad buffer
         if update_successful:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
         return update_successful, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for e in self.entries:
-            e.main.grad = None
+        for r in self.runs:
+            r.main.grad = None
 
     def finish_param_sync(self) -> None:
         """Complete pending parameter all-gathers (before reading weights outside a forward)."""
@@ -156,19 +209,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def reload_model_params(self) -> None:
         with torch.no_grad():
-            for e in self.entries:
-                if e.main is not e.model_shard:
-                    e.main.copy_(e.model_shard.float())
+            for model_shard, main in self.shards:
+                if main is not model_shard:
+                    main.copy_(model_shard)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: Adam moments, plus fp32 main copies."""
         total = 0
-        for e in self.entries:
-            state = self.optimizer.state.get(e.main, {})
+        for r in self.runs:
+            state = self.optimizer.state.get(r.main, {})
             total += sum(state[k].numel() * state[k].element_size()
                          for k in ("exp_avg", "exp_avg_sq") if k in state)
-            if e.main is not e.model_shard:
-                total += e.main.numel() * e.main.element_size()
+        for model_shard, main in self.shards:
+            if main is not model_shard:
+                total += main.numel() * main.element_size()
         return total
 
     # Checkpoints --------------------------------------------------------------------------------
@@ -185,15 +239,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the common part (see :meth:`state_dict`).
+        """Restore the common part (see :meth:`state_dict`); a plain optimizer's state dict
+        (saved without ``--use-distributed-optimizer``) is converted and loaded whole.
 
         Raises:
-            ValueError: for a checkpoint written without ``--use-distributed-optimizer``.
+            ValueError: if the parameter groups do not match the model.
         """
         if not state_dict.get("distributed_optimizer"):
-            raise ValueError("the checkpoint's optimizer state was saved without "
-                             "--use-distributed-optimizer; load it with --no-load-optim or "
-                             "without --use-distributed-optimizer")
+            records, step = plain_to_records(state_dict, self.model_chunks,
+                                             self.config.weight_decay)
+            self._load_records(records, step, "the checkpoint's plain optimizer state")
+            self._loaded_from_plain = True
+            if self.grad_scaler is not None and "grad_scaler" in state_dict:
+                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+            return
         if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError("optimizer checkpoint: parameter groups do not match the model; "
                              "load with --no-load-optim or use the same model configuration")
@@ -203,61 +262,70 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def parameter_state(self) -> dict:
-        """This rank's shard state, layout-independent: ``{"params": {name: {"range": [start,
-        end], "param": fp32 main piece, "exp_avg": ..., "exp_avg_sq": ...}}, "step": int}``."""
+        """This rank's shard state, layout-independent (padding dropped): ``{"params": {name:
+        {"range": [start, end], "param": fp32 main piece, "exp_avg": ..., "exp_avg_sq": ...}},
+        "step": int}``; ``range`` is in elements of the flattened parameter."""
         self.finish_param_sync()
         out: Dict[str, dict] = {}
         step = 0
-        for e in self.entries:
-            state = self.optimizer.state.get(e.main, {})
+        for r in self.runs:
+            state = self.optimizer.state.get(r.main, {})
             step = int(state["step"]) if "step" in state else step
-            rec = {"range": [e.start, e.end], "param": e.main.detach().float().clone()}
-            for k in ("exp_avg", "exp_avg_sq"):
-                rec[k] = state[k].detach().clone() if k in state else torch.zeros_like(rec["param"])
-            out[e.name] = rec
+            for pc in r.pieces:
+                n = pc.end - pc.start
+                rec = {"range": [pc.start, pc.end],
+                       "param": r.main[pc.offset:pc.offset + n].detach().float().clone()}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    rec[k] = (state[k][pc.offset:pc.offset + n].detach().clone() if k in state
+                              else torch.zeros_like(rec["param"]))
+                out[pc.name] = rec
         return {"params": out, "step": step}
 
     def save_parameter_state(self, path: str) -> None:
         """Write :meth:`parameter_state` to ``path`` (``torch.save``)."""
         torch.save(self.parameter_state(), path)
 
-    @torch.no_grad()
     def load_parameter_state(self, paths: List[str]) -> None:
         """Load the shard state from the files of *all* DP ranks that saved it (any DP size),
         keeping the pieces this rank owns now.
 
         Raises:
-            ValueError: if no file is given or the files do not cover a piece this rank owns.
+            ValueError: if no file is given (and no plain state was loaded), or the files do not
+                cover a piece this rank owns.
         """
         if not paths:
+            if self._loaded_from_plain:
+                return
             raise ValueError("no distrib_optim_dp_*.pt file in the checkpoint: it was saved without "
                              "--use-distributed-optimizer; load with --no-load-optim")
-        pieces: Dict[str, list] = {}
-        step = 0
-        for path in paths:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-            step = max(step, int(sd["step"]))
-            for name, rec in sd["params"].items():
-                pieces.setdefault(name, []).append(rec)
+        pieces, step = read_shards(paths)
+        self._load_records(pieces, step, f"optimizer shard files {paths[0]}...")
+
+    @torch.no_grad()
+    def _load_records(self, pieces: Dict[str, list], step: int, source: str) -> None:
+        """Fill every run from per-parameter records ``{name: [{"range", "param", "exp_avg",
+        "exp_avg_sq"}]}``; padding stays zero."""
         fused = self.optimizer.defaults.get("fused", False)
-        for e in self.entries:
-            values = {k: torch.empty(e.end - e.start, dtype=torch.float32) for k in STATE_KEYS}
-            covered = 0
-            for rec in pieces.get(e.name, []):
-                s, t = rec["range"]
-                lo, hi = max(e.start, s), min(e.end, t)
-                if lo < hi:
-                    covered += hi - lo
-                    for k in STATE_KEYS:
-                        values[k][lo - e.start:hi - e.start] = rec[k][lo - s:hi - s]
-            if covered != e.end - e.start:
-                raise ValueError(f"optimizer shard files {paths[0]}...: parameter {e.name} elements "
-                                 f"[{e.start}, {e.end}) are not all present (a DP rank's file is "
-                                 "missing?); load with --no-load-optim")
-            e.main.copy_(values["param"].view_as(e.main))
-            device = e.main.device if fused else "cpu"
-            self.optimizer.state[e.main] = {
+        for r in self.runs:
+            values = {k: torch.zeros(r.main.numel(), dtype=torch.float32) for k in STATE_KEYS}
+            for pc in r.pieces:
+                covered = 0
+                for rec in pieces.get(pc.name, []):
+                    s, t = rec["range"]
+                    lo, hi = max(pc.start, s), min(pc.end, t)
+                    if lo < hi:
+                        covered += hi - lo
+                        at = pc.offset + lo - pc.start
+                        for k in STATE_KEYS:
+                            values[k][at:at + hi - lo] = rec[k].reshape(-1)[lo - s:hi - s]
+                if covered != pc.end - pc.start:
+                    raise ValueError(f"{source}: parameter {pc.name} elements [{pc.start}, "
+                                     f"{pc.end}) are not all present (a DP rank's file is "
+                                     "missing?); load with --no-load-optim")
+            r.main.copy_(values["param"])
+            device = r.main.device if fused else "cpu"
+            self.optimizer.state[r.main] = {
                 "step": torch.tensor(float(step), dtype=torch.float32, device=device),
-                "exp_avg": values["exp_avg"].to(e.main.device).view_as(e.main),
-                "exp_avg_sq": values["exp_avg_sq"].to(e.main.device).view_as(e.main)}
+                "exp_avg": values["exp_avg"].to(r.main.device),
+                "exp_avg_sq": values["exp_avg_sq"].to(r.main.device)}
         self._copy_main_params_to_model_params()

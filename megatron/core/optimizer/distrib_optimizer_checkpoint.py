@@ -1,0 +1,150 @@
+"""The distributed optimizer's layout-independent checkpoint form, and conversions to and from the
+plain optimizer's layout.
+
+Every DP rank saves ``distrib_optim_dp_DDD.pt`` = ``{"params": {name: {"range": [start, end],
+"param", "exp_avg", "exp_avg_sq"}}, "step": int}``: for each parameter (named
+``"<chunk index>.<name in the chunk>"``) the fp32 main values and Adam moments of the elements
+``[start, end)`` of the flattened parameter that the rank owned; bucket padding is never saved.
+The union of the files of all DP ranks covers every parameter once, whatever the DP size and the
+bucket size, so a run re-cuts it into its own shards.
+
+The plain optimizers (:class:`~megatron.core.optimizer.optimizer.FP32Optimizer`: a torch AdamW
+``state_dict``; :class:`~megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params`:
+``{"optimizer": ..., "fp32_from_fp16_params": [[...]]}``, Megatron's keys) index parameters by
+their position in :func:`~megatron.core.optimizer.optimizer.get_param_groups`; both directions of
+conversion follow that order, so a checkpoint of either optimizer loads into the other (same model
+layout: TP and PP sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from megatron.core.optimizer.optimizer import get_param_groups
+
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
+    """``param -> "<chunk index>.<name>"`` (names in the unwrapped chunk; a shared param once)."""
+    names = {}
+    for ci, chunk in enumerate(model_chunks):
+        for n, p in getattr(chunk, "module", chunk).named_parameters():
+            names.setdefault(p, f"{ci}.{n}")
+    return names
+
+
+def read_shards(paths: List[str]) -> Tuple[Dict[str, list], int]:
+    """Read the shard files of all DP ranks: ``({name: [record, ...]}, step)``."""
+    pieces: Dict[str, list] = {}
+    step = 0
+    for path in paths:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        step = max(step, int(sd["step"]))
+        for name, rec in sd["params"].items():
+            pieces.setdefault(name, []).append(rec)
+    return pieces, step
+
+
+def _full_values(pieces: Dict[str, list], name: str, numel: int, source: str) -> Dict[str, torch.Tensor]:
+    values = {k: torch.zeros(numel, dtype=torch.float32) for k in STATE_KEYS}
+    covered = 0
+    for rec in pieces.get(name, []):
+        s, t = rec["range"]
+        covered += t - s
+        for k in STATE_KEYS:
+            values[k][s:t] = rec[k].reshape(-1)
+    if covered != numel:
+        raise ValueError(f"{source}: parameter {name} has {covered} of its {numel} elements (a DP "
+                         "rank's distrib_optim_dp_*.pt file is missing, or the model differs); "
+                         "load with --no-load-optim")
+    return values
+
+
+def _check_groups(saved_sizes: List[int], groups: List[dict], what: str) -> None:
+    sizes = [len(g["params"]) for g in groups]
+    if saved_sizes != sizes:
+        raise ValueError(f"{what}: parameter groups of {saved_sizes} parameters do not match the "
+                         f"model's {sizes}; load with --no-load-optim or use the same model "
+                         "configuration (TP and PP sizes)")
+
+
+def plain_to_records(state_dict: dict, model_chunks, weight_decay: float) -> Tuple[Dict[str, list], int]:
+    """Convert a plain optimizer's ``state_dict`` (saved without ``--use-distributed-optimizer``)
+    to per-parameter records covering each parameter whole.
+
+    fp32 models keep no main copy: the main values are the model's current (just loaded) weights.
+
+    Raises:
+        ValueError: if the saved parameter groups or shapes do not match ``model_chunks``.
+    """
+    torch_sd = state_dict["optimizer"] if "fp32_from_fp16_params" in state_dict else state_dict
+    mains = state_dict.get("fp32_from_fp16_params")
+    groups = get_param_groups(model_chunks, weight_decay)
+    what = "optimizer checkpoint saved without --use-distributed-optimizer"
+    _check_groups([len(g["params"]) for g in torch_sd["param_groups"]], groups, what)
+    names = param_names(model_chunks)
+    records, step = {}, 0
+    for gi, (group, saved) in enumerate(zip(groups, torch_sd["param_groups"])):
+        half = 0
+        for p, index in zip(group["params"], saved["params"]):
+            state = torch_sd["state"].get(index, {})
+            main = p.detach()
+            if mains is not None and p.dtype in _HALF:
+                main, half = mains[gi][half], half + 1
+            if main.numel() != p.numel():
+                raise ValueError(f"{what}: {names[p]} has {main.numel()} elements, the model "
+                                 f"{p.numel()}; load with --no-load-optim or use the same model "
+                                 "configuration")
+            zeros = torch.zeros(p.numel(), dtype=torch.float32)
+            rec = {"range": [0, p.numel()], "param": main.detach().float().reshape(-1).cpu()}
+            for k in ("exp_avg", "exp_avg_sq"):
+                rec[k] = state[k].float().reshape(-1).cpu() if k in state else zeros
+            if "step" in state:
+                step = int(state["step"])
+            records[names[p]] = [rec]
+    return records, step
+
+
+def shards_to_plain(paths: List[str], common: dict, optimizer, model_chunks) -> dict:
+    """The ``state_dict`` of the plain ``optimizer`` (FP32 or Float16) equal to a distributed
+    optimizer's checkpoint: its common part ``common`` and the shard files ``paths`` of all DP ranks.
+
+    Raises:
+        ValueError: if no shard file is given, a parameter is not covered, or the parameter groups
+            do not match ``model_chunks``.
+    """
+    if not paths:
+        raise ValueError("the checkpoint was saved with --use-distributed-optimizer but has no "
+                         "distrib_optim_dp_*.pt file; load with --no-load-optim")
+    pieces, step = read_shards(paths)
+    groups = get_param_groups(model_chunks, optimizer.config.weight_decay)
+    if len(common["param_groups"]) != len(groups):
+        raise ValueError("optimizer checkpoint saved with --use-distributed-optimizer: parameter "
+                         "groups do not match the model; load with --no-load-optim")
+    names = param_names(model_chunks)
+    state, torch_groups, mains = {}, [], []
+    index = 0
+    for group, saved in zip(groups, common["param_groups"]):
+        ids, group_mains = [], []
+        for p in group["params"]:
+            values = _full_values(pieces, names[p], p.numel(), f"optimizer shards {paths[0]}...")
+            state[index] = {"step": torch.tensor(float(step)),
+                            "exp_avg": values["exp_avg"].view(p.shape),
+                            "exp_avg_sq": values["exp_avg_sq"].view(p.shape)}
+            if p.dtype in _HALF:
+                group_mains.append(values["param"].view(p.shape))
+            ids.append(index)
+            index += 1
+        torch_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        mains.append(group_mains)
+    torch_sd = {"state": state, "param_groups": torch_groups}
+    if not hasattr(optimizer, "fp32_from_float16_groups"):
+        return torch_sd
+    out = {"optimizer": torch_sd, "fp32_from_fp16_params": mains}
+    if "grad_scaler" in common:
+        out["grad_scaler"] = common["grad_scaler"]
+    return out

@@ -75,3 +75,38 @@ def test_constant_scaler_and_builder():
 def test_bad_settings_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         DynamicGradScaler(**kwargs)
+
+
+def test_fp16_optimizer_unscales_skips_overflow_and_checkpoints_the_scaler():
+    """Single process: the scaled loss's gradients come back unscaled; an overflow leaves params
+    and Adam state untouched; the scaler's state travels in the optimizer's state_dict."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3).half()
+        config = OptimizerConfig(lr=0.1, fp16=True, initial_loss_scale=1024.0, hysteresis=1,
+                                 loss_scale_window=2, clip_grad=0.0)
+        return net, get_megatron_optimizer(config, [net])
+
+    net, opt = make()
+    x = torch.randn(5, 4).half()
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.scale_loss(net(x).float().pow(2).sum() * 1e4).backward()  # 1024 x 1e4 x grads: fp16 inf
+    assert opt.step()[0] is False and float(opt.get_loss_scale()) == 512
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters())) and not opt.state
+    opt.zero_grad()
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict({k: v.float() for k, v in net.state_dict().items()})
+    ref(x.float()).pow(2).sum().backward()
+    opt.scale_loss(net(x).float().pow(2).sum()).backward()
+    assert opt.step()[0] is True
+    for p_main, p_ref in zip(opt.get_parameters(), ref.parameters()):
+        torch.testing.assert_close(p_main.grad, p_ref.grad, rtol=2e-3, atol=2e-3)  # unscaled
+    sd = opt.state_dict()
+    assert sd["grad_scaler"] == {"scale": torch.tensor(512.0), "growth_tracker": 1,
+                                 "hysteresis_tracker": 0}
+    _, fresh = make()
+    fresh.load_state_dict(sd)
+    fresh.grad_scaler.update(False)  # the next clean iteration completes the window of 2
+    assert float(fresh.get_loss_scale()) == 1024

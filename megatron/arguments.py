@@ -226,8 +226,12 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--max-consecutive-nan-iterations", type=int, default=3,
                    help="stop training after this many iterations in a row with inf/NaN loss or "
                         "gradients (each one skipped); 0 = never stop")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="fp32 gradient buffers and reduction (always on with --bf16)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True,
+                   help="fp32 gradient buffers and reduction (the default; Megatron's flag)")
+    g.add_argument("--no-accumulate-allreduce-grads-in-fp32",
+                   dest="accumulate_allreduce_grads_in_fp32", action="store_false",
+                   help="with --bf16: accumulate and reduce gradients in bf16 (half the reduction "
+                        "traffic and grad-buffer memory, less exact sums)")
 
 
 def _add_distributed_args(parser):

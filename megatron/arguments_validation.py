@@ -18,7 +18,6 @@ from typing import List, Optional, Tuple
 
 # dest -> (flag as users write it, the feature and issue that will build it).
 NOT_YET_SUPPORTED = {
-    "distributed_checkpointing": ("--distributed-checkpointing", "distributed optimizer, issue 4"),
     "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage",
                                               "interleaved pipeline, issue 5"),
     "virtual_pipeline_model_parallel_size": ("--virtual-pipeline-model-parallel-size",
@@ -29,6 +28,10 @@ NOT_YET_SUPPORTED = {
 
 # dest -> (flag, why it has no effect here). Reported when the value differs from the default.
 IGNORED_FLAGS = {
+    "distributed_checkpointing": ("--distributed-checkpointing", "with --use-distributed-optimizer "
+                                  "every data-parallel rank always writes its own optimizer shard "
+                                  "(distrib_optim_dp_DDD.pt beside model_optim_rng.pt), re-cut at "
+                                  "any DP size on load"),
     "use_flash_attn": ("--use-flash-attn", "attention always runs through torch "
                        "scaled_dot_product_attention, which picks the flash kernel where it applies"),
     "gradient_accumulation_fusion": ("--no-gradient-accumulation-fusion", "there is no fused "
@@ -158,9 +161,8 @@ def _validate_required(args):
 def _validate_precision(args):
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive: keep one (LLaMA: --bf16)")
-    if args.bf16:
-        # As Megatron: bf16 gradients are accumulated and reduced in fp32.
-        args.accumulate_allreduce_grads_in_fp32 = True
+    # bf16 gradients are accumulated and reduced in fp32 unless
+    # --no-accumulate-allreduce-grads-in-fp32 asks for bf16 reduction.
 
 
 def _validate_not_yet_supported(args, defaults):
@@ -315,8 +317,10 @@ def _validate_loss_scaling(args):
     if args.loss_scale is None and args.min_loss_scale > args.initial_loss_scale:
         raise ValueError(f"--min-loss-scale ({args.min_loss_scale}) must be <= "
                          f"--initial-loss-scale ({args.initial_loss_scale})")
-    # As Megatron: fp16 gradients are accumulated and reduced in fp32.
-    args.accumulate_allreduce_grads_in_fp32 = True
+    if not args.accumulate_allreduce_grads_in_fp32:
+        raise ValueError("--no-accumulate-allreduce-grads-in-fp32 goes with --bf16 only: fp16 "
+                         "gradients are accumulated and reduced in fp32 (fp16 sums overflow); "
+                         "remove the flag or use --bf16")
 
 
 def _validate_learning_rate(args):

@@ -391,6 +391,19 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
     return result
 
 
+def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
+    """Load the optimizer state whichever optimizer saved it: the distributed optimizer re-cuts
+    the per-DP-rank shards at this run's DP size or takes a plain optimizer's state whole; the
+    plain optimizer takes a distributed optimizer's shards reassembled."""
+    distributed = hasattr(optimizer, "load_parameter_state")
+    if saved.get("distributed_optimizer") and not distributed:
+        from megatron.core.optimizer.distrib_optimizer_checkpoint import shards_to_plain
+        saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
+    optimizer.load_state_dict(saved)
+    if distributed:
+        optimizer.load_parameter_state(shard_paths if saved.get("distributed_optimizer") else [])
+
+
 def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, args) -> dict:
     """Load this rank's shard ``path``; ``load_checkpoint``'s result."""
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
@@ -410,10 +423,8 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, arg
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
                                   "--no-save-optim); pass --no-load-optim or --finetune")
         if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
-            if hasattr(optimizer, "load_parameter_state"):  # re-cut at this run's DP size
-                optimizer.load_parameter_state(sorted(glob.glob(os.path.join(
-                    os.path.dirname(path), distrib_optim_filename("*")))))
+            _load_optimizer(optimizer, state["optimizer"], sorted(glob.glob(os.path.join(
+                os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     if not weights_only and not getattr(args, "no_load_rng", False):

@@ -53,7 +53,7 @@ def setup_model_and_optimizer(args, model_provider, device):
     bucket = getattr(args, "reduce_bucket_size", None)
     ddp = DistributedDataParallel(
         model, data_parallel_group=ps.get_data_parallel_group(),
-        accumulate_allreduce_grads_in_fp32=True,
+        accumulate_allreduce_grads_in_fp32=getattr(args, "accumulate_allreduce_grads_in_fp32", True),
         bucket_size=None if bucket is None else int(bucket),
         overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
         use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),

@@ -10,7 +10,8 @@ backend lacks the collective altogether (gloo before torch 2.x) the reduce-scatt
 all-reduce of the bucket and the all-gather to a list all-gather; the result is the same.
 
 Every call is reported to the recorder set by :func:`recording` as a dict
-``{"op": "reduce_scatter" | "all_gather", "bucket": int, "numel": int, "time": float}``, where
+``{"op": "reduce_scatter" | "all_gather", "bucket": int, "numel": int, "dtype": torch.dtype,
+"time": float}``, where
 ``numel`` is the whole bucket (the logical collective's size, padding included), so tests and
 benchmarks can count exactly what the algorithm issues.
 """
@@ -43,9 +44,10 @@ def recording():
         _recorder = previous
 
 
-def _record(op: str, bucket: int, numel: int) -> None:
+def _record(op: str, bucket: int, data: torch.Tensor) -> None:
     if _recorder is not None:
-        _recorder({"op": op, "bucket": bucket, "numel": numel, "time": time.perf_counter()})
+        _recorder({"op": op, "bucket": bucket, "numel": data.numel(), "dtype": data.dtype,
+                   "time": time.perf_counter()})
 
 
 class PendingCollective:
@@ -85,7 +87,7 @@ def reduce_scatter_bucket(bucket_data: torch.Tensor, rank: int, group, *, async_
     Returns:
         a :class:`PendingCollective`; after ``wait()`` only the rank's own shard is meaningful.
     """
-    _record("reduce_scatter", bucket, bucket_data.numel())
+    _record("reduce_scatter", bucket, bucket_data)
     size = bucket_data.numel() // dist.get_world_size(group)
     shard = bucket_data[rank * size:(rank + 1) * size]
     if _is_nccl(group):
@@ -106,7 +108,7 @@ def all_gather_bucket(bucket_data: torch.Tensor, rank: int, group, *, async_op: 
 
     Args: as :func:`reduce_scatter_bucket`; rank r's shard of ``bucket_data`` is the input.
     """
-    _record("all_gather", bucket, bucket_data.numel())
+    _record("all_gather", bucket, bucket_data)
     world = dist.get_world_size(group)
     size = bucket_data.numel() // world
     shard = bucket_data[rank * size:(rank + 1) * size]

@@ -18,10 +18,6 @@ from typing import List, Optional, Tuple
 
 # dest -> (flag as users write it, the feature and issue that will build it).
 NOT_YET_SUPPORTED = {
-    "num_layers_per_virtual_pipeline_stage": ("--num-layers-per-virtual-pipeline-stage",
-                                              "interleaved pipeline, issue 5"),
-    "virtual_pipeline_model_parallel_size": ("--virtual-pipeline-model-parallel-size",
-                                             "interleaved pipeline, issue 5"),
     "mock_data": ("--mock-data", "synthetic data; use a small preprocessed dataset"),
     "optimizer": ("--optimizer", "only adam (AdamW) is implemented"),
 }
@@ -68,11 +64,13 @@ def validate(args, world_size: int, defaults: dict, check_files: bool = True):
     _validate_llama_architecture(args)
     _validate_model_shape(args)
     _validate_parallel_layout(args, world_size)
+    _validate_virtual_pipeline(args)
     _validate_sequence_parallel(args)
     _validate_recompute(args)
     _validate_batch(args)
     _validate_training_length(args)
     _validate_rampup(args)
+    _validate_interleaved_microbatches(args)
     _validate_loss_scaling(args)
     _validate_learning_rate(args)
     _validate_distributed(args)
@@ -229,6 +227,63 @@ def _validate_parallel_layout(args, world_size):
                          f"--pipeline-model-parallel-size ({pp})")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
+
+
+def _validate_virtual_pipeline(args):
+    """Megatron-LM's rules for the interleaved schedule: the virtual size is given, or derived
+    as (layers per pipeline stage) / ``--num-layers-per-virtual-pipeline-stage``; each virtual
+    stage holds a whole number of layers; interleaving needs PP > 1. A virtual size of 1 is the
+    plain 1F1B schedule (same layers, same math) and is run as such."""
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    vp = args.virtual_pipeline_model_parallel_size
+    if per_chunk is None and vp is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    per_stage = args.num_layers // pp
+    flag = (f"--num-layers-per-virtual-pipeline-stage ({per_chunk})" if per_chunk is not None
+            else f"--virtual-pipeline-model-parallel-size ({vp})")
+    if (per_chunk is not None and per_chunk < 1) or (vp is not None and vp < 1):
+        raise ValueError(f"{flag} must be >= 1")
+    if pp == 1:
+        raise ValueError(f"{flag} (the interleaved pipeline schedule) needs "
+                         f"--pipeline-model-parallel-size > 1: raise it or remove the flag")
+    if per_chunk is not None:
+        if per_stage % per_chunk:
+            raise ValueError(f"{flag} must divide the layers of a pipeline stage, --num-layers "
+                             f"({args.num_layers}) / --pipeline-model-parallel-size ({pp}) = "
+                             f"{per_stage}")
+        if vp is not None and vp != per_stage // per_chunk:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) gives "
+                             f"{per_stage // per_chunk} virtual stages per pipeline rank, but "
+                             f"--virtual-pipeline-model-parallel-size is {vp}: pass one of them")
+        vp = per_stage // per_chunk
+    elif per_stage % vp:
+        raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
+                         f"--pipeline-model-parallel-size ({pp}) x {flag} = {pp * vp}")
+    args.num_layers_per_virtual_pipeline_stage = per_stage // vp if vp > 1 else None
+    args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+
+
+def _validate_interleaved_microbatches(args):
+    """The interleaved schedule runs micro-batches in groups of PP: their number (every step of
+    a ramp-up included) must be divisible by PP (Megatron-LM's rule)."""
+    if args.virtual_pipeline_model_parallel_size is None:
+        return
+    pp, per_step = args.pipeline_model_parallel_size, args.micro_batch_size * args.data_parallel_size
+    batches = [("--global-batch-size", args.global_batch_size)]
+    if args.rampup_batch_size is not None:
+        start, incr, _ = args.rampup_batch_size
+        batches += [("the --rampup-batch-size START", start),
+                     ("the --rampup-batch-size INCR", incr)]
+    for what, batch in batches:
+        if (batch // per_step) % pp:
+            raise ValueError(
+                f"number of micro-batches ({batch // per_step}: {what} ({batch}) / "
+                f"(--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+                f"({args.data_parallel_size}))) must be divisible by "
+                f"--pipeline-model-parallel-size ({pp}) with the interleaved schedule "
+                f"(--virtual-pipeline-model-parallel-size "
+                f"{args.virtual_pipeline_model_parallel_size}): change the batch sizes")
 
 
 def _validate_sequence_parallel(args):

@@ -411,8 +411,13 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, arg
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         if key not in state:
-            raise CheckpointError(f"checkpoint {path} has no {key!r} entry (virtual pipeline "
-                                  "stages differ from the run that saved it?)")
+            saved = (state.get("args") or {}).get("virtual_pipeline_model_parallel_size")
+            raise CheckpointError(
+                f"checkpoint {path} has no {key!r} entry: it was saved with "
+                f"--virtual-pipeline-model-parallel-size {saved} ({_model_keys([0] * (saved or 1))}"
+                f"), this run has {len(model_chunks) if len(model_chunks) > 1 else None}; load it "
+                "with the virtual pipeline flags it was saved with, or re-cut it with "
+                "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)

@@ -103,8 +103,9 @@ class LlamaModel(torch.nn.Module):
                         params_dtype=config.params_dtype, device=device)
             elif not pre_process:
                 self.word_embeddings_for_head = self._make_word_embeddings(device)
-        if self.share_embeddings_and_output_weights and not (pre_process and post_process):
-            # finalize_model_grads all-reduces this weight's gradient over the embedding group.
+        if self.share_embeddings_and_output_weights and pre_process != post_process:
+            # finalize_model_grads all-reduces this weight's gradient over the embedding group;
+            # intermediate stages (and chunks) hold no copy.
             self.shared_embedding_or_output_weight().shared_embedding = True
 
     def _make_word_embeddings(self, device) -> VocabParallelEmbedding:

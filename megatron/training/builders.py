@@ -38,27 +38,47 @@ def num_microbatches(args) -> int:
     return args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
 
 
+def build_model_chunks(args, model_provider, device) -> list:
+    """This rank's model chunks, unwrapped: one, or with virtual pipeline stages one per virtual
+    rank (Megatron-LM's ``get_model``): chunk ``v`` is built with the registry's virtual rank set
+    to ``v``, so the provider picks the layers of virtual stage ``v * PP + rank``; only chunk 0 of
+    the first stage embeds (``pre_process``) and only the last chunk of the last stage computes
+    the loss (``post_process``)."""
+    vp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vp is None:
+        return [model_provider(args, device, pre_process=ps.is_pipeline_first_stage(),
+                               post_process=ps.is_pipeline_last_stage())]
+    chunks = []
+    for v in range(vp):
+        ps.set_virtual_pipeline_model_parallel_rank(v)
+        chunks.append(model_provider(args, device, pre_process=ps.is_pipeline_first_stage(),
+                                     post_process=ps.is_pipeline_last_stage()))
+    ps.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks
+
+
 def setup_model_and_optimizer(args, model_provider, device):
-    """This rank's model chunk (wrapped for data parallelism), optimizer and lr scheduler.
+    """This rank's model chunks (each wrapped for data parallelism), optimizer and lr scheduler.
 
     Returns:
-        ``([ddp_model], optimizer, opt_param_scheduler)``.
+        ``(ddp_chunks, optimizer, opt_param_scheduler)``; one chunk, or one per virtual pipeline
+        stage.
     """
     from megatron.config import build_optimizer_config
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.lr_scheduler import build_opt_param_scheduler
 
-    model = model_provider(args, device, pre_process=ps.is_pipeline_first_stage(),
-                           post_process=ps.is_pipeline_last_stage())
     bucket = getattr(args, "reduce_bucket_size", None)
-    ddp = DistributedDataParallel(
+    # One DDP wrapper (one grad buffer) per chunk, as Megatron-LM: the optimizer and
+    # finalize_model_grads take the list.
+    chunks = [DistributedDataParallel(
         model, data_parallel_group=ps.get_data_parallel_group(),
         accumulate_allreduce_grads_in_fp32=getattr(args, "accumulate_allreduce_grads_in_fp32", True),
         bucket_size=None if bucket is None else int(bucket),
         overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
         use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
         overlap_param_gather=getattr(args, "overlap_param_gather", False))
-    chunks = [ddp]
+        for model in build_model_chunks(args, model_provider, device)]
     optimizer = get_megatron_optimizer(build_optimizer_config(args), chunks)
     scheduler = build_opt_param_scheduler(optimizer, args)
     return chunks, optimizer, scheduler
@@ -78,7 +98,9 @@ def schedule_config(args, model_chunks, optimizer=None) -> PipelineConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=getattr(args, "sequence_parallel", False),
         finalize_model_grads_func=finalize_model_grads,
-        no_sync_func=model_chunks[0].no_sync)
+        # Interleaved: every chunk's reduction is held back until its last micro-batch.
+        no_sync_func=(model_chunks[0].no_sync if len(model_chunks) == 1
+                      else [chunk.no_sync for chunk in model_chunks]))
 
 
 def _samples(args) -> list:
@@ -97,7 +119,9 @@ def _samples(args) -> list:
 
 def build_data_iterators(args, datasets_provider, consumed_train: int, consumed_valid: int):
     """``(train, valid, test)`` iterators over this data-parallel rank's micro-batches, resuming
-    after ``consumed_*`` samples; None for an absent split.
+    after ``consumed_*`` samples; None for an absent split. With virtual pipeline stages each
+    split is a list of iterators, one per model chunk, over the same micro-batches (Megatron-LM
+    builds one data iterator per chunk too).
 
     Every rank reads its micro-batches itself (the ranks of one tensor/pipeline group read the same
     samples): later stages need the position ids and document masks of
@@ -108,15 +132,22 @@ def build_data_iterators(args, datasets_provider, consumed_train: int, consumed_
 
     datasets = datasets_provider(args, _samples(args))
     consumed = (consumed_train, consumed_valid, 0)
-    iterators = []
-    for ds, start in zip(datasets, consumed):
-        if ds is None or len(ds) == 0:
-            iterators.append(None)
-            continue
+    vp = ps.get_virtual_pipeline_model_parallel_world_size()
+
+    def make(ds, start):
         loader = build_pretraining_data_loader(
             ds, start, micro_batch_size=args.micro_batch_size,
             data_parallel_rank=ps.get_data_parallel_rank(),
             data_parallel_size=ps.get_data_parallel_world_size(),
             dataloader_type=args.dataloader_type, num_workers=args.num_workers, seed=args.seed)
-        iterators.append(cyclic_iter(loader) if args.dataloader_type == "cyclic" else iter(loader))
+        return cyclic_iter(loader) if args.dataloader_type == "cyclic" else iter(loader)
+
+    iterators = []
+    for ds, start in zip(datasets, consumed):
+        if ds is None or len(ds) == 0:
+            iterators.append(None)
+        elif vp is None:
+            iterators.append(make(ds, start))
+        else:
+            iterators.append([make(ds, start) for _ in range(vp)])
     return tuple(iterators)

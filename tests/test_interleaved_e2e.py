@@ -45,6 +45,7 @@ def _run_many_catching(runs, failing):
 def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):  # noqa: F811
     cache = str(tmp_path_factory.mktemp("cache_vp2"))
     ckpt = str(tmp_path_factory.mktemp("ckpt_vp2"))
+    plain_ckpt = str(tmp_path_factory.mktemp("ckpt_plain2"))
     plain = _argv(data_prefix, cache, *LAYERS8, *_layout(1, 2))
     runs = [("pp2", plain),
             ("pp2 v2", plain + ["--num-layers-per-virtual-pipeline-stage", "2"]),
@@ -52,7 +53,9 @@ def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):
                                     "--save-interval", "5", "--exit-interval", "5"]),
             ("second half", plain + ["--virtual-pipeline-model-parallel-size", "2",
                                      "--load", ckpt]),
-            ("other layout", plain + ["--load", ckpt])]
+            ("other layout", plain + ["--load", ckpt]),
+            ("plain half", plain + ["--save", plain_ckpt, "--save-interval", "5",
+                                    "--exit-interval", "5"])]
     out = run_distributed(2, _run_many_catching, runs, {"other layout"}, timeout=600)[1]
     _close(out["pp2 v2"], out["pp2"], "PP=2 v=2 (tied) vs PP=2")
 
@@ -72,6 +75,27 @@ def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):
     message = out["other layout"]
     assert message is not None and "has no 'model' entry" in message
     assert "--virtual-pipeline-model-parallel-size 2" in message and "convert.py" in message
+
+    # The converter's loader reads model0/model1 in virtual-stage order: the same logical
+    # tensors as the 1F1B run's checkpoint of the same iteration.
+    virtual, plain_stream = _logical_tensors(ckpt), _logical_tensors(plain_ckpt)
+    assert len(virtual) == len(plain_stream) == 1 + 8 + 1  # embeddings, 8 layers, final
+    for (kind_v, tensors_v), (kind_p, tensors_p) in zip(virtual, plain_stream):
+        assert kind_v == kind_p and tensors_v.keys() == tensors_p.keys()
+        for key in tensors_v:
+            torch.testing.assert_close(tensors_v[key], tensors_p[key], rtol=1e-5, atol=1e-6,
+                                       msg=f"{kind_v} {key}")
+
+
+def _logical_tensors(load_dir):
+    """``[(kind, {name: tensor})]`` streamed by ``tools/checkpoint/loader_megatron.py``."""
+    import argparse
+
+    from tools.checkpoint.loader_megatron import load_checkpoint
+
+    _, stream = load_checkpoint(argparse.Namespace(load_dir=load_dir, true_vocab_size=None))
+    return [(kind, {k: v for k, v in payload.items() if v is not None})
+            for kind, payload in stream]
 
 
 @pytest.mark.slow

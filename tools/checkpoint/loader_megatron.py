@@ -80,9 +80,17 @@ def load_checkpoint(args):
     if not isinstance(saved, dict):
         raise CheckpointError(f"{shards[(0, 0)]} stores no args dict; is it one of ours? "
                               "(Megatron-LLaMA checkpoints: --loader megatron-llama)")
-    padded = first["model"]["word_embeddings.weight"].shape[0] * tp
+    # Megatron's keys with virtual pipeline stages: model0, model1, ... (one per chunk).
+    chunks = sorted((k for k in first if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    chunks = chunks if "model" not in first and chunks else ["model"]
+    embedding = first[chunks[0]]["word_embeddings.weight"]
+    padded = embedding.shape[0] * tp
     meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None))
-    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[first["model"]["word_embeddings.weight"].dtype]
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    if getattr(args, "include_optimizer", False) and len(chunks) > 1:
+        raise CheckpointError(f"{shards[(0, 0)]}: --include-optimizer is not supported for "
+                              f"checkpoints with virtual pipeline stages ({', '.join(chunks)}); "
+                              "convert the weights only")
     if getattr(args, "include_optimizer", False):
         optimizer_state.refuse_distributed(shards[(0, 0)])
         common = optimizer_state.unpack(first, shards[(0, 0)])[1]
@@ -92,8 +100,10 @@ def load_checkpoint(args):
             and "fp32_from_fp16_params" in first["optimizer"])
         del first
         return meta, stream_with_optimizer(shards, tp, pp, meta)
-    stages = [[lambda t=t, p=p: load_torch_file(shards[(t, p)])["model"] for t in range(tp)]
-              for p in range(pp)]
+    # Virtual stage v * PP + p is chunk v of pipeline rank p: streamed in that order as PP x v
+    # plain stages (a shard file is read once per chunk).
+    stages = [[lambda t=t, p=p, key=key: load_torch_file(shards[(t, p)])[key] for t in range(tp)]
+              for key in chunks for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
 
 

@@ -8,12 +8,14 @@ embeddings the first stage's word embedding is the one streamed.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import re
 
 import torch
 
+from megatron.config import rope_scaling_from_args
 from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
@@ -64,6 +66,8 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
         "tokenizer_type", "tokenizer_model", "hf_token_ids")}
     meta["num_query_groups"] = meta["num_query_groups"] or meta["num_attention_heads"]
+    if meta["rope_scaling"] is None and saved.get("use_rope_scaling"):  # a training checkpoint
+        meta["rope_scaling"] = rope_scaling_from_args(argparse.Namespace(**saved))
     meta["kv_channels"] = meta["kv_channels"] or meta["hidden_size"] // meta["num_attention_heads"]
     meta["norm_epsilon"] = meta["norm_epsilon"] or 1e-5
     meta["rotary_base"] = meta["rotary_base"] or 10000.0

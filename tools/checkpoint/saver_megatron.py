@@ -54,8 +54,20 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "tokenizer_model": meta.get("tokenizer_model") or meta.get("tokenizer_dir"),
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
-        "hf_token_ids": meta.get("hf_token_ids"),
+        "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
     }
+
+
+def rope_scaling_flags(scaling) -> dict:
+    """Megatron-LM's ``--use-rope-scaling`` / ``--rope-scaling-*`` values of a Llama-3.1
+    ``rope_scaling`` dict, so ``--use-checkpoint-args`` rebuilds the scaled model."""
+    if scaling is None:
+        return {"use_rope_scaling": False}
+    return {"use_rope_scaling": True, "rope_scaling_factor": scaling["factor"],
+            "rope_scaling_low_freq_factor": scaling["low_freq_factor"],
+            "rope_scaling_high_freq_factor": scaling["high_freq_factor"],
+            "rope_scaling_original_max_position_embeddings":
+                scaling["original_max_position_embeddings"]}
 
 
 def save_checkpoint(meta: dict, stream, args) -> str:

@@ -122,6 +122,16 @@ def _add_network_size_args(parser):
                    help="no learned absolute position embedding (always so: rotary only)")
     g.add_argument("--rotary-base", type=float, default=10000.0,
                    help="RoPE theta: 10000 (LLaMA-2), 500000 (Llama 3)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.1 RoPE frequency scaling (Megatron-LM's flag; HF rope_type llama3)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling: long wavelengths divided by this (Llama 3.1: 8)")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="with --use-rope-scaling: Llama 3.1's low_freq_factor (1)")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="with --use-rope-scaling: Llama 3.1's high_freq_factor (4)")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="with --use-rope-scaling: context length before scaling (Llama 3.1: 8192)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    default=True)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")

@@ -310,7 +310,35 @@ def build_model_config(args, padded_vocab_size: Optional[int] = None) -> ModelCo
     if granularity is None and getattr(args, "recompute_activations", False):
         granularity = "selective"  # Megatron: --recompute-activations = selective granularity
     return _from_args(ModelConfig, args, padded_vocab_size=vocab, params_dtype=_params_dtype(args),
-                      recompute_granularity=granularity)
+                      recompute_granularity=granularity, rope_scaling=rope_scaling_from_args(args))
+
+
+def rope_scaling_from_args(args) -> Optional[dict]:
+    """``ModelConfig.rope_scaling`` from Megatron-LM's ``--use-rope-scaling`` and
+    ``--rope-scaling-*`` flags: HuggingFace's Llama-3.1 dict (``rope_type: llama3``), or None.
+
+    A namespace without the flags (made by hand) may carry the dict as ``args.rope_scaling``.
+
+    Raises:
+        ValueError: a non-positive factor or ``--rope-scaling-high-freq-factor`` not above the
+            low one (the interpolation would divide by zero).
+    """
+    if not getattr(args, "use_rope_scaling", False):
+        return getattr(args, "rope_scaling", None)
+    scaling = {"rope_type": "llama3", "factor": float(args.rope_scaling_factor),
+               "low_freq_factor": float(args.rope_scaling_low_freq_factor),
+               "high_freq_factor": float(args.rope_scaling_high_freq_factor),
+               "original_max_position_embeddings":
+                   int(args.rope_scaling_original_max_position_embeddings)}
+    if min(scaling["factor"], scaling["low_freq_factor"],
+           scaling["original_max_position_embeddings"]) <= 0:
+        raise ValueError(f"--use-rope-scaling needs positive --rope-scaling-factor, "
+                         f"--rope-scaling-low-freq-factor and "
+                         f"--rope-scaling-original-max-position-embeddings (got {scaling})")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError(f"--rope-scaling-high-freq-factor ({scaling['high_freq_factor']}) must be "
+                         f"above --rope-scaling-low-freq-factor ({scaling['low_freq_factor']})")
+    return scaling
 
 
 def build_training_config(args) -> TrainingConfig:

@@ -98,16 +98,25 @@ def _logical_tensors(load_dir):
             for kind, payload in stream]
 
 
-@pytest.mark.slow
-def test_pp4_and_distributed_optimizer_interleaved_equal_1f1b(data_prefix, tmp_path_factory):  # noqa: F811
+def test_pp4_interleaved_equals_1f1b(data_prefix, tmp_path_factory):  # noqa: F811
     cache = str(tmp_path_factory.mktemp("cache_vp4"))
     pp4 = _argv(data_prefix, cache, *LAYERS8, *_layout(1, 4))
-    dp2 = _argv(data_prefix, cache, *LAYERS8, *_layout(1, 2), "--use-distributed-optimizer")
-    runs = [("pp4", pp4), ("pp4 v2", pp4 + ["--virtual-pipeline-model-parallel-size", "2"]),
-            ("pp2 dp2", dp2), ("pp2 v2 dp2", dp2 + ["--num-layers-per-virtual-pipeline-stage", "2"])]
+    runs = [("pp4", pp4), ("pp4 v2", pp4 + ["--virtual-pipeline-model-parallel-size", "2"])]
     out = run_distributed(4, _run_many, runs, timeout=900)[3]
     _close(out["pp4 v2"], out["pp4"], "PP=4 v=2 vs PP=4")
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_and_overlaps_interleaved_equal_1f1b(data_prefix,  # noqa: F811
+                                                                   tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("cache_vp2dp2"))
+    dp2 = _argv(data_prefix, cache, *LAYERS8, *_layout(1, 2), "--use-distributed-optimizer")
+    vp = ["--num-layers-per-virtual-pipeline-stage", "2"]
+    runs = [("pp2 dp2", dp2), ("pp2 v2 dp2", dp2 + vp),
+            ("pp2 v2 dp2 overlap", dp2 + vp + ["--overlap-grad-reduce", "--overlap-param-gather"])]
+    out = run_distributed(4, _run_many, runs, timeout=900)[3]
     _close(out["pp2 v2 dp2"], out["pp2 dp2"], "PP=2 v=2 DP=2 distributed optimizer vs PP=2 DP=2")
+    _close(out["pp2 v2 dp2 overlap"], out["pp2 dp2"], "PP=2 v=2 DP=2 with both overlaps")
 
 
 def test_virtual_layer_numbers_are_megatrons_non_contiguous_assignment():

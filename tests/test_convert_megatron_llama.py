@@ -14,6 +14,18 @@ from tools.checkpoint.layout import fuse_gate_up, fuse_qkv, pad_vocab, split
 TP, PP, LAYERS, PADDED = 2, 2, 4, 256
 
 
+def megatron_llama_rng_state():
+    """Megatron-LLaMA's ``rng_state`` entry: NumPy's state as NumPy pickles it (a uint32 array),
+    Python's, torch's, and a NumPy scalar for good measure."""
+    import random
+
+    import numpy as np
+    np.random.seed(11)
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None,
+            "rng_tracker_states": {}, "np_scalar": np.float64(0.5), "np_int": np.int64(3)}
+
+
 def write_megatron_llama(hf_dir, out, iteration=10):
     """Write ``hf_dir``'s model in Megatron-LLaMA's layout at TP=2, PP=2 (nested dicts, lm_head
     replicated, per-rank [Q; K; V] and [gate; up], _dp_000 folders, an argparse.Namespace)."""
@@ -52,7 +64,7 @@ def write_megatron_llama(hf_dir, out, iteration=10):
             path = os.path.join(folder, f"mp_rank_{t:02d}_{p:03d}_dp_000", "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path))
             torch.save({"model": model, "args": ns, "iteration": iteration,
-                        "checkpoint_version": 3.0}, path)
+                        "checkpoint_version": 3.0, "rng_state": [megatron_llama_rng_state()]}, path)
     with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
 
@@ -93,3 +105,24 @@ def test_pickled_code_is_never_executed(tmp_path, monkeypatch):
         convert("--loader", "megatron-llama", "--saver", "hf", "--load-dir", tmp_path / "ck",
                 "--save-dir", tmp_path / "out")
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_numpy_rng_state_loads_with_weights_only_allowlist(tmp_path):
+    import numpy as np
+
+    from tools.checkpoint.loader_megatron_llama import safe_load
+
+    path = str(tmp_path / "model_optim_rng.pt")
+    torch.save({"rng_state": [megatron_llama_rng_state()]}, path)
+    with pytest.raises(Exception):  # the plain weights_only unpickler refuses NumPy objects
+        torch.load(path, weights_only=True)
+    state = safe_load(path)["rng_state"][0]
+    kind, keys, pos, _, _ = state["np_rng_state"]
+    np.random.seed(11)
+    expected = np.random.get_state()
+    assert kind == "MT19937" and keys.dtype == np.uint32 and pos == expected[2]
+    assert np.array_equal(keys, expected[1]) and state["np_scalar"] == 0.5
+    # anything beyond the listed reconstructors and dtypes is still refused
+    torch.save({"rng_state": np.array([1.5], dtype=np.float16)}, path)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        safe_load(path)

@@ -33,14 +33,36 @@ def add_arguments(parser) -> None:
                        help="vocabulary size without padding (Megatron-LLaMA does not store it)")
 
 
+def numpy_safe_globals() -> list:
+    """The exact NumPy globals a pickled ``np.random.get_state()`` (Megatron-LLaMA's
+    ``rng_state["np_rng_state"]``: ``("MT19937", uint32[624], int, int, float)``) and NumPy
+    scalars need: the array/scalar reconstructors, ``ndarray``, ``dtype`` and the dtype classes of
+    uint32/int64/float64. Both module spellings are listed (NumPy 1 pickles ``numpy.core``,
+    NumPy 2 ``numpy._core``). None of them runs code: they rebuild arrays from bytes."""
+    import numpy as np
+
+    try:
+        multiarray = np._core.multiarray
+    except AttributeError:  # NumPy 1
+        multiarray = np.core.multiarray
+    allowed = [np.ndarray, np.dtype, multiarray._reconstruct, multiarray.scalar,
+               (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+               (multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+               (multiarray.scalar, "numpy.core.multiarray.scalar"),
+               (multiarray.scalar, "numpy._core.multiarray.scalar")]
+    allowed += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64)]
+    return allowed
+
+
 def safe_load(path: str) -> dict:
-    """``torch.load(weights_only=True)`` allowing ``argparse.Namespace`` (never executes code).
+    """``torch.load(weights_only=True)`` allowing ``argparse.Namespace`` and the NumPy pieces of
+    :func:`numpy_safe_globals` (never a full unpickler, never executes code).
 
     Raises:
         CheckpointError: the file holds other objects (names the refused global).
     """
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace] + numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # the unpickler reports refusals as UnpicklingError/RuntimeError
         raise CheckpointError(f"cannot read {path} safely: {type(exc).__name__}: {exc}") from exc

@@ -242,6 +242,8 @@ VALIDATION_ONLY = {"normalization", "position_embedding_type", "swiglu", "no_pos
 VALIDATION_ONLY |= {"recompute_activations"}  # becomes --recompute-granularity selective
 # Megatron-LLaMA's flag: sets --use-distributed-optimizer and both overlaps.
 VALIDATION_ONLY |= {"overlapped_distributed_optimizer"}
+# Derives --virtual-pipeline-model-parallel-size (Megatron's rule).
+VALIDATION_ONLY |= {"num_layers_per_virtual_pipeline_stage"}
 
 
 def test_no_flag_is_silently_ignored():

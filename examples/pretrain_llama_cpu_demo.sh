@@ -9,7 +9,9 @@
 #   3. writes one JSON line per play and runs tools/preprocess_data.py,
 #   4. trains with torchrun (4 layers, hidden 256, 8 heads in 4 query groups, sequence 256,
 #      global batch 8, cosine lr 2e-3), evaluating every EVAL_INTERVAL iterations,
-#   5. saves a checkpoint and TensorBoard events and prints where they are.
+#   5. saves a checkpoint and TensorBoard events and prints where they are,
+#   6. prints a greedy sample (40 tokens after "ROMEO:") from the checkpoint with tools/generate.py
+#      (torchrun at the checkpoint's TP=2 x PP=2 layout, KV cache).
 #
 # One document per play (not per paragraph): a play is the natural unit of this corpus, samples
 # cross document boundaries anyway, and Megatron's --split 98,2,0 then holds out whole plays
@@ -105,3 +107,9 @@ mkdir -p "$OUT_DIR"
 
 echo "checkpoint:  $OUT_DIR/checkpoints (latest_checkpointed_iteration.txt, iter_$(printf '%07d' "$ITERS")/)"
 echo "TensorBoard: tensorboard --logdir $OUT_DIR/tensorboard"
+
+# 4. Sample ---------------------------------------------------------------------------------------
+echo "greedy sample from the checkpoint:"
+"$PYTHON" -m torch.distributed.run --nproc-per-node 4 --master-port "$(( ${MASTER_PORT:-29517} + 1 ))" \
+    tools/generate.py --load "$OUT_DIR/checkpoints" --prompt "ROMEO:" --max-new-tokens 40 \
+    --greedy --distributed-backend gloo

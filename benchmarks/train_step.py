@@ -1,13 +1,20 @@
 """Training-step throughput of our LLaMA model beside transformers' LlamaForCausalLM (one CPU process).
 
-Both models get the same configuration, the same weights (copied from ours), the same batch, the
-same loss (mean token cross entropy) and the same optimizer (torch AdamW). Rounds are interleaved
-(ours, reference; the order alternates per round) because these machines drift by +-10%; the
-result is the median over rounds of the paired ratio ``our tokens/s / reference tokens/s``, printed
-beside model FLOP utilisation against the measured fp32 matmul peak of the machine.
+For hidden 256 and 1024, both models get the same configuration, the same weights (copied from
+ours), the same batch, the same loss (mean token cross entropy) and AdamW without clipping (ours
+fused, as our training runs it; transformers with torch's default kernel, as HF's Trainer
+builds it).
+Ours runs its real training path: the DDP gradient buffer and the Megatron optimizer wrapper (fp32;
+with ``--bf16`` bf16 parameters and fp32 main parameters); transformers runs fp32, and bf16 under
+``torch.autocast`` beside it. The "GEMM-only ceiling" times exactly the matrix products of one
+training step of the configuration (every linear layer's forward, input-gradient and
+weight-gradient products, and the attention's six batched products per layer) with preallocated
+operands: a step can be no faster. Rounds are interleaved (the order rotates per round) because
+these machines drift by +-10%; every result is the median over rounds of a paired ratio, printed
+beside MFU against the measured matmul peak (fp32 or bf16).
 
-Usage: python benchmarks/train_step.py [--rounds 7] [--steps 3] [--threads N]
-Not a timed test: run it by hand and read the numbers.
+Usage: python benchmarks/train_step.py [--rounds 7] [--steps 2] [--threads N] [--only 256 1024]
+``run(quick)`` returns the rows for ``benchmarks/run_all.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +34,17 @@ from megatron.config import ModelConfig  # noqa: E402
 from megatron.model.flops import num_floating_point_operations  # noqa: E402
 from megatron.model.initialization import from_fused_layout  # noqa: E402
 from megatron.model.llama import LlamaModel  # noqa: E402
+from megatron.training.mfu import measure_peak_tflops  # noqa: E402
+from benchmarks.gemm_ceiling import gemm_ceiling_step  # noqa: E402
 
 # The CPU demo's model (README): 4 layers, hidden 256, 8 heads in 4 groups, ffn 688, 32k vocabulary.
 CONFIG = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=688, num_attention_heads=8,
                      num_query_groups=4, padded_vocab_size=32000, max_position_embeddings=256,
                      norm_epsilon=1e-5)
+# The same shape at hidden 1024 (LLaMA's ffn rule: 8/3 h rounded up to a multiple of 256).
+CONFIG_1024 = CONFIG.replace(hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
+                             num_query_groups=8, kv_channels=64)
+CONFIGS = {256: CONFIG, 1024: CONFIG_1024}
 MICRO_BATCH, SEQ = 2, 256
 
 
@@ -62,81 +75,149 @@ def reference_model(ours: LlamaModel):
     return hf.train()
 
 
-def ours_step(model, tokens, labels):
-    return model(tokens, labels=labels).mean()
+def _batch(config: ModelConfig):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.padded_vocab_size, (MICRO_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def reference_step(model, tokens, labels):
-    logits = model(tokens).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+def _init_world() -> None:
+    from benchmarks.gpu_step import init_world
+    init_world(torch.device("cpu"))
 
 
-def time_steps(step, model, optimizer, tokens, labels, steps: int) -> float:
-    """Seconds per training step (forward, backward, AdamW step)."""
+def ours_runner(config: ModelConfig, dtype: torch.dtype, tokens, labels):
+    """(model, step) of our training path: DDP buffer, Megatron optimizer (fp32, or bf16 params
+    with fp32 main params as ``--bf16``), fused AdamW, no clipping."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
+    torch.manual_seed(0)
+    model = LlamaModel(config.replace(params_dtype=dtype)).train()
+    ddp = DistributedDataParallel(model, data_parallel_group=parallel_state.get_data_parallel_group())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=0.0, bf16=dtype == torch.bfloat16,
+                                                 params_dtype=dtype), [ddp])
+
+    def step():
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        model(tokens, labels=labels).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    return model, step
+
+
+def reference_runner(ours: LlamaModel, autocast: bool, tokens, labels):
+    """transformers with our weights, torch AdamW as HF's Trainer builds it (default kernel);
+    bf16 through ``torch.autocast``."""
+    model = reference_model(ours)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's default kernel, as a user gets
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(tokens).logits
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+        opt.step()
+    return model, step
+
+
+def _seconds(step, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        step(model, tokens, labels).backward()
-        optimizer.step()
+        step()
     return (time.perf_counter() - start) / steps
 
 
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Best fp32 FLOP/s of an n x n x n matmul on this process's threads."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best
+def measure(hidden: int, rounds: int, steps: int) -> list:
+    """Rows for one configuration: ours / transformers / ceiling, fp32 and bf16 (paired medians)."""
+    config = CONFIGS[hidden]
+    tokens, labels = _batch(config)
+    ours32, ours32_step = ours_runner(config, torch.float32, tokens, labels)
+    _, ref32_step = reference_runner(ours32, False, tokens, labels)
+    with torch.no_grad():  # same weights, same function: the comparison is like for like
+        gap = (ours32(tokens, labels=labels).mean()
+               - F.cross_entropy(reference_model(ours32)(tokens).logits.flatten(0, 1),
+                                 labels.flatten())).abs().item()
+    _, ours16_step = ours_runner(config, torch.bfloat16, tokens, labels)
+    _, ref16_step = reference_runner(ours32, True, tokens, labels)
+    runs = {"ours fp32": ours32_step, "transformers fp32": ref32_step,
+            "ours bf16": ours16_step, "transformers bf16": ref16_step,
+            "ceiling fp32": gemm_ceiling_step(config, MICRO_BATCH, SEQ, torch.float32),
+            "ceiling bf16": gemm_ceiling_step(config, MICRO_BATCH, SEQ, torch.bfloat16)}
+    for step in runs.values():  # warm-up: allocator, optimizer state, kernel selection
+        _seconds(step, 2)
+    names = list(runs)
+    seconds = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds[name].append(_seconds(runs[name], steps))
+
+    def paired(a, b):  # median over rounds of seconds[b] / seconds[a] (= throughput a / b)
+        return statistics.median(y / x for x, y in zip(seconds[a], seconds[b]))
+
+    flops = num_floating_point_operations(config, MICRO_BATCH, SEQ)
+    peaks = {"fp32": measure_peak_tflops(torch.device("cpu"), torch.float32, 2048),
+             "bf16": measure_peak_tflops(torch.device("cpu"), torch.bfloat16, 2048)}
+    rows = []
+    for precision in ("fp32", "bf16"):
+        for who in ("ours", "transformers"):
+            name = f"{who} {precision}"
+            med = statistics.median(seconds[name])
+            row = {"benchmark": "train_step", "case": f"h{hidden} {name}", "ms/step": med * 1e3,
+                   "tokens/s": MICRO_BATCH * SEQ / med, "MFU": flops / med / (peaks[precision] * 1e12),
+                   "of ceiling": paired(name, f"ceiling {precision}")}
+            if who == "ours":
+                row["ratio"] = paired(name, f"transformers {precision}")
+            rows.append(row)
+        rows.append({"benchmark": "train_step", "case": f"h{hidden} GEMM-only ceiling {precision}",
+                     "ms/step": statistics.median(seconds[f"ceiling {precision}"]) * 1e3,
+                     "TFLOP/s": peaks[precision]})
+    rows[0]["note"] = f"initial loss gap vs transformers {gap:.1e}"
+    return rows
+
+
+def run(quick: bool = False, hiddens=(256, 1024), rounds: int = 7, steps: int = 2) -> list:
+    """Rows for ``benchmarks/run_all.py`` (quick: hidden 256 only, 5 rounds of one step)."""
+    _init_world()
+    if quick:
+        hiddens, rounds, steps = (256,), 5, 1
+    rows = []
+    for hidden in hiddens:
+        rows += measure(hidden, rounds, steps)
+    return rows
+
+
+def format_rows(rows: list) -> str:
+    lines = [f"{'case':<34}{'ms/step':>10}{'tokens/s':>10}{'MFU':>8}{'of ceiling':>12}"
+             f"{'vs transformers':>17}"]
+    for r in rows:
+        cells = [f"{r['ms/step']:10.1f}", f"{r['tokens/s']:10.0f}" if "tokens/s" in r else " " * 10,
+                 f"{r['MFU']:8.1%}" if "MFU" in r else " " * 8,
+                 f"{r['of ceiling']:12.1%}" if "of ceiling" in r else " " * 12,
+                 f"{r['ratio']:16.3f}x" if "ratio" in r else ""]
+        lines.append(f"{r['case']:<34}" + "".join(cells))
+    return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (>= 5)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per model per round")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per runner per round")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--only", type=int, nargs="+", default=[256, 1024], choices=sorted(CONFIGS),
+                        help="hidden sizes to measure")
     args = parser.parse_args(argv)
     if args.rounds < 5:
         parser.error("--rounds must be at least 5 (a median of paired ratios needs them)")
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    torch.manual_seed(0)
-    ours = LlamaModel(CONFIG).train()
-    reference = reference_model(ours)
-    tokens = torch.randint(0, CONFIG.padded_vocab_size, (MICRO_BATCH, SEQ + 1))
-    tokens, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    with torch.no_grad():  # same weights, same function: the comparison is like for like
-        gap = (ours_step(ours, tokens, labels) - reference_step(reference, tokens, labels)).abs().item()
-    runs = {"ours": (ours_step, ours, torch.optim.AdamW(ours.parameters(), lr=1e-4)),
-            "reference": (reference_step, reference, torch.optim.AdamW(reference.parameters(), lr=1e-4))}
-    for step, model, opt in runs.values():  # warm-up: allocator, optimizer state
-        time_steps(step, model, opt, tokens, labels, 2)
-
-    seconds = {"ours": [], "reference": []}
-    for r in range(args.rounds):
-        order = ["ours", "reference"] if r % 2 == 0 else ["reference", "ours"]
-        for name in order:
-            seconds[name].append(time_steps(*runs[name], tokens, labels, args.steps))
-    ratios = [ref / our for our, ref in zip(seconds["ours"], seconds["reference"])]
-
-    peak = matmul_peak_flops()
-    flops = num_floating_point_operations(CONFIG, MICRO_BATCH, SEQ)
-    n_tokens = MICRO_BATCH * SEQ
-    print(f"config: {CONFIG.num_layers} layers, hidden {CONFIG.hidden_size}, {CONFIG.num_attention_heads} "
-          f"heads / {CONFIG.num_query_groups} groups, ffn {CONFIG.ffn_hidden_size}, vocab "
-          f"{CONFIG.padded_vocab_size}, batch {MICRO_BATCH} x {SEQ} tokens, fp32, "
-          f"{torch.get_num_threads()} threads; initial loss gap {gap:.2e}")
-    print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model FLOPs per step: {flops / 1e9:.2f} G")
-    for name in ("ours", "reference"):
-        med = statistics.median(seconds[name])
-        print(f"{name:>9}: {med * 1e3:8.1f} ms/step  {n_tokens / med:8.0f} tokens/s  "
-              f"MFU {flops / med / peak:6.1%}  (rounds: {', '.join(f'{s * 1e3:.0f}' for s in seconds[name])} ms)")
-    print(f"median paired throughput ratio ours / transformers: {statistics.median(ratios):.3f} "
-          f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")
+    rows = run(False, args.only, args.rounds, args.steps)
+    print(f"batch {MICRO_BATCH} x {SEQ} tokens, 4 layers, vocab 32000, {torch.get_num_threads()} "
+          f"threads; medians of {args.rounds} interleaved rounds x {args.steps} steps; "
+          "'of ceiling' and 'vs transformers' are medians of paired ratios; "
+          f"{rows[0]['note']}")
+    print(format_rows(rows))
 
 
 if __name__ == "__main__":

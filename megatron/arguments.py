@@ -169,6 +169,8 @@ def _add_training_args(parser):
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (off by default; helps on GPUs)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="= --recompute-granularity selective")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
@@ -304,6 +306,12 @@ def _add_data_args(parser):
 def _add_logging_args(parser):
     g = parser.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device (dense, training dtype) for the MFU of the "
+                        "log line; e.g. 989 for an H100 SXM in bf16")
+    g.add_argument("--measure-peak", action="store_true",
+                   help="measure the peak for MFU at start-up (a short matmul benchmark in the "
+                        "training dtype) instead of --peak-tflops")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)

@@ -18,11 +18,14 @@ import torch.distributed as dist
 from megatron import checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.model.flops import num_floating_point_operations as model_flops
 from megatron.training import builders
 from megatron.training.initialize import initialize_megatron, shutdown
 from megatron.training.logging import (TensorBoardLogger, format_iteration_line,
                                        format_validation_block, memory_report, print_rank_0,
                                        print_rank_last)
+from megatron.training.compile import compile_transformer_layers
+from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
 from megatron.training.microbatches import build_num_microbatches_calculator
 from megatron.training.resilience import ExitConditions, collective_guard
 
@@ -62,17 +65,9 @@ def reduce_loss_dicts(loss_dicts: list) -> dict:
 
 
 def num_floating_point_operations(args, batch_size: int) -> float:
-    """Model FLOPs of one iteration (forward + backward), Megatron-LM's formula for a gated-MLP
-    GQA transformer with a vocabulary output layer."""
-    h, s, L = args.hidden_size, args.seq_length, args.num_layers
-    heads = args.num_attention_heads
-    groups = getattr(args, "num_query_groups", None) or heads
-    kv = getattr(args, "kv_channels", None) or h // heads
-    ffn = args.ffn_hidden_size
-    vocab = getattr(args, "padded_vocab_size", None) or 0
-    q_ratio = kv * heads / h
-    return 12 * batch_size * s * L * h * h * (
-        (1 + groups / heads + s / h) * q_ratio + (ffn / h) * 1.5 + vocab / (2 * L * h))
+    """Model FLOPs of one iteration (forward + backward) for the validated ``args``:
+    :func:`megatron.model.flops.num_floating_point_operations` (Megatron-LM's formula)."""
+    return model_flops(args, batch_size, args.seq_length)
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args,
@@ -137,6 +132,10 @@ class _Trainer:
         self.tb = TensorBoardLogger(getattr(args, "tensorboard_dir", None),
                                     getattr(args, "tensorboard_queue_size", 1000))
         self.memory_reported = False
+        self.peak_tflops = resolve_peak_tflops(args, device)
+        if self.peak_tflops is not None:
+            print_rank_0(f" MFU against a peak of {self.peak_tflops:.3f} TFLOP/s per device "
+                         f"({'measured' if getattr(args, 'measure_peak', False) else '--peak-tflops'})")
         self.microbatches = build_num_microbatches_calculator(args)
         self.exit = ExitConditions(getattr(args, "exit_signal_handler", False),
                                    getattr(args, "exit_duration_in_mins", None),
@@ -219,6 +218,8 @@ class _Trainer:
             return
         per_iter = w["time"] / w["iters"]
         flops = num_floating_point_operations(args, batch)
+        mfu = (None if self.peak_tflops is None else model_flops_utilization(
+            flops, per_iter, dist.get_world_size(), self.peak_tflops))
         print_rank_last(format_iteration_line(
             iteration=st.iteration, train_iters=builders.train_iters(args),
             consumed_samples=st.consumed_train_samples, elapsed_ms=per_iter * 1000.0,
@@ -227,7 +228,7 @@ class _Trainer:
             losses={k: v / max(w["iters"] - w["skipped"], 1) for k, v in w["losses"].items()},
             loss_scale=loss_scale,
             grad_norm=grad_norm, skipped=w["skipped"], nans=w["nans"],
-            tflops_per_device=flops / (per_iter * 1e12 * dist.get_world_size())))
+            tflops_per_device=flops / (per_iter * 1e12 * dist.get_world_size()), mfu=mfu))
         if not self.memory_reported:
             if ps.get_data_parallel_rank() == 0:
                 print(memory_report(f"(after {st.iteration} iterations)", self.device), flush=True)
@@ -303,6 +304,9 @@ def pretrain(args, *, model_provider, forward_step_func, datasets_provider) -> d
     trainer = None
     try:
         model, optimizer, scheduler = builders.setup_model_and_optimizer(args, model_provider, device)
+        if getattr(args, "compile", False):
+            print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "
+                         "compiled per rank (torch.compile)")
         state = TrainState()
         if getattr(args, "load", None):
             with collective_guard("the checkpoint load", getattr(args, "distributed_timeout_minutes", None)):

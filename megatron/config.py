@@ -12,6 +12,9 @@ from typing import Optional
 
 import torch
 
+# One definition, owned by the optimizer package; re-exported here beside the other configs.
+from megatron.core.optimizer.optimizer import OptimizerConfig  # noqa: F401
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -181,64 +184,6 @@ class TrainingConfig:
     log_timers_to_tensorboard: bool = False
     log_batch_size_to_tensorboard: bool = False
     log_validation_ppl_to_tensorboard: bool = False
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW, gradient clipping and mixed precision (``megatron.core.optimizer``).
-
-    The learning-rate schedule reads its flags from ``args``
-    (``megatron.core.optimizer.lr_scheduler.build_opt_param_scheduler``).
-
-    Attributes:
-        optimizer: only ``"adam"`` (AdamW with decoupled weight decay, as Megatron's Adam).
-        lr / min_lr: peak and final learning rate (the scheduler sets the lr each step).
-        weight_decay: decoupled L2 coefficient for parameters with 2+ dims (none on norms, biases).
-        adam_beta1 / adam_beta2 / adam_eps: Adam coefficients.
-        clip_grad: global L2 norm to clip to; 0 disables clipping (and the norm computation).
-        bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
-        params_dtype: the model parameter dtype.
-        loss_scale ... hysteresis: fp16 loss scaling (the grad scaler arrives with fp16 support).
-        use_distributed_optimizer: shard optimizer state over DP (``DistributedOptimizer``).
-        overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
-        accumulate_allreduce_grads_in_fp32: fp32 gradient buffers and reduction.
-        log_num_zeros_in_grad: count zero gradient elements each step.
-
-    Raises:
-        ValueError: unsupported optimizer, missing or negative lr, bf16 with fp16, negative clip.
-    """
-
-    lr: Optional[float] = None
-    optimizer: str = "adam"
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
-    params_dtype: torch.dtype = torch.float32
-    loss_scale: Optional[float] = None
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: float = 1000
-    hysteresis: int = 2
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    accumulate_allreduce_grads_in_fp32: bool = True
-    log_num_zeros_in_grad: bool = False
-
-    def __post_init__(self):
-        if self.optimizer != "adam":
-            raise ValueError(f"--optimizer ({self.optimizer}) is not supported yet: use --optimizer adam")
-        if self.lr is None or self.lr < 0:
-            raise ValueError(f"--lr ({self.lr}) must be given and non-negative")
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are mutually exclusive: keep one (LLaMA: --bf16)")
-        if self.clip_grad < 0:
-            raise ValueError(f"--clip-grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class OptimizerConfig:
         loss_scale ... hysteresis: fp16 loss scaling (:mod:`~megatron.core.optimizer.grad_scaler`).
         use_distributed_optimizer: shard optimizer state over DP (``DistributedOptimizer``).
         overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
+        accumulate_allreduce_grads_in_fp32: fp32 gradient buffers and reduction.
         log_num_zeros_in_grad: count zero gradient elements each step.
 
     Raises:
@@ -74,6 +75,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = True
     log_num_zeros_in_grad: bool = False
 
     def __post_init__(self):

@@ -7,6 +7,7 @@ Environment (all optional):
         (sleep forever) just before the N-th train step of this process, on rank
         RELIABILITY_FAULT_RANK (default 1), only in the first torchrun attempt
         (TORCHELASTIC_RESTART_COUNT 0), so an elastic restart runs undisturbed.
+    RELIABILITY_STEP_DELAY: seconds to sleep before each train step (results unchanged).
 """
 
 import json
@@ -43,6 +44,9 @@ def _install_fault(spec: str) -> None:
 
 
 def main():
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     rank = int(os.environ.get("RANK", "0"))
     out = os.environ.get("RELIABILITY_OUT")
     if out:
@@ -52,6 +56,15 @@ def main():
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if fault and first_attempt and rank == int(os.environ.get("RELIABILITY_FAULT_RANK", "1")):
         _install_fault(fault)
+    delay = float(os.environ.get("RELIABILITY_STEP_DELAY", "0"))
+    if delay:  # slow the steps down so a test can act at an iteration it reads in the log
+        real = train.train_step
+
+        def slow(*args, **kwargs):
+            time.sleep(delay)
+            return real(*args, **kwargs)
+
+        train.train_step = slow
     history = pretrain_llama.main(sys.argv[1:])
     if out:
         keep = {k: history[k] for k in ("iteration", "lm loss", "grad norm", "valid")}

@@ -250,6 +250,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
     good = write_dataset(str(root / "good_text_document"))
     bad = write_dataset(str(root / "bad_text_document"), max_id=200)
+    tiny = write_dataset(str(root / "tiny_text_document"), num_docs=1)
     cache = str(root / "cache")
     folders = {k: str(root / k) for k in ("empty", "finetune", "bad_save", "timed")}
     os.makedirs(folders["empty"])
@@ -262,6 +263,7 @@ def runs(tmp_path_factory):
         ("empty load", tiny_argv(good, cache, 2, "--load", folders["empty"])),
         ("empty load finetune", tiny_argv(good, cache, 2, "--load", folders["finetune"],
                                           "--finetune")),
+        ("tiny data", tiny_argv(tiny, cache, 2)),
         # 0.0005 minutes = 30 ms: over after the first iteration; saves and stops there.
         ("timed", tiny_argv(good, cache, 50, "--exit-duration-in-mins", "0.0005", "--save",
                             folders["timed"])),
@@ -303,3 +305,28 @@ def test_exit_duration_in_fractional_minutes_saves_and_stops(runs):
     assert f"exiting program at iteration {last} after 0.0005 minutes" in timed["log"]
     tracker = os.path.join(folders["timed"], ckpt.TRACKER_FILENAME)
     assert open(tracker).read() == str(last)
+
+
+def test_dataset_smaller_than_one_sample_is_refused(runs):
+    error = runs[0]["tiny data"].get("error")
+    assert error is not None and re.search(
+        r"the train split of .*tiny_text_document holds \d+ tokens, fewer than one sample of "
+        r"--seq-length 16.*--split", error), error
+
+
+@pytest.mark.parametrize("kind, flag", [("SentencePieceTokenizer", "tokenizer_model"),
+                                        ("HuggingFaceTokenizer", "tokenizer_name_or_path")])
+def test_tokenizer_file_of_the_wrong_kind_is_named(tmp_path, kind, flag):
+    from types import SimpleNamespace
+
+    from megatron.tokenizer import build_tokenizer
+
+    junk = tmp_path / "tokenizer.model"
+    junk.write_text('{"model": "not a SentencePiece model"}')
+    path = str(junk if flag == "tokenizer_model" else tmp_path)
+    args = SimpleNamespace(tokenizer_type=kind, tokenizer_model=None, tokenizer_name_or_path=None,
+                           vocab_file=None, merge_file=None, vocab_size=None)
+    setattr(args, flag, path)
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        build_tokenizer(args)
+    assert f"--{flag.replace('_', '-')} {path}" in str(err.value)

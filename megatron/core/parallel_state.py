@@ -85,11 +85,14 @@ def layout_groups(world_size: int, tensor_model_parallel_size: int,
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              timeout=None) -> None:
     """Create the tensor-, pipeline-, data-, model-parallel and embedding groups.
 
     ``torch.distributed`` must already be initialized (gloo on CPU, NCCL on CUDA). Collective:
-    every rank must call it with the same arguments.
+    every rank must call it with the same arguments. ``timeout`` (a ``datetime.timedelta``, from
+    ``--distributed-timeout-minutes``) bounds every collective of the new groups; None keeps
+    torch's default (new groups do not inherit the world group's timeout).
 
     Raises:
         RuntimeError: if torch.distributed is not initialized or groups already exist.
@@ -113,7 +116,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         # Middle pipeline stages belong to no embedding group: no group, no ranks.
         mine = (None, [])
         for ranks in groups[kind]:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = (group, ranks)
         return mine

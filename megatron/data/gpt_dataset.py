@@ -158,7 +158,8 @@ class GPTDataset:
     ``self[i]`` is ``{"text": int64 [seq_length + 1]}``: sample ``shuffle_index[i]``.
 
     Raises:
-        ValueError: ``num_samples`` or ``seq_length`` below 1, or the split holds no tokens.
+        ValueError: ``num_samples`` or ``seq_length`` below 1, or the split holds no tokens or
+            fewer than ``seq_length + 1``.
     """
 
     def __init__(self, indexed_dataset, dataset_path: str, documents: np.ndarray, num_samples: int,
@@ -177,6 +178,12 @@ class GPTDataset:
         self.index_split = index_split
         self.built_anew = False
         sizes = np.asarray(indexed_dataset.sizes)
+        tokens = int(np.sum(sizes[self.documents], dtype=np.int64))
+        if 0 < tokens < seq_length + 1:  # a sample would repeat the split's few tokens
+            raise ValueError(
+                f"the {index_split} split of {dataset_path} holds {tokens} tokens, fewer than one "
+                f"sample of --seq-length {seq_length} (+1 for the labels): use more data, a larger "
+                "share of it for this split (--split), or a shorter --seq-length")
         self.description = describe({
             "class": "GPTDataset", "index_format": _INDEX_FORMAT, "dataset_path": dataset_path,
             "index_split": index_split, "num_documents": int(len(self.documents)),

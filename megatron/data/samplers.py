@@ -176,4 +176,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, *, micro_batch
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers,
         worker_init_fn=functools.partial(_seed_worker, seed),
+        # Each iter() draws a base seed; from its own generator it leaves the global torch stream
+        # (dropout) alone, so a resumed run draws the same masks as an uninterrupted one.
+        generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)

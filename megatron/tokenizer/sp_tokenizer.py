@@ -33,7 +33,13 @@ class SentencePieceTokenizer(AbstractTokenizer):
         if not model_file or not os.path.isfile(model_file):
             raise FileNotFoundError(f"--tokenizer-model {model_file!r}: SentencePiece .model file not found")
         self.model_file = model_file
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as exc:  # sentencepiece's "could not parse ModelProto"
+            raise ValueError(
+                f"--tokenizer-model {model_file} is not a SentencePiece .model file ({exc}); for a "
+                "HuggingFace tokenizer folder use --tokenizer-type HuggingFaceTokenizer "
+                "--tokenizer-name-or-path DIR") from exc
         if self._sp.eos_id() < 0:
             raise ValueError(f"--tokenizer-model {model_file}: the model defines no </s> piece, needed "
                              "as the end-of-document id")

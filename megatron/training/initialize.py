@@ -61,7 +61,10 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = timedelta(minutes=timeout_minutes)
-    if "MASTER_ADDR" in os.environ:
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, store=_elastic_store(rank, world_size, timeout),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    elif "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     elif world_size == 1:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
@@ -70,6 +73,20 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         raise RuntimeError(f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; "
                            "launch with torchrun (or set MASTER_ADDR and MASTER_PORT)")
     return True
+
+
+def _elastic_store(rank: int, world_size: int, timeout: timedelta):
+    """The torchrun store, under a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``).
+
+    After ``torchrun --max-restarts`` restarts the workers, the store can still hold the previous
+    attempt's gloo addresses under the same keys, and the new workers then try to connect to dead
+    peers ("connectFullMesh failed ... Connection refused"); a per-attempt prefix keeps them apart.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"megatron/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def _free_port() -> int:
@@ -112,10 +129,12 @@ def initialize_megatron(args) -> tuple[torch.device, bool]:
     """
     backend = getattr(args, "distributed_backend", None)
     device = select_device(backend)
-    created = initialize_distributed(backend, getattr(args, "distributed_timeout_minutes", 10.0))
+    minutes = getattr(args, "distributed_timeout_minutes", 10.0)
+    created = initialize_distributed(backend, minutes)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        getattr(args, "virtual_pipeline_model_parallel_size", None))
+        getattr(args, "virtual_pipeline_model_parallel_size", None),
+        timeout=timedelta(minutes=minutes))
     set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     return device, created
 

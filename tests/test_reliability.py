@@ -229,11 +229,28 @@ def test_python_numpy_torch_and_tracker_rng_states_round_trip():
 
 # Training runs in one world: determinism, bad data, empty --load, --exit-duration-in-mins -------
 
+def _fill_disk_after_first_save():
+    """From the second checkpoint file on, rank 0's writes fail as on a full disk."""
+    import errno
+
+    real, calls = ckpt._write_atomic, [0]
+
+    def writer(obj, path):
+        calls[0] += 1
+        if calls[0] > 1 and torch.distributed.get_rank() == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(obj, path)
+
+    ckpt._write_atomic = writer
+
+
 def _runs(cases):
     import pretrain_llama
 
     out = {}
     for name, argv in cases:
+        if name == "full disk":
+            _fill_disk_after_first_save()
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log):
@@ -330,3 +347,77 @@ def test_tokenizer_file_of_the_wrong_kind_is_named(tmp_path, kind, flag):
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         build_tokenizer(args)
     assert f"--{flag.replace('_', '-')} {path}" in str(err.value)
+
+
+# Distributed optimizer shards and --no-save-optim / --no-save-rng, in a world of two -------------
+
+@pytest.fixture(scope="module")
+def dp2_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp2")
+    data = write_dataset(str(root / "text_document"))
+    cache, ckpt_dir, bare = str(root / "cache"), str(root / "ckpt"), str(root / "bare")
+    dist_opt = ["--use-distributed-optimizer"]
+    cases = [
+        ("whole", tiny_argv(data, cache, 6, *dist_opt)),
+        ("first", tiny_argv(data, cache, 6, *dist_opt, "--save", ckpt_dir, "--save-interval", "3",
+                            "--exit-interval", "3")),
+        ("second", tiny_argv(data, cache, 6, *dist_opt, "--load", ckpt_dir)),
+        ("bare save", tiny_argv(data, cache, 2, "--save", bare, "--no-save-optim",
+                                "--no-save-rng")),
+        ("bare load", tiny_argv(data, cache, 3, "--load", bare)),
+        ("bare load ok", tiny_argv(data, cache, 3, "--load", bare, "--no-load-optim",
+                                   "--no-load-rng")),
+        ("full disk", tiny_argv(data, cache, 4, "--save", str(root / "full"),
+                                "--save-interval", "1")),  # last: its writer stays broken
+    ]
+    return run_distributed(2, _runs, cases, timeout=600), ckpt_dir, bare, str(root / "full")
+
+
+def test_distributed_optimizer_shards_resume_exactly(dp2_runs):
+    out = dp2_runs[0][1]
+    assert out["first"]["iteration"] == [1, 2, 3] and out["second"]["iteration"] == [4, 5, 6]
+    assert out["first"]["lm loss"] + out["second"]["lm loss"] == out["whole"]["lm loss"]  # bitwise
+    assert out["second"]["valid"] == [v for v in out["whole"]["valid"] if v[0] > 3]
+    folder = os.path.join(dp2_runs[1], "iter_0000003", "mp_rank_00")
+    assert sorted(os.listdir(folder)) == ["distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt",
+                                          "model_optim_rng.pt"]
+
+
+def test_no_save_optim_and_rng_are_honoured_and_named_on_load(dp2_runs):
+    out = dp2_runs[0][1]
+    state = torch.load(os.path.join(dp2_runs[2], "iter_0000002", "mp_rank_00", "model_optim_rng.pt"),
+                       weights_only=True)
+    assert state["optimizer"] is None and "rng_state" not in state
+    assert "holds no optimizer state (saved with --no-save-optim); pass --no-load-optim" in \
+        out["bare load"]["error"]
+    assert out["bare load ok"]["iteration"] == [3]
+
+
+def test_full_disk_during_save_stops_with_clear_error_and_keeps_previous(dp2_runs):
+    results, _, _, full = dp2_runs
+    assert re.search(r"CheckpointError: rank 0 could not write .*iter_0000002\.tmp.*No space left "
+                     r"on device; the previous checkpoint and latest_checkpointed_iteration.txt "
+                     r"are intact", results[0]["full disk"]["error"]), results[0]["full disk"]
+    assert "failed on another rank; the previous checkpoint" in results[1]["full disk"]["error"]
+    assert open(os.path.join(full, ckpt.TRACKER_FILENAME)).read() == "1"
+    assert sorted(os.listdir(full)) == ["iter_0000001", ckpt.TRACKER_FILENAME]
+    assert ckpt._looks_complete(os.path.join(full, "iter_0000001"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--exit-signal-handler"], r"--exit-signal-handler needs --save DIR"),
+    (["--keep-last-checkpoints", "2"], r"--keep-last-checkpoints \(2\) needs --save DIR"),
+    (["--keep-last-checkpoints", "0", "--save", "x"], r"--keep-last-checkpoints \(0\) must be positive"),
+    (["--exit-duration-in-mins", "-1"], r"--exit-duration-in-mins \(-1.0\) must be positive"),
+    (["--distributed-timeout-minutes", "0"], r"--distributed-timeout-minutes \(0.0\) must be positive"),
+])
+def test_reliability_flags_are_validated(extra, message):
+    from megatron import arguments
+
+    args = arguments.parse_args(tiny_argv("prefix", "cache", 4, *extra))
+    with pytest.raises(ValueError, match=message):
+        arguments.validate_args(args, 1, check_files=False)
+    # and fractional minutes are accepted
+    ok = arguments.parse_args(tiny_argv("prefix", "cache", 4, "--exit-duration-in-mins", "0.05",
+                                        "--distributed-timeout-minutes", "0.1"))
+    arguments.validate_args(ok, 1, check_files=False)

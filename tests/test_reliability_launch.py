@@ -197,3 +197,19 @@ def test_a_stuck_collective_fails_after_the_timeout_naming_rank_and_operation(se
     assert re.search(r"CollectiveTimeoutError: rank 0: a collective in the train step of "
                      r"iteration 3 did not complete within --distributed-timeout-minutes 0.1 "
                      r"\(6 s\)", log), log[-3000:]
+
+
+def test_sigterm_to_the_agent_as_on_preemption_still_saves(setup):
+    """Slurm preemption signals torchrun's agent, which forwards SIGTERM to every rank and gives
+    them time to finish before SIGKILL; the ranks save the iteration they were in."""
+    root, argv, _ = setup
+    save = str(root / "preempted_ckpt")
+    run = Run(root / "preempted", argv("--save", save, "--exit-signal-handler", iters=200),
+              env={"RELIABILITY_STEP_DELAY": "0.2"})
+    run.wait_for(r"iteration\s+3/")
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait()  # the agent itself reports the signal with a non-zero status
+    last = run.history(1)["iteration"][-1]
+    assert run.history(0)["iteration"][-1] == last and 3 <= last < 200
+    assert f"exiting program at iteration {last} after receiving SIGTERM" in run.log()
+    assert open(os.path.join(save, ckpt.TRACKER_FILENAME)).read() == str(last)

@@ -91,7 +91,8 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _params_dtype(args) -> torch.dtype:
+def params_dtype_from_args(args) -> torch.dtype:
+    """The model parameter dtype selected by ``--bf16`` / ``--fp16`` (fp32 otherwise)."""
     if getattr(args, "bf16", False):
         return torch.bfloat16
     if getattr(args, "fp16", False):
@@ -254,7 +255,7 @@ def build_model_config(args, padded_vocab_size: Optional[int] = None) -> ModelCo
     granularity = getattr(args, "recompute_granularity", None)
     if granularity is None and getattr(args, "recompute_activations", False):
         granularity = "selective"  # Megatron: --recompute-activations = selective granularity
-    return _from_args(ModelConfig, args, padded_vocab_size=vocab, params_dtype=_params_dtype(args),
+    return _from_args(ModelConfig, args, padded_vocab_size=vocab, params_dtype=params_dtype_from_args(args),
                       recompute_granularity=granularity, rope_scaling=rope_scaling_from_args(args))
 
 
@@ -296,7 +297,7 @@ def build_training_config(args) -> TrainingConfig:
 
 def build_optimizer_config(args) -> OptimizerConfig:
     """The :class:`OptimizerConfig` of validated ``args``."""
-    return _from_args(OptimizerConfig, args, params_dtype=_params_dtype(args))
+    return _from_args(OptimizerConfig, args, params_dtype=params_dtype_from_args(args))
 
 
 def configs_from_args(args, padded_vocab_size: Optional[int] = None) -> Configs:

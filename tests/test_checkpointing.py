@@ -95,8 +95,8 @@ def test_save_load_round_trip_two_pipeline_stages(tmp_path):
     args = SimpleNamespace(load=str(tmp_path), hidden_size=99, num_layers=3)
     assert ckpt.load_args_from_checkpoint(args) == ["hidden_size"]
     assert args.hidden_size == 4 and args.num_layers == 3
-    state = torch.load(tmp_path / "iter_0000006" / "mp_rank_00_001" / "model_optim_rng.pt",
-                       weights_only=True)
+    path = tmp_path / "iter_0000006" / "mp_rank_00_001" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=True)
     assert state["args"]["save"] == str(tmp_path) and state["iteration"] == 6
 
 

@@ -37,8 +37,8 @@ def test_reshard_to_bf16(source, tmp_path):
     root, _ = source
     convert("--loader", "megatron", "--saver", "megatron", "--load-dir", root / "tp1pp4",
             "--save-dir", tmp_path / "bf16", "--target-params-dtype", "bf16")
-    state = torch.load(tmp_path / "bf16" / "release" / "mp_rank_00" / "model_optim_rng.pt",
-                       weights_only=True)
+    path = tmp_path / "bf16" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=True)
     assert state["args"]["bf16"] and state["model"]["word_embeddings.weight"].dtype == torch.bfloat16
 
 

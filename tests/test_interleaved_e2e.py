@@ -63,8 +63,8 @@ def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):
     assert first["iteration"] == [1, 2, 3, 4, 5] and second["iteration"] == [6, 7, 8, 9, 10]
     assert first["lm loss"] + second["lm loss"] == whole["lm loss"]  # exactly
     assert first["grad norm"] + second["grad norm"] == whole["grad norm"]
-    last = torch.load(os.path.join(ckpt, "iter_0000005", "mp_rank_00_001", "model_optim_rng.pt"),
-                      weights_only=True)
+    path = os.path.join(ckpt, "iter_0000005", "mp_rank_00_001", "model_optim_rng.pt")
+    last = torch.load(path, weights_only=True)
     assert "model" not in last and sorted(k for k in last if k.startswith("model")) == [
         "model0", "model1"]
     # Stage 1 holds virtual stages 1 and 3: layers 3-4 and 7-8 (local indices 0, 1 in each).

@@ -385,8 +385,8 @@ def test_distributed_optimizer_shards_resume_exactly(dp2_runs):
 
 def test_no_save_optim_and_rng_are_honoured_and_named_on_load(dp2_runs):
     out = dp2_runs[0][1]
-    state = torch.load(os.path.join(dp2_runs[2], "iter_0000002", "mp_rank_00", "model_optim_rng.pt"),
-                       weights_only=True)
+    path = os.path.join(dp2_runs[2], "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=True)
     assert state["optimizer"] is None and "rng_state" not in state
     assert "holds no optimizer state (saved with --no-save-optim); pass --no-load-optim" in \
         out["bare load"]["error"]

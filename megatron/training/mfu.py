@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from megatron.config import params_dtype_from_args
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -48,15 +50,6 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32
     return 2.0 * n ** 3 / best / 1e12
 
 
-def training_dtype(args) -> torch.dtype:
-    """The dtype of the model's matrix products for ``args`` (``--bf16`` / ``--fp16``)."""
-    if getattr(args, "bf16", False):
-        return torch.bfloat16
-    if getattr(args, "fp16", False):
-        return torch.float16
-    return torch.float32
-
-
 def resolve_peak_tflops(args, device: torch.device) -> Optional[float]:
     """The per-device peak for MFU: ``--peak-tflops``, else measured with ``--measure-peak``,
     else None (the log line then shows no MFU).
@@ -73,7 +66,7 @@ def resolve_peak_tflops(args, device: torch.device) -> Optional[float]:
             raise ValueError("--peak-tflops and --measure-peak both given: keep one")
         return float(peak)
     if getattr(args, "measure_peak", False):
-        return measure_peak_tflops(device, training_dtype(args))
+        return measure_peak_tflops(device, params_dtype_from_args(args))
     return None
 
 

@@ -8,8 +8,11 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state as ps
 from megatron.model import get_layer_numbers
 from megatron.planner.cost import Hardware, estimate, enumerate_layouts, rank_layouts
+from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.planner.memory import (activation_bytes_per_layer, grad_buffer_numel,
-                                     optimizer_state_bytes, param_numels)
+                                     layers_activation_bytes, optimizer_state_bytes, param_numels,
+                                     stage_activation_bytes)
+from tests.activation_memory import saved_activation_bytes
 from tests.dist import run_distributed
 
 TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=88, num_attention_heads=4,
@@ -77,26 +80,49 @@ def test_distributed_optimizer_formula():
     assert optimizer_state_bytes(numels, mixed_precision=True, distributed=True, dp=4) == 72
 
 
-def _saved_bytes(config, seq, mbs, local_seq=None):
-    """Bytes of the distinct storages one layer's forward saves for backward, without the
-    parameters and the rotary tables (made once per model forward, shared by all layers)."""
-    from megatron.model.llama import LlamaModel
-    model = LlamaModel(config)
-    layer = model.layers[0]
-    x = torch.randn(local_seq or seq, mbs, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
-    rotary = model.rotary(torch.arange(seq).unsqueeze(0).expand(mbs, seq))
-    excluded = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(rotary)}
-    storages = {}
+# Recompute settings as ModelConfig fields, with the planner's arguments for them.
+RECOMPUTE = {
+    "none": ({}, dict(recompute="none")),
+    "selective": (dict(recompute_granularity="selective"), dict(recompute="selective")),
+    "full-uniform-1": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+                       dict(recompute="full", recompute_method="uniform", recompute_num_layers=1)),
+    "full-uniform-2": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+                       dict(recompute="full", recompute_method="uniform", recompute_num_layers=2)),
+    "full-block-1": (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+                     dict(recompute="full", recompute_method="block", recompute_num_layers=1)),
+}
 
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in excluded:
-            storages[key] = t.untyped_storage().nbytes()
-        return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, rotary)
-    return sum(storages.values())
+def _measured_and_planned(config, setting, seq, mbs, num_layers=3):
+    """Bytes ``num_layers`` layers keep for backward when run through the model's layer loop
+    (``forward_layers``: full recompute checkpoints there), counted by ``saved_activation_bytes``
+    without parameters and rotary tables; and the planner's bytes for the same stage."""
+    from megatron.model.recompute import forward_layers
+    from megatron.model.rotary import RotaryEmbedding
+    from megatron.model.transformer import TransformerLayer
+
+    fields, planner_args = RECOMPUTE[setting]
+    config = config.replace(**fields)
+    tp = config.tensor_model_parallel_size
+    sp = config.sequence_parallel and tp > 1
+    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1) for i in range(num_layers))
+    x = torch.randn(seq // tp if sp else seq, mbs, config.hidden_size, dtype=config.params_dtype,
+                    requires_grad=True)
+    cos, sin = RotaryEmbedding(config.kv_channels)(torch.arange(seq).expand(mbs, seq))
+    out, measured = saved_activation_bytes(
+        lambda: forward_layers(layers, x, (cos, sin), None, None, config),
+        exclude=[cos, sin, *layers.parameters()])
+    out.float().sum().backward()  # recomputed storages come back; backward must run
+    assert all(p.grad is not None for p in layers.parameters())
+    planned = layers_activation_bytes(config, seq, mbs, tp, num_layers, sequence_parallel=sp,
+                                      dtype_bytes=2 if config.params_dtype == torch.bfloat16 else 4,
+                                      **planner_args)
+    return measured, planned
+
+
+def _within_10_percent(results):
+    for key, (measured, planned) in results.items():
+        assert abs(planned - measured) <= 0.1 * measured, (key, planned, measured)
 
 
 @pytest.mark.parametrize("dtype,heads,groups,seq,mbs", [
@@ -108,25 +134,26 @@ def _saved_bytes(config, seq, mbs, local_seq=None):
 def test_activation_bytes_within_10_percent(dtype, heads, groups, seq, mbs):
     config = ModelConfig(**{**TINY, "num_attention_heads": heads, "num_query_groups": groups},
                          params_dtype=dtype)
-    measured = _saved_bytes(config, seq, mbs)
-    planned = activation_bytes_per_layer(config, seq, mbs, 1, dtype_bytes=2 if dtype == torch.bfloat16 else 4)
-    assert abs(planned - measured) <= 0.1 * measured, (planned, measured)
+    _within_10_percent({setting: _measured_and_planned(config, setting, seq, mbs)
+                        for setting in RECOMPUTE})
 
 
 def _tp_saved_bytes(seq, mbs):
     ps.initialize_model_parallel(2, 1)
-    out = []
-    for sp in (False, True):
-        config = ModelConfig(**TINY, tensor_model_parallel_size=2, sequence_parallel=sp)
-        out.append((_saved_bytes(config, seq, mbs, seq // 2 if sp else seq),
-                    activation_bytes_per_layer(config, seq, mbs, 2, sequence_parallel=sp, dtype_bytes=4)))
-    return out
+    model_parallel_manual_seed(5)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for sp in (False, True):
+            config = ModelConfig(**TINY, params_dtype=dtype, tensor_model_parallel_size=2,
+                                 sequence_parallel=sp)
+            for setting in RECOMPUTE:
+                results[(str(dtype), sp, setting)] = _measured_and_planned(config, setting, seq, mbs)
+    return results
 
 
 def test_activation_bytes_tp2_with_and_without_sequence_parallel_within_10_percent():
     for rank_results in run_distributed(2, _tp_saved_bytes, 32, 2):
-        for measured, planned in rank_results:
-            assert abs(planned - measured) <= 0.1 * measured, (planned, measured)
+        _within_10_percent(rank_results)
 
 
 def test_activation_model_orders_recompute_and_sequence_parallel():
@@ -137,6 +164,20 @@ def test_activation_model_orders_recompute_and_sequence_parallel():
     assert activation_bytes_per_layer(config, 64, 2, 2, sequence_parallel=True) < none
     with pytest.raises(ValueError, match="recompute"):
         activation_bytes_per_layer(config, 64, 2, 2, recompute="some")
+    with pytest.raises(ValueError, match="recompute_method"):
+        layers_activation_bytes(config, 64, 2, 2, 4, recompute="full", recompute_method="blocks")
+
+
+def test_stage_adds_the_layers_rebuilt_in_backward():
+    """A 4-layer stage, 2 micro-batches in flight (PP=2): what they keep, plus the layers of one
+    checkpointed group rebuilt with all their intermediates (2 for uniform 2, 1 for block)."""
+    config = ModelConfig(**{**TINY, "num_layers": 8})
+    x, none = 2 * 64 * 2 * 32, activation_bytes_per_layer(config, 64, 2, 1)
+    stage = dict(seq_length=64, micro_batch_size=2, tp=1, pp=2, num_microbatches=4)
+    assert stage_activation_bytes(config, **stage) == 2 * 4 * none
+    assert stage_activation_bytes(config, **stage, recompute="full", recompute_num_layers=2) == 2 * 2 * x + 2 * none
+    assert (stage_activation_bytes(config, **stage, recompute="full", recompute_method="block",
+                                   recompute_num_layers=3) == 2 * (3 * x + none) + none)
 
 
 def test_cost_model_terms_by_hand():

@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                                             micro_batch_size=L.micro_batch_size,
                                             num_microbatches=L.num_microbatches, bf16=bf16,
                                             sequence_parallel=sp, recompute=recompute).activations))
-        print(f"  {recompute:>22} {row[0]} {row[1]}")
+        label = {"selective": "selective (default)", "full": "full (uniform, 1)"}.get(recompute, recompute)
+        print(f"  {label:>22} {row[0]} {row[1]}")
     print(f"\nestimated iteration {best.iteration_s:.3f} s = compute {best.compute_s:.3f} + bubble "
           f"{best.bubble_s:.3f} + TP {best.tp_comm_s:.3f} + PP {best.pp_comm_s:.3f} + DP {best.dp_comm_s:.3f}")
     print("\nlaunch flags of the best layout:\n    " + launch_flags(config, best, args))

@@ -6,7 +6,9 @@ torch AdamW's state). Activations follow Korthikanti et al. 2022, "Reducing Acti
 Recomputation in Large Transformer Models" (section 4, equations 1-5), adapted to what our LLaMA
 layer saves for backward: RMSNorm instead of LayerNorm (fp32 statistics), SwiGLU instead of GeLU,
 grouped-query attention, SDPA/flash attention (no ``s x s`` scores or softmax stored, a
-log-sum-exp per head and token instead), no dropout masks when dropout is 0.
+log-sum-exp per head and token instead), no dropout masks when dropout is 0. Recompute follows
+:mod:`megatron.model.recompute` (selective with its default modules, full uniform / block).
+tests/test_planner.py checks every activation count against the bytes autograd saves.
 
 Units: bytes unless a name says elements. Shapes: s = sequence, b = micro-batch, h = hidden,
 f = ffn hidden, n / g = query heads / key-value groups, d = per-head width, v = padded vocabulary,
@@ -96,8 +98,9 @@ def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch
 
     Korthikanti et al.'s ``sbh(34 + 5as/h)`` term by term, for our layer (element size e):
 
-    * each RMSNorm: its input in fp32 (``4sbh``), fp32 ``1/rms`` (``4sb``), the normalised value
-      (``e sbh``, kept for the weight gradient), and its output, the next linear's input (``e sbh``);
+    * each RMSNorm: its input in fp32 (``4sbh``: a copy in bf16, the residual stream itself in
+      fp32), fp32 ``1/rms`` (``4sb``), the normalised value (``e sbh``, kept for the weight
+      gradient), and its output, the next linear's input (``e sbh``);
     * attention (GQA, n != g): rotated queries, keys and values repeated to n heads, the output
       (``4 e sbnd / t``) plus an fp32 log-sum-exp per head and token (``4bns / t``); for MHA
       (n == g) the keys are the rotated ``k`` and the values a view of the QKV output
@@ -107,10 +110,16 @@ def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch
     * dropout masks (1 byte per element, two of ``sbh``) only when ``hidden_dropout > 0``.
 
     Sequence parallelism divides the ``sbh`` terms by t (column linears keep the un-gathered
-    input, as Megatron). Selective recompute (attention core, SwiGLU activation and norms
-    recomputed) keeps the layer input, the QKV output, the attention output, the gate/up
-    output and the SwiGLU product. Full recompute keeps the layer input only (``e sbh``, /t with
-    sequence parallelism); the one layer rebuilt during backward is added by
+    input, as Megatron).
+
+    ``selective`` is :mod:`megatron.model.recompute`'s default modules (``core_attn act
+    layernorm``, no GEMM recomputed): each norm keeps only its input (``e sbh``: the layer input
+    and the residual after attention), the attention core only the QKV output
+    (``e sb(n + 2g)d / t``), the SwiGLU activation only the gate/up output (``2 e sbf / t``);
+    every recomputed output is freed after its consumer ran. Dropout masks, if any, are kept.
+    ``full`` is one layer of ``--recompute-method uniform --recompute-num-layers 1``: the layer
+    input only (``e sbh``, /t with sequence parallelism); other full settings are counted by
+    :func:`layers_activation_bytes`, the layers rebuilt during backward by
     :func:`stage_activation_bytes`.
 
     Raises:
@@ -123,16 +132,48 @@ def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch
     n, g = config.num_attention_heads // t, config.num_query_groups // t
     sbh = s * b * h / (t if sequence_parallel else 1)
     sb = s * b / (t if sequence_parallel else 1)
+    dropout = 2 * sbh if config.hidden_dropout > 0 else 0
     if recompute == "full":
         return int(e * sbh)
     if recompute == "selective":
-        return int(e * sbh * 2 + e * s * b * (n + 2 * g) * d + e * s * b * n * d + 3 * e * s * b * f // t)
+        return int(2 * e * sbh + e * s * b * (n + 2 * g) * d + 2 * e * s * b * f // t + dropout)
     norms = 2 * (4 * sbh + 4 * sb + 2 * e * sbh)
     heads = 4 * n if g != n else 4 * n + 2 * g
     attention = e * s * b * heads * d + 4 * b * n * s + (4 * e * s * b * d if e != 4 else 0)
     mlp = 4 * e * s * b * f // t
-    dropout = 2 * sbh if config.hidden_dropout > 0 else 0
     return int(norms + attention + mlp + dropout)
+
+
+def layers_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int,
+                            num_layers: int, *, sequence_parallel: bool = False,
+                            recompute: str = "none", recompute_method: str = "uniform",
+                            recompute_num_layers: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes ``num_layers`` consecutive layers (one stage or model chunk) save for backward for
+    one micro-batch on one rank, as :func:`megatron.model.recompute.forward_layers` runs them.
+
+    Full recompute keeps only each checkpointed group's input (``e sbh``, /t with sequence
+    parallelism): ``uniform`` one per group of ``recompute_num_layers`` layers, ``block`` one
+    per each of the first ``recompute_num_layers`` layers, the other layers keeping everything
+    (as with no recompute). Other settings: ``num_layers`` times
+    :func:`activation_bytes_per_layer`.
+
+    Raises:
+        ValueError: an unknown ``recompute`` or ``recompute_method``, or
+            ``recompute_num_layers < 1``.
+    """
+    per_layer = dict(sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes)
+    one = activation_bytes_per_layer(config, seq_length, micro_batch_size, tp, recompute=recompute,
+                                     **per_layer)
+    if recompute != "full":
+        return one * num_layers
+    if recompute_method not in ("uniform", "block") or recompute_num_layers < 1:
+        raise ValueError(f"full recompute needs recompute_method uniform or block and "
+                         f"recompute_num_layers >= 1 (got {recompute_method!r}, {recompute_num_layers})")
+    if recompute_method == "uniform":
+        return one * -(-num_layers // recompute_num_layers)
+    checkpointed = min(recompute_num_layers, num_layers)
+    none = activation_bytes_per_layer(config, seq_length, micro_batch_size, tp, **per_layer)
+    return one * checkpointed + none * (num_layers - checkpointed)
 
 
 def head_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int,
@@ -156,17 +197,21 @@ def in_flight_microbatches(pp: int, num_microbatches: int, virtual_stages: int =
 
 def stage_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int, pp: int,
                            num_microbatches: int, *, sequence_parallel: bool = False,
-                           recompute: str = "none", dtype_bytes: int = 2) -> int:
+                           recompute: str = "none", recompute_method: str = "uniform",
+                           recompute_num_layers: int = 1, dtype_bytes: int = 2) -> int:
     """Peak activation bytes of the busiest rank (the first stage for pp > 1; the single stage
-    holds the head too when pp == 1)."""
+    holds the head too when pp == 1). With full recompute, the layers of one checkpointed group
+    (``recompute_num_layers`` for uniform, one for block) are rebuilt with all their
+    intermediates during backward, on top of what the in-flight micro-batches keep."""
     layers = config.num_layers // pp
-    per_layer = activation_bytes_per_layer(config, seq_length, micro_batch_size, tp,
-                                           sequence_parallel=sequence_parallel, recompute=recompute,
-                                           dtype_bytes=dtype_bytes)
-    total = per_layer * layers * in_flight_microbatches(pp, num_microbatches)
-    if recompute == "full":  # one layer rebuilt with all its intermediates during backward
-        total += activation_bytes_per_layer(config, seq_length, micro_batch_size, tp,
-                                            sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes)
+    common = dict(sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes)
+    kept = layers_activation_bytes(config, seq_length, micro_batch_size, tp, layers, recompute=recompute,
+                                   recompute_method=recompute_method,
+                                   recompute_num_layers=recompute_num_layers, **common)
+    total = kept * in_flight_microbatches(pp, num_microbatches)
+    if recompute == "full":
+        rebuilt = min(recompute_num_layers, layers) if recompute_method == "uniform" else 1
+        total += rebuilt * activation_bytes_per_layer(config, seq_length, micro_batch_size, tp, **common)
     if pp == 1:
         total += head_activation_bytes(config, seq_length, micro_batch_size, tp, dtype_bytes)
     return int(total)
@@ -192,6 +237,7 @@ class MemoryEstimate:
 def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_length: int,
                     micro_batch_size: int, num_microbatches: int, bf16: bool = True,
                     sequence_parallel: bool = False, recompute: str = "none",
+                    recompute_method: str = "uniform", recompute_num_layers: int = 1,
                     use_distributed_optimizer: bool = False,
                     bucket_size: Optional[int] = None) -> MemoryEstimate:
     """Per-rank memory of the busiest stage: the max over stages of weights + optimizer (the
@@ -201,13 +247,13 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     stages = [param_numels(config, tp, pp, r) for r in sorted({0, pp - 1})]
     numels = max(stages, key=sum)
     grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer
+    rc = dict(recompute=recompute, recompute_method=recompute_method,
+              recompute_num_layers=recompute_num_layers)
     act = stage_activation_bytes(config, seq_length, micro_batch_size, tp, pp, num_microbatches,
-                                 sequence_parallel=sequence_parallel, recompute=recompute,
-                                 dtype_bytes=e)
+                                 sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
     if pp > 1:  # the last stage holds the head's activations for its micro-batch
-        last = (activation_bytes_per_layer(config, seq_length, micro_batch_size, tp,
-                                           sequence_parallel=sequence_parallel, recompute=recompute,
-                                           dtype_bytes=e) * (config.num_layers // pp)
+        last = (layers_activation_bytes(config, seq_length, micro_batch_size, tp, config.num_layers // pp,
+                                        sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
                 + head_activation_bytes(config, seq_length, micro_batch_size, tp, e))
         act = max(act, last)
     return MemoryEstimate(

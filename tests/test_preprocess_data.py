@@ -145,3 +145,39 @@ def test_cli_starts_fast_without_torch(shared_data, tmp_path):
                     "--append-eod", "--workers", "2"], cwd=ROOT, check=True, capture_output=True)
     assert time.perf_counter() - start < 10
     assert _files(str(tmp_path / "cli_text_document")) == _files(os.path.join(ref, "sample_text_document"))
+
+
+def test_fast_json_path_falls_back_for_unusual_lines(tmp_path, capsys):
+    """Lines the one-call-per-chunk parser does not take (whitespace, CRLF, blank lines) still parse
+    like json.loads; a string split over two lines is an error naming the first of them."""
+    rows = [{"text": "1 2"}, ' {"text": "3"} ', '{"text": "4 5"}\r', "", '{"text": "6", "x": [1, {"y": 2}]}']
+    src = _jsonl(tmp_path / "odd.jsonl", rows)
+    _run("--input", src, "--output-prefix", tmp_path / "odd", *NULL, "--chunk-size", 3)
+    assert [a.tolist() for a in MMapIndexedDataset(str(tmp_path / "odd_text_document"))] == [[1, 2], [3], [4, 5], [6]]
+    split = _jsonl(tmp_path / "split.jsonl", ['{"text": "1"}', '{"text": "2', '3"}', '{"text": "4"}'])
+    assert main(["--input", split, "--output-prefix", str(tmp_path / "s"), *NULL]) == 1
+    assert f"{split}:2: malformed JSON" in capsys.readouterr().err
+
+
+def test_tokenize_batch_flat_equals_tokenize(shared_data):
+    from megatron.tokenizer.null_tokenizer import NullTokenizer
+    from megatron.tokenizer.sp_tokenizer import SentencePieceTokenizer
+
+    sp = SentencePieceTokenizer(os.path.join(shared_data, "sentencepiece-llama-32k.model"))
+    texts = ["To be, or not to be", "", "héllo ☃ 日本語", " ", "a\nb\tc  d"]
+
+    class PublicOnly:  # a sentencepiece without the raw batch call takes the public path
+        def __init__(self, inner):
+            self.encode_as_numpy = inner.encode_as_numpy
+
+    for tok in (sp, NullTokenizer(1000)):
+        cases = texts if tok is sp else ["1 2 3", "", "999"]
+        flat, lengths = tok.tokenize_batch_flat(cases, dtype=np.uint16)
+        expected = [tok.tokenize(t) for t in cases]
+        assert flat.dtype == np.uint16 and lengths.tolist() == [len(e) for e in expected]
+        assert flat.tolist() == [i for e in expected for i in e]
+    fast = sp.tokenize_batch_flat(texts)
+    sp._sp = PublicOnly(sp._sp)
+    public = sp.tokenize_batch_flat(texts)
+    assert all(np.array_equal(a, b) for a, b in zip(fast, public))
+    assert sp.tokenize_batch_flat([])[0].size == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import glob
 import gzip
 import json
@@ -27,7 +28,8 @@ import multiprocessing
 import os
 import sys
 import time
-from itertools import chain
+from itertools import repeat
+from operator import itemgetter
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -120,7 +122,7 @@ def _init_worker(args: argparse.Namespace, tokenizer=None) -> None:
     tokenizer = tokenizer or build_tokenizer(args)
     _W.update(tokenizer=tokenizer, keys=list(args.json_keys), skip=args.skip_invalid,
               eod=tokenizer.eod if args.append_eod else None,
-              dtype=best_fitting_dtype(tokenizer.vocab_size))
+              dtype=best_fitting_dtype(tokenizer.vocab_size), scan=json.JSONDecoder().scan_once)
 
 
 def _decode(chunk: bytes) -> Tuple[List[str], int]:
@@ -156,19 +158,30 @@ def _parse(line: str, where: str, keys: List[str]) -> List[str]:
     return texts
 
 
-def encode_chunk(path: str, first_line: int, chunk: bytes) -> dict:
-    """Tokenizes one chunk of lines (runs in a worker).
+def _parse_fast(lines: List[str], keys: List[str], scan) -> Optional[List[List[str]]]:
+    """Texts per key when every line is exactly one JSON object holding string values; else None.
 
-    Returns:
-        ``{"keys": [(flat token bytes, int32 document lengths bytes) per key], "lines", "invalid",
-        "bad_utf8", "empty": [per key], "bytes"}``; documents that tokenize to nothing are left out.
-
-    Raises:
-        InputError: a malformed line without ``--skip-invalid``.
+    The common case without a Python call per line: ``scan`` is json's C scanner (what
+    ``json.loads`` runs), mapped over the lines. Anything unusual (blank lines, surrounding
+    whitespace, a bad line) returns None and ``_parse_slow`` redoes the chunk, naming the line.
     """
-    lines, bad_utf8 = _decode(chunk)
-    if lines and lines[-1] == "":
-        lines.pop()
+    try:
+        parsed = list(map(scan, lines, repeat(0)))  # a StopIteration (no value) just ends the list
+        if len(parsed) != len(lines) or not parsed:
+            return None
+        objs, ends = zip(*parsed)
+        if list(ends) != list(map(len, lines)) or set(map(type, objs)) != {dict}:
+            return None
+        per_key = [list(map(itemgetter(key), objs)) for key in keys]
+    except (ValueError, KeyError, RecursionError):
+        return None
+    if any(set(map(type, texts)) != {str} for texts in per_key):
+        return None
+    return per_key
+
+
+def _parse_slow(lines: List[str], path: str, first_line: int) -> Tuple[List[List[str]], int]:
+    """Texts per key and the number of invalid lines skipped; the first bad line raises without ``--skip-invalid``."""
     keys, per_key, invalid = _W["keys"], [[] for _ in _W["keys"]], 0
     for i, line in enumerate(lines):
         if not line.strip():
@@ -182,17 +195,42 @@ def encode_chunk(path: str, first_line: int, chunk: bytes) -> dict:
             continue
         for bucket, text in zip(per_key, texts):
             bucket.append(text)
+    return per_key, invalid
+
+
+def _tokenize(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(flat tokens, int32 lengths)`` of the documents that tokenize to something, EOD appended."""
+    flat, lengths = _W["tokenizer"].tokenize_batch_flat(texts, dtype=_W["dtype"])
+    if not lengths.all():
+        lengths = lengths[lengths > 0]  # empty documents add no tokens to flat
+    if _W["eod"] is not None:
+        flat = np.insert(flat, np.cumsum(lengths), np.asarray(_W["eod"], dtype=flat.dtype))
+        lengths = lengths + 1
+    return flat, lengths.astype(np.int32)
+
+
+def encode_chunk(path: str, first_line: int, chunk: bytes) -> dict:
+    """Tokenizes one chunk of lines (runs in a worker).
+
+    Returns:
+        ``{"keys": [(flat token bytes, int32 document lengths bytes) per key], "lines", "invalid",
+        "bad_utf8", "empty": [per key], "bytes"}``; documents that tokenize to nothing are left out.
+
+    Raises:
+        InputError: a malformed line without ``--skip-invalid``.
+    """
+    lines, bad_utf8 = _decode(chunk)
+    if lines and lines[-1] == "":
+        lines.pop()
+    per_key, invalid = _parse_fast(lines, _W["keys"], _W["scan"]), 0
+    if per_key is None:
+        per_key, invalid = _parse_slow(lines, path, first_line)
     out = {"keys": [], "empty": [], "lines": len(per_key[0]), "invalid": invalid, "bad_utf8": bad_utf8,
            "bytes": len(chunk)}
     for texts in per_key:
-        docs = [ids for ids in _W["tokenizer"].tokenize_batch(texts, num_threads=1) if ids]
-        if _W["eod"] is not None:
-            for ids in docs:
-                ids.append(_W["eod"])
-        lengths = np.fromiter(map(len, docs), dtype=np.int32, count=len(docs))
-        flat = np.fromiter(chain.from_iterable(docs), dtype=_W["dtype"], count=int(lengths.sum()))
+        flat, lengths = _tokenize(texts)
         out["keys"].append((flat.tobytes(), lengths.tobytes()))
-        out["empty"].append(len(texts) - len(docs))
+        out["empty"].append(len(texts) - len(lengths))
     return out
 
 
@@ -263,7 +301,13 @@ def run(args: argparse.Namespace) -> dict:
             _init_worker(args, tokenizer)
             results = (encode_chunk(*chunk) for chunk in chunks)
         else:
-            pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+            # Forked workers inherit the tokenizer (spawned ones rebuild it from its file); the
+            # frozen heap keeps their garbage collector off the parent's pages (no copy-on-write).
+            gc.freeze()
+            try:
+                pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args, tokenizer))
+            finally:
+                gc.unfreeze()
             results = _in_order(pool, chunks, window=4 * args.workers)
         for res in results:
             for k, (builder, (flat, lengths)) in enumerate(zip(builders, res["keys"])):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence
+from itertools import chain
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
 
 
 class AbstractTokenizer(ABC):
@@ -50,3 +53,21 @@ class AbstractTokenizer(ABC):
             num_threads: threads the library may use (ignored where it has no batch path).
         """
         return [self.tokenize(t) for t in texts]
+
+    def tokenize_batch_flat(self, texts: Sequence[str], dtype=np.int64,
+                            num_threads: int = 1) -> Tuple[np.ndarray, np.ndarray]:
+        """Token ids of many texts back to back, for writers that need one array (the preprocessor).
+
+        Args:
+            texts: the texts.
+            dtype: numpy dtype of the returned ids; the caller picks one that holds ``vocab_size``.
+            num_threads: as in ``tokenize_batch``.
+
+        Returns:
+            ``(flat, lengths)``: ``flat`` 1-D ``dtype``, the ids of all texts in order; ``lengths``
+            1-D int64 ``[len(texts)]``, ids per text (0 for a text that tokenizes to nothing).
+        """
+        docs = self.tokenize_batch(texts, num_threads=num_threads)
+        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        flat = np.fromiter(chain.from_iterable(docs), dtype=dtype, count=int(lengths.sum()))
+        return flat, lengths

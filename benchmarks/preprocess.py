@@ -10,8 +10,9 @@ in documents/s, MB/s (of JSON input) and tokens/s:
 - ``ours w1`` / ``ours w2``: the preprocessor with ``--workers 1`` / ``2`` writing ``.bin/.idx``;
 
 then checks the targets (w2 >= 80% of limit; w1 >= baseline; w2 >= 1.5 x w1) and the start-up
-time of the tool. Timings are the best of ``--repeats`` runs; the CPU-seconds column (process,
-threads and workers) shows the work done, which stays meaningful on a busy machine. Run from the repository root::
+time of the tool. Timings are the best of ``--repeats`` interleaved rounds (each method once per
+round); the CPU-seconds column (process, threads and workers) shows the work done, which stays
+meaningful on a busy machine. Run from the repository root::
 
     python benchmarks/preprocess.py [--corpus PATH] [--tokenizer-model PATH]
 """
@@ -57,14 +58,20 @@ def cpu_seconds():
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def best(fn, repeats):
-    """(wall seconds, CPU seconds, result) of the fastest of ``repeats`` calls."""
-    runs = []
+def best_interleaved(fns, repeats):
+    """(wall seconds, CPU seconds) of the fastest of ``repeats`` calls of each function.
+
+    The methods take turns (round 1 of each, then round 2, ...), so a slow spell of a shared
+    machine hits all of them alike instead of whichever happened to run then.
+    """
+    runs = {name: [] for name in fns}
     for _ in range(repeats):
-        start, cpu = time.perf_counter(), cpu_seconds()
-        result = fn()
-        runs.append((time.perf_counter() - start, cpu_seconds() - cpu, result))
-    return min(runs, key=lambda r: r[0])
+        for name, fn in fns.items():
+            start, cpu = time.perf_counter(), cpu_seconds()
+            result = fn()
+            runs[name].append((time.perf_counter() - start, cpu_seconds() - cpu))
+            del result  # freeing the ids is not part of the measured step
+    return {name: min(r, key=lambda x: x[0]) for name, r in runs.items()}
 
 
 def measure(texts, jsonl, model, workers_list, repeats, tmp):
@@ -72,21 +79,22 @@ def measure(texts, jsonl, model, workers_list, repeats, tmp):
 
     sp = sentencepiece.SentencePieceProcessor(model_file=model)
     nbytes = os.path.getsize(jsonl)
-    rows = {}
-    t, cpu, ids = best(lambda: sp.encode(texts, num_threads=2), repeats)
-    tokens = sum(map(len, ids))
-    rows["limit (sp batch, 2 threads)"] = (t, cpu)
+    tokens = sum(map(len, sp.encode(texts, num_threads=2)))
 
     def baseline():
         with open(jsonl, encoding="utf-8") as f:
             return [sp.encode(json.loads(line)["text"]) for line in f]
 
-    rows["baseline (json.loads+encode, 1 proc)"] = best(baseline, repeats)[:2]
-    for w in workers_list:
+    def ours(w):
         argv = ["--input", jsonl, "--output-prefix", os.path.join(tmp, f"w{w}"), "--tokenizer-type",
                 "SentencePieceTokenizer", "--tokenizer-model", model, "--workers", str(w),
                 "--log-interval", str(10 ** 9)]
-        rows[f"ours --workers {w}"] = best(lambda: run(get_args(argv)), repeats)[:2]
+        return lambda: run(get_args(argv))
+
+    fns = {"limit (sp batch, 2 threads)": lambda: sp.encode(texts, num_threads=2),
+           "baseline (json.loads+encode, 1 proc)": baseline}
+    fns.update({f"ours --workers {w}": ours(w) for w in workers_list})
+    rows = best_interleaved(fns, repeats)
     return {name: (len(texts) / t, nbytes / t / 1e6, tokens / t, t, cpu) for name, (t, cpu) in rows.items()}
 
 

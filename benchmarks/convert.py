@@ -4,8 +4,13 @@ printed beside the size of the largest output shard.
     python benchmarks/convert.py [--layers 16 --hidden 2048 --ffn 5504 --vocab 32000] \\
         [--tp 2 --pp 2] [--dtype bf16] [--workdir DIR]
 
-Steps (each conversion in a fresh process, so ru_maxrss is its own peak): write a random HF folder
-(sharded safetensors, streamed layer by layer), convert HF -> ours at TP x PP, then ours -> HF.
+Steps (each conversion in a fresh process): write a random HF folder (sharded safetensors,
+streamed layer by layer), convert HF -> ours at TP x PP, then ours -> HF.
+
+Memory: ``peak_anon_GiB`` is the peak of ``RssAnon`` (/proc/self/status, sampled every 2 ms by a
+thread inside the converting process) minus its value right after the imports: the memory the
+conversion itself holds. ``ru_maxrss`` is printed beside it but also counts file-backed pages of
+memory-mapped inputs (safetensors / ``torch.load(mmap=True)``), which the kernel can drop.
 """
 
 from __future__ import annotations
@@ -52,13 +57,48 @@ def write_synthetic_hf(folder, a):
     return 2 * v * h + a.layers * (2 * h * h + 2 * a.groups * d * h + 3 * h * f)
 
 
+def rss_anon_kib() -> int:
+    """This process's anonymous resident memory (``RssAnon``, KiB; Linux only)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no RssAnon (Linux >= 4.5 needed)")
+
+
+def child(argv) -> None:
+    """Run one conversion in this process; print a JSON line of seconds and memory peaks."""
+    import threading
+
+    import safetensors.torch  # noqa: F401  (imports outside the measured delta)
+    from tools.checkpoint import convert
+
+    for module in list(convert.LOADERS.values()) + list(convert.SAVERS.values()):
+        __import__(f"tools.checkpoint.{module}")
+    base = rss_anon_kib()
+    peak, done = [base], threading.Event()
+
+    def sample():
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], rss_anon_kib())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    t = time.perf_counter()
+    convert.main(argv)
+    seconds = time.perf_counter() - t
+    done.set()
+    thread.join()
+    peak[0] = max(peak[0], rss_anon_kib())
+    print(json.dumps({"seconds": seconds, "anon_kib": peak[0] - base,
+                      "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+
 def timed_convert(argv):
-    code = ("import resource,sys,time;sys.path.insert(0,%r);from tools.checkpoint.convert import main;"
-            "t=time.perf_counter();main(%r);print(time.perf_counter()-t,"
-            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)" % (ROOT, argv))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    seconds, kib = out.stdout.split()[-2:]
-    return float(seconds), int(kib) / 2**20
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(argv)],
+                         capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return r["seconds"], r["anon_kib"] / 2**20, r["maxrss_kib"] / 2**20
 
 
 def largest(pattern):
@@ -77,12 +117,21 @@ def main():
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.child is not None:
+        return child(json.loads(a.child))
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         hf, ours, back = (os.path.join(tmp, n) for n in ("hf", "ours", "back"))
         n = write_synthetic_hf(hf, a)
         idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"model: {n / 1e9:.2f} B parameters, {a.dtype}; writer process peak {idle:.2f} GiB")
+        model_gib = n * {"bf16": 2, "fp32": 4}[a.dtype] / 2**30
+        h, f, d = a.hidden, a.ffn, a.hidden // a.heads
+        per_param = model_gib / n
+        layer_gib = (2 * h * h + 2 * a.groups * d * h + 3 * h * f) * per_param
+        print(f"model: {n / 1e9:.2f} B parameters, {a.dtype}, {model_gib:.2f} GiB (one layer "
+              f"{layer_gib:.3f} GiB, embedding {a.vocab * h * per_param:.3f} GiB, output layer "
+              f"the same); writer process peak {idle:.2f} GiB")
         rows = [("hf -> megatron TP=%d PP=%d" % (a.tp, a.pp),
                  ["--loader", "hf", "--saver", "megatron", "--load-dir", hf, "--save-dir", ours,
                   "--target-tensor-parallel-size", str(a.tp), "--target-pipeline-parallel-size", str(a.pp)],
@@ -91,10 +140,11 @@ def main():
                  ["--loader", "megatron", "--saver", "hf", "--load-dir", ours, "--save-dir", back,
                   "--max-shard-size", "2GB"], os.path.join(back, "*.safetensors"))]
         for name, argv, outputs in rows:
-            seconds, peak = timed_convert(argv)
+            seconds, anon, maxrss = timed_convert(argv)
             print(json.dumps({"conversion": name, "seconds": round(seconds, 1),
-                              "peak_rss_GiB": round(peak, 2),
-                              "largest_output_shard_GiB": round(largest(outputs), 2)}))
+                              "peak_anon_GiB": round(anon, 2), "ru_maxrss_GiB": round(maxrss, 2),
+                              "largest_output_shard_GiB": round(largest(outputs), 2),
+                              "model_GiB": round(model_gib, 2)}), flush=True)
 
 
 if __name__ == "__main__":

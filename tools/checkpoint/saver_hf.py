@@ -4,7 +4,8 @@
 Writes sharded safetensors (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``,
 or one ``model.safetensors``), a ``config.json`` with the true vocabulary size (padding rows are
 never exported) and copies the tokenizer files. Tensors are buffered only up to
-``--max-shard-size`` before a shard is written.
+``--max-shard-size`` before a shard is written, and buffered on disk (memory-mapped spill files),
+so the anonymous memory held is about one layer whatever the shard size.
 """
 
 from __future__ import annotations
@@ -65,28 +66,49 @@ def hf_config(meta: dict, dtype: torch.dtype) -> dict:
 
 
 class _ShardWriter:
+    """Buffers tensors up to ``max_bytes`` per shard, each message's tensors spilled to a
+    ``.spill`` file and held memory-mapped (file-backed pages the kernel can drop), so the
+    anonymous memory is about one layer, not one shard; ``save_file`` writes a shard straight
+    from those mappings."""
+
     def __init__(self, folder: str, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
         self.pending, self.pending_bytes, self.files, self.weight_map = {}, 0, [], {}
-        self.total = 0
+        self.fresh, self.spills, self.total = {}, [], 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+        if (self.pending or self.fresh) and self.pending_bytes + nbytes > self.max_bytes:
             self.flush()
-        self.pending[name] = tensor.contiguous()
+        self.fresh[name] = tensor.contiguous()
         self.pending_bytes += nbytes
         self.total += nbytes
+
+    def spill(self) -> None:
+        """Move the tensors added since the last spill out of anonymous memory."""
+        if not self.fresh:
+            return
+        path = os.path.join(self.folder, f".spill-{len(self.files):05d}-{len(self.spills)}.pt")
+        # clone: a view (the unpadded vocabulary rows) would otherwise save its whole storage
+        torch.save({k: v if v.untyped_storage().nbytes() == v.numel() * v.element_size()
+                    else v.clone() for k, v in self.fresh.items()}, path)
+        self.spills.append(path)
+        self.pending.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        self.fresh = {}
 
     def flush(self) -> None:
         from safetensors.torch import save_file
 
+        self.spill()
         if not self.pending:
             return
         tmp = os.path.join(self.folder, f"shard-{len(self.files):05d}.tmp")
         save_file(self.pending, tmp, metadata={"format": "pt"})
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
+        for path in self.spills:
+            os.remove(path)
+        self.spills = []
 
     def finish(self) -> None:
         self.flush()
@@ -134,6 +156,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             writer.add("model.norm.weight", payload["final_norm"].to(dtype))
             if payload["output_layer"] is not None:
                 writer.add("lm_head.weight", payload["output_layer"].to(dtype))
+        writer.spill()
     writer.finish()
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config(meta, dtype), f, indent=2)

@@ -157,6 +157,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             if payload["output_layer"] is not None:
                 writer.add("lm_head.weight", payload["output_layer"].to(dtype))
         writer.spill()
+        del payload  # else it lives on while the loader builds the next message
     writer.finish()
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config(meta, dtype), f, indent=2)

@@ -161,6 +161,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                 writer.finish_stage()
         elif kind == "final":
             writer.finish_stage()
+        del payload  # else it lives on while the loader builds the next message
     final = os.path.join(save, name)
     os.replace(staging, final)
     tracker = get_checkpoint_tracker_filename(save)

@@ -75,6 +75,7 @@ def child(argv) -> None:
 
     for module in list(convert.LOADERS.values()) + list(convert.SAVERS.values()):
         __import__(f"tools.checkpoint.{module}")
+    convert.return_freed_memory_to_os()  # as the command line does
     base = rss_anon_kib()
     peak, done = [base], threading.Event()
 
@@ -118,13 +119,20 @@ def main():
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--workdir", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--write-to", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child is not None:
         return child(json.loads(a.child))
+    if a.write_to is not None:
+        return print(write_synthetic_hf(a.write_to, a))
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         hf, ours, back = (os.path.join(tmp, n) for n in ("hf", "ours", "back"))
-        n = write_synthetic_hf(hf, a)
-        idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        # in its own process too: a child forked from a big parent inherits its ru_maxrss
+        # (Linux keeps the high-water mark across fork + exec)
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--write-to", hf]
+                             + sys.argv[1:], capture_output=True, text=True, check=True)
+        n = int(out.stdout.split()[-1])
+        idle = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
         model_gib = n * {"bf16": 2, "fp32": 4}[a.dtype] / 2**30
         h, f, d = a.hidden, a.ffn, a.hidden // a.heads
         per_param = model_gib / n

@@ -10,7 +10,7 @@ streamed layer by layer), convert HF -> ours at TP x PP, then ours -> HF.
 Memory: ``peak_anon_GiB`` is the peak of ``RssAnon`` (/proc/self/status, sampled every 2 ms by a
 thread inside the converting process) minus its value right after the imports: the memory the
 conversion itself holds. ``ru_maxrss`` is printed beside it but also counts file-backed pages of
-memory-mapped inputs (safetensors / ``torch.load(mmap=True)``), which the kernel can drop.
+memory-mapped inputs (safetensors, and torch checkpoints loaded with mmap), which the kernel can drop.
 """
 
 from __future__ import annotations

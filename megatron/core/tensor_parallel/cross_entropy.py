@@ -22,6 +22,19 @@ from megatron.core.tensor_parallel.utils import (VocabUtility, group_rank, group
                                                  resolve_tensor_parallel_group)
 
 
+
+def local_target(target: torch.Tensor, partition_vocab_size: int, rank: int, world: int):
+    """Where ``target`` ids fall outside this rank's vocabulary slice, and the ids within it.
+
+    Returns:
+        ``(target_mask, masked_target)``: bool mask (True = another rank holds the id) and the ids
+        shifted into ``[0, partition_vocab_size)`` (0 where masked), both shaped like ``target``.
+    """
+    start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        partition_vocab_size, rank, world)
+    target_mask = (target < start) | (target >= end)
+    return target_mask, (target - start).masked_fill(target_mask, 0)
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
@@ -35,10 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         partition_vocab_size = logits.size(-1)
         vocab_size = partition_vocab_size * world
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab_size, rank, world)
-        target_mask = (target < start) | (target >= end)
-        masked_target = (target - start).masked_fill(target_mask, 0)
+        target_mask, masked_target = local_target(target, partition_vocab_size, rank, world)
 
         predicted_logits = logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1)
         predicted_logits = all_reduce(predicted_logits.masked_fill(target_mask, 0.0), group)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel.cross_entropy import local_target
 from megatron.core.tensor_parallel.mappings import all_reduce
-from megatron.core.tensor_parallel.utils import (VocabUtility, group_rank, group_world_size,
+from megatron.core.tensor_parallel.utils import (group_rank, group_world_size,
                                                  resolve_tensor_parallel_group)
 
 # Row chunks of at most this many bytes. Cache-sized chunks (about 1 MiB) were measured slower on
@@ -50,10 +51,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         del logits
         partition_vocab_size = buf.size(-1)
         vocab_size = partition_vocab_size * world
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab_size, rank, world)
-        target_mask = (target < start) | (target >= end)
-        masked_target = (target - start).masked_fill(target_mask, 0)
+        target_mask, masked_target = local_target(target, partition_vocab_size, rank, world)
 
         rows = buf.size(0)
         predicted = buf.new_empty(rows)

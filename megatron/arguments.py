@@ -169,6 +169,10 @@ def _add_training_args(parser):
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="let autograd build each weight gradient and add it to the fp32 main_grad "
+                        "buffer, instead of accumulating it there inside the layer's backward")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer (off by default; helps on GPUs)")
     g.add_argument("--recompute-activations", action="store_true",
@@ -194,8 +198,6 @@ def _add_kernel_args(parser):
     """GPU kernel selections of Megatron: accepted, without effect (see report_ignored_flags)."""
     g = parser.add_argument_group("kernels (no effect here)")
     g.add_argument("--use-flash-attn", action="store_true")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
-                   action="store_false")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
                    action="store_false")
     g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")

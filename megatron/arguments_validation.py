@@ -30,9 +30,6 @@ IGNORED_FLAGS = {
                                   "any DP size on load"),
     "use_flash_attn": ("--use-flash-attn", "attention always runs through torch "
                        "scaled_dot_product_attention, which picks the flash kernel where it applies"),
-    "gradient_accumulation_fusion": ("--no-gradient-accumulation-fusion", "there is no fused "
-                                     "weight-gradient kernel; gradients accumulate into the fp32 "
-                                     "main_grad buffers either way"),
     "masked_softmax_fusion": ("--no-masked-softmax-fusion", "no fused softmax kernel (SDPA)"),
     "bias_dropout_fusion": ("--no-bias-dropout-fusion", "no fused bias-dropout kernel"),
     "bias_swiglu_fusion": ("--no-bias-swiglu-fusion", "no fused bias-SwiGLU kernel"),

@@ -52,6 +52,9 @@ class ModelConfig:
         recompute_modules: what selective recompute recomputes (``core_attn``, ``act``,
             ``layernorm``, ``mlp``).
         seed: base seed of the layout-independent weight initialisation.
+        gradient_accumulation_fusion: weight gradients accumulate straight into the DDP
+            ``main_grad`` buffers (``--no-gradient-accumulation-fusion`` turns it off; see
+            :mod:`megatron.core.tensor_parallel.grad_accumulation`).
     """
 
     num_layers: int
@@ -78,6 +81,7 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[tuple] = None
     seed: int = 1234
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self):
         if self.recompute_modules is not None:

@@ -78,11 +78,11 @@ def test_megatron_llama_aliases(files):
 
 
 def test_ignored_flags_are_reported_once_each(files):
-    args = check(base_argv(files) + ["--use-flash-attn", "--no-gradient-accumulation-fusion",
+    args = check(base_argv(files) + ["--use-flash-attn", "--no-masked-softmax-fusion",
                                      "--data-impl", "mmap", "--use-cpu-initialization"])
     messages = report_ignored_flags(args)
     assert len(messages) == 4
-    for flag in ("--use-flash-attn", "--no-gradient-accumulation-fusion", "--data-impl",
+    for flag in ("--use-flash-attn", "--no-masked-softmax-fusion", "--data-impl",
                  "--use-cpu-initialization"):
         assert sum(m.startswith(flag + " has no effect here") for m in messages) == 1
     assert report_ignored_flags(check(base_argv(files))) == []

@@ -64,7 +64,8 @@ class SelfAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.attention_dropout = config.attention_dropout
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, device=device)
+                      params_dtype=config.params_dtype, device=device,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         blocks = [config.num_attention_heads * d, config.num_query_groups * d,
                   config.num_query_groups * d]
         with init_seed(config.seed, layer_number, "self_attention.query_key_value"):

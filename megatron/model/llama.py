@@ -8,14 +8,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.fused_cross_entropy import linear_cross_entropy
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
-                                                  linear_with_sequence_parallel)
+                                                  linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.model.attention import check_attention_config
 from megatron.model.initialization import init_method_normal, init_seed
@@ -100,7 +99,8 @@ class LlamaModel(torch.nn.Module):
                         config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
                         sequence_parallel=self.sequence_parallel,
                         init_method=init_method_normal(config.init_method_std),
-                        params_dtype=config.params_dtype, device=device)
+                        params_dtype=config.params_dtype, device=device,
+                        gradient_accumulation_fusion=config.gradient_accumulation_fusion)
             elif not pre_process:
                 self.word_embeddings_for_head = self._make_word_embeddings(device)
         if self.share_embeddings_and_output_weights and pre_process != post_process:
@@ -115,7 +115,8 @@ class LlamaModel(torch.nn.Module):
             return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
                                           init_method=init_method_normal(c.init_method_std),
                                           params_dtype=c.params_dtype, device=device,
-                                          reduce_scatter_embeddings=self.sequence_parallel)
+                                          reduce_scatter_embeddings=self.sequence_parallel,
+                                          gradient_accumulation_fusion=c.gradient_accumulation_fusion)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Give a non-first stage its input ``[s, b, h]`` (a list of one tensor is accepted, as
@@ -144,12 +145,13 @@ class LlamaModel(torch.nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.share_embeddings_and_output_weights:
             return self.output_layer(hidden)[0]
-        weight = self.shared_embedding_or_output_weight()
-        if self.sequence_parallel:
-            # forward: all-gather of the sequence; backward: reduce-scatter.
-            return linear_with_sequence_parallel(hidden, weight, None)
-        # forward: identity; backward: all-reduce over the tensor-parallel group.
-        return F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
+        if not self.sequence_parallel:
+            # forward: identity; backward: all-reduce over the tensor-parallel group.
+            hidden = copy_to_tensor_model_parallel_region(hidden)
+        # With sequence parallelism: all-gather of the sequence forward, reduce-scatter backward.
+        return linear_with_grad_accumulation(
+            hidden, self.shared_embedding_or_output_weight(), sequence_parallel=self.sequence_parallel,
+            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -207,8 +209,9 @@ class LlamaModel(torch.nn.Module):
         hidden = self.final_layernorm(hidden)
         if labels is not None and not self.sequence_parallel:
             # Output layer and loss fused: one fp32 [s*b, v/T] buffer instead of four.
-            loss = linear_cross_entropy(copy_to_tensor_model_parallel_region(hidden),
-                                        self._output_weight(), labels.t())
+            loss = linear_cross_entropy(
+                copy_to_tensor_model_parallel_region(hidden), self._output_weight(), labels.t(),
+                gradient_accumulation_fusion=self.config.gradient_accumulation_fusion)
             return loss.t().contiguous()
         logits = self._logits(hidden)
         if labels is None:

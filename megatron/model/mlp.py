@@ -45,7 +45,8 @@ class SwiGLUMLP(torch.nn.Module):
             raise ValueError(f"--ffn-hidden-size ({f}) must be divisible by "
                              f"--tensor-model-parallel-size ({tp})")
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, device=device)
+                      params_dtype=config.params_dtype, device=device,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         with init_seed(config.seed, layer_number, "mlp.dense_h_to_4h"):
             self.dense_h_to_4h = ColumnParallelLinear(
                 config.hidden_size, 2 * f, gather_output=False,

@@ -3,8 +3,10 @@
 After Megatron-Core's ``DistributedDataParallel``: every parameter gets ``param.main_grad``, a view
 into one contiguous buffer per dtype pair (fp32 by default); a post-accumulate-grad hook adds
 ``param.grad`` into ``main_grad`` and frees ``param.grad``, so gradients accumulate over micro-batches
-in the buffer (in fp32 for bf16 models). ``finish_grad_sync()`` all-reduces the buckets over the
-data-parallel group.
+in the buffer (in fp32 for bf16 models). Layers with gradient-accumulation fusion write their weight
+gradients into ``main_grad`` themselves and hand autograd a placeholder flagged
+``grad_added_to_main_grad``, which the hook drops (see ``tensor_parallel/grad_accumulation.py``).
+``finish_grad_sync()`` all-reduces the buckets over the data-parallel group.
 
 Averaging: each bucket is multiplied by ``1 / DP`` *before* a sum all-reduce (Megatron-Core's
 ``gradient_scaling_factor``), or reduced with ``ReduceOp.AVG`` when ``average_in_collective=True``
@@ -153,7 +155,11 @@ class DistributedDataParallel(torch.nn.Module):
             # post-accumulate hooks run once per backward after every use of the param (tied
             # weights included), so param.grad is the param's full gradient of this backward.
             if param.grad is not None:
-                param.main_grad.add_(param.grad)
+                if getattr(param, "grad_added_to_main_grad", False):
+                    # Gradient-accumulation fusion already wrote main_grad; .grad is a placeholder.
+                    param.grad_added_to_main_grad = False
+                else:
+                    param.main_grad.add_(param.grad)
                 param.grad = None
             if self.overlap_grad_reduce and self.is_last_microbatch:
                 self.launched_before_last_grad = sum(

@@ -4,7 +4,7 @@ See docs/architecture.md, "Tensor parallelism", for the contract.
 """
 
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                  VocabParallelEmbedding, linear_with_sequence_parallel)
+                                                  VocabParallelEmbedding, linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,

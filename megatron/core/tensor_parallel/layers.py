@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.tensor_parallel.grad_accumulation import (embedding_weight_grad,
+                                                           linear_weight_grad)
 from megatron.core.tensor_parallel.mappings import (
     all_gather_first_dim, copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
@@ -31,7 +33,7 @@ from megatron.core.tensor_parallel.utils import (
     set_tensor_model_parallel_attributes)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "param_is_not_tensor_parallel_duplicate", "linear_with_sequence_parallel"]
+           "param_is_not_tensor_parallel_duplicate", "linear_with_grad_accumulation"]
 
 
 def _master_partition(full_shape, partition_dim: int, init_method: Callable, world: int, rank: int,
@@ -73,20 +75,24 @@ def _zeros_param(size: int, params_dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(size, dtype=params_dtype, device=device))
 
 
-class _LinearWithSequenceParallelAllGather(torch.autograd.Function):
-    """``y = all_gather_s(x) @ W^T + b`` saving only the local ``x`` shard for backward.
+class _LinearWithGradAccumulation(torch.autograd.Function):
+    """``y = x W^T + b``, optionally all-gathering ``x`` along the sequence first, with the weight
+    gradient accumulated into ``W.main_grad`` (gradient-accumulation fusion).
 
-    Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with ``sequence_parallel``:
-    the gathered input is rebuilt in backward (a second all-gather) instead of being kept, so the
-    saved activation is ``[s/TP, b, in]``. Backward reduce-scatters the input gradient.
+    Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` (without the asynchronous
+    input-gradient all-reduce: ``copy_to_tensor_model_parallel_region`` does it before). With
+    ``sequence_parallel`` only the local ``x`` shard is saved and the gathered input is rebuilt in
+    backward (a second all-gather), so the saved activation is ``[s/TP, b, in]``; backward
+    reduce-scatters the input gradient.
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, group):
-        ctx.group = group
+    def forward(ctx, input_, weight, bias, gradient_accumulation_fusion, sequence_parallel, group):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.use_bias = bias is not None
         ctx.save_for_backward(input_, weight)
-        total_input = all_gather_first_dim(input_, group)
+        total_input = all_gather_first_dim(input_, group) if sequence_parallel else input_
         return F.linear(total_input, weight, bias)
 
     @staticmethod
@@ -94,26 +100,45 @@ class _LinearWithSequenceParallelAllGather(torch.autograd.Function):
         input_, weight = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_input = reduce_scatter_first_dim(grad_output.matmul(weight), ctx.group)
+            grad_input = grad_output.matmul(weight)
+            if ctx.sequence_parallel:
+                grad_input = reduce_scatter_first_dim(grad_input, ctx.group)
         if ctx.needs_input_grad[1] or (ctx.use_bias and ctx.needs_input_grad[2]):
             grad_2d = grad_output.reshape(-1, grad_output.size(-1))
             if ctx.needs_input_grad[1]:
-                total_input = all_gather_first_dim(input_, ctx.group)
-                grad_weight = grad_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))
+                total_input = (all_gather_first_dim(input_, ctx.group) if ctx.sequence_parallel
+                               else input_)
+                grad_weight = linear_weight_grad(weight, grad_2d,
+                                                 total_input.reshape(-1, total_input.size(-1)),
+                                                 ctx.gradient_accumulation_fusion)
             if ctx.use_bias and ctx.needs_input_grad[2]:
                 grad_bias = grad_2d.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def linear_with_sequence_parallel(input_: torch.Tensor, weight: torch.Tensor,
-                                  bias: Optional[torch.Tensor], group=None) -> torch.Tensor:
-    """All-gather ``input_ [s/TP, b, in]`` along the sequence, then ``F.linear``: ``[s, b, out_p]``.
+def linear_with_grad_accumulation(input_: torch.Tensor, weight: torch.Tensor,
+                                  bias: Optional[torch.Tensor] = None, *,
+                                  gradient_accumulation_fusion: bool = True,
+                                  sequence_parallel: bool = False, group=None) -> torch.Tensor:
+    """``F.linear(x, W, b)`` whose weight gradient goes straight into ``W.main_grad`` when the
+    weight has one (see :mod:`megatron.core.tensor_parallel.grad_accumulation`).
 
-    Forward: all-gather of the first dim; backward: reduce-scatter of the input gradient over the
-    tensor-parallel group. Only the local shard is saved for backward.
+    Args:
+        input_: ``[..., in]`` (``[s/TP, b, in]`` with ``sequence_parallel``).
+        weight: ``[out, in]``; bias: ``[out]`` or None.
+        gradient_accumulation_fusion: accumulate ``dY^T X`` into ``weight.main_grad`` in backward.
+        sequence_parallel: all-gather ``input_`` along its first dim over the tensor-parallel
+            group in forward (only the local shard is saved); reduce-scatter the input gradient in
+            backward. Ignored in a group of one.
+        group: tensor-parallel group (None: the registry's).
+
+    Returns:
+        ``[..., out]`` (``[s, b, out]`` with ``sequence_parallel``).
     """
-    return _LinearWithSequenceParallelAllGather.apply(input_, weight, bias,
-                                                      resolve_tensor_parallel_group(group))
+    group = resolve_tensor_parallel_group(group)
+    sequence_parallel = sequence_parallel and group_world_size(group) > 1
+    return _LinearWithGradAccumulation.apply(input_, weight, bias, gradient_accumulation_fusion,
+                                             sequence_parallel, group)
 
 
 class ColumnParallelLinear(_GroupMixin, nn.Module):
@@ -131,6 +156,9 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
         params_dtype: dtype of the weight and bias.
         device: device of the weight and bias (default CPU).
         group: tensor-parallel group (None: the registry's).
+        gradient_accumulation_fusion: accumulate the weight gradient straight into
+            ``weight.main_grad`` when it has one (``--no-gradient-accumulation-fusion`` turns it
+            off; see :mod:`megatron.core.tensor_parallel.grad_accumulation`).
 
     Weight ``[out/TP, in]``; ``forward(x [s, b, in]) -> (out [s, b, out/TP], bias or None)``
     (``[s, b, out]`` with ``gather_output``); any leading dims work without sequence parallelism.
@@ -143,7 +171,7 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
     def __init__(self, input_size: int, output_size: int, *, init_method: Callable, bias: bool = True,
                  gather_output: bool = False, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device=None, group=None):
+                 device=None, group=None, gradient_accumulation_fusion: bool = True):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
@@ -154,6 +182,7 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
         self.output_size_per_partition = divide(output_size, world, "ColumnParallelLinear output_size")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and world > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.weight = _master_partition((output_size, input_size), 0, init_method, world, rank,
                                         params_dtype, device, "ColumnParallelLinear output_size")
         if bias:
@@ -164,10 +193,11 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
-            output = linear_with_sequence_parallel(input_, self.weight, bias, self.group)
-        else:
-            output = F.linear(copy_to_tensor_model_parallel_region(input_, self.group), self.weight, bias)
+        if not self.sequence_parallel:
+            input_ = copy_to_tensor_model_parallel_region(input_, self.group)
+        output = linear_with_grad_accumulation(
+            input_, self.weight, bias, sequence_parallel=self.sequence_parallel, group=self.group,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.group)
         return output, (self.bias if self.skip_bias_add else None)
@@ -191,7 +221,7 @@ class RowParallelLinear(_GroupMixin, nn.Module):
         sequence_parallel: reduce-scatter the output along the sequence (``[s/TP, b, out]``)
             instead of all-reducing it; the bias then carries ``sequence_parallel=True`` (its
             gradient must be all-reduced over the tensor-parallel group, as for norm weights).
-        params_dtype, device, group: as :class:`ColumnParallelLinear`.
+        params_dtype, device, group, gradient_accumulation_fusion: as :class:`ColumnParallelLinear`.
 
     Weight ``[out, in/TP]``; ``forward(x [s, b, in/TP]) -> (out [s, b, out], bias or None)``
     (``[s/TP, b, out]`` with ``sequence_parallel``).
@@ -204,7 +234,7 @@ class RowParallelLinear(_GroupMixin, nn.Module):
     def __init__(self, input_size: int, output_size: int, *, init_method: Callable, bias: bool = True,
                  input_is_parallel: bool = True, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device=None, group=None):
+                 device=None, group=None, gradient_accumulation_fusion: bool = True):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
@@ -214,6 +244,7 @@ class RowParallelLinear(_GroupMixin, nn.Module):
         self.input_size_per_partition = divide(input_size, world, "RowParallelLinear input_size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel and world > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.weight = _master_partition((output_size, input_size), 1, init_method, world, rank,
                                         params_dtype, device, "RowParallelLinear input_size")
         if bias:
@@ -226,7 +257,8 @@ class RowParallelLinear(_GroupMixin, nn.Module):
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.group)
-        output_parallel = F.linear(input_, self.weight)
+        output_parallel = linear_with_grad_accumulation(
+            input_, self.weight, gradient_accumulation_fusion=self.gradient_accumulation_fusion)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.group)
         else:
@@ -243,6 +275,26 @@ class RowParallelLinear(_GroupMixin, nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+class _Embedding(torch.autograd.Function):
+    """``W[ids]`` (``F.embedding``) whose backward adds rows into ``W.main_grad`` when fused."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, gradient_accumulation_fusion):
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ids, weight = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = embedding_weight_grad(weight, ids.reshape(-1),
+                                                grad_output.reshape(-1, grad_output.size(-1)),
+                                                ctx.gradient_accumulation_fusion)
+        return None, grad_weight, None
+
+
 class VocabParallelEmbedding(_GroupMixin, nn.Module):
     """Embedding table partitioned along the vocabulary: rank r holds rows
     ``[r * v/TP, (r+1) * v/TP)``.
@@ -257,7 +309,8 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
         num_embeddings: v, the padded vocabulary size (divisible by TP).
         embedding_dim: h.
         init_method: called on the full fp32 master weight ``[v, h]``.
-        params_dtype, device, group: as :class:`ColumnParallelLinear`.
+        params_dtype, device, group, gradient_accumulation_fusion: as :class:`ColumnParallelLinear`
+            (the embedding's backward then adds its rows into ``main_grad`` with ``index_add_``).
         reduce_scatter_embeddings: return ``[s/TP, b, h]`` (see above); ids must be ``[b, s]``
             with s divisible by TP.
 
@@ -270,13 +323,14 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
                  params_dtype: torch.dtype = torch.float32, device=None, group=None,
-                 reduce_scatter_embeddings: bool = False):
+                 reduce_scatter_embeddings: bool = False, gradient_accumulation_fusion: bool = True):
         super().__init__()
         self._set_group(resolve_tensor_parallel_group(group))
         world, rank = group_world_size(self.group), group_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
         self.tensor_model_parallel_size = world
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         per_partition = divide(num_embeddings, world, "VocabParallelEmbedding num_embeddings (pad the "
                                "vocabulary with --make-vocab-size-divisible-by)")
         self.vocab_start_index, self.vocab_end_index = \
@@ -287,10 +341,10 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tensor_model_parallel_size == 1:
-            return F.embedding(input_, self.weight)
+            return _Embedding.apply(input_, self.weight, self.gradient_accumulation_fusion)
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         masked_input = (input_ - self.vocab_start_index).masked_fill(input_mask, 0)
-        output_parallel = F.embedding(masked_input, self.weight)
+        output_parallel = _Embedding.apply(masked_input, self.weight, self.gradient_accumulation_fusion)
         output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             output_parallel = output_parallel.transpose(0, 1).contiguous()

@@ -1,0 +1,83 @@
+"""Gradient-accumulation fusion: weight gradients written straight into ``param.main_grad``.
+
+Megatron-LM's ``--gradient-accumulation-fusion`` (on by default; ``--no-gradient-accumulation-
+fusion`` turns it off): instead of autograd materialising a weight gradient ``dW = dY^T X`` that
+the data-parallel hook then adds into the fp32 ``main_grad`` buffer, the backward of a linear
+layer accumulates the product into ``main_grad`` itself (``main_grad.addmm_(dY^T, X)``: the GEMM's
+``beta = 1`` does the addition), and the embedding's backward adds its rows into ``main_grad``
+with ``index_add_`` instead of building a dense, zero-filled ``[v, h]`` gradient. That saves one
+weight-sized allocation (fresh pages on a CPU), one fill and one add pass per weight and micro-batch.
+
+Contract with :class:`megatron.core.distributed.DistributedDataParallel` (Megatron-Core's): the
+backward returns an *uninitialised* placeholder of the weight's shape as the weight's gradient,
+so that autograd still runs the parameter's post-accumulate-grad hook (bucket readiness for
+``--overlap-grad-reduce``), and sets ``weight.grad_added_to_main_grad = True``; the hook then drops
+the placeholder instead of adding it. Fusion applies only where it is safe: the weight has a
+``main_grad`` (it is wrapped by DDP) and no ``.grad`` yet (autograd would add the placeholder into
+an existing ``.grad``). Every use of a weight in a backward must take the same path, which the
+model guarantees by passing one flag to all its layers.
+
+bf16/fp16 weights with fp32 ``main_grad``: the product is computed in the weight's dtype and added
+in fp32, as without fusion (torch has no mixed-dtype GEMM on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fuses_into_main_grad", "linear_weight_grad", "embedding_weight_grad"]
+
+
+def fuses_into_main_grad(weight: torch.Tensor, enabled: bool) -> bool:
+    """True when ``weight``'s gradient can be accumulated into ``weight.main_grad`` directly."""
+    return (enabled and weight.requires_grad and getattr(weight, "main_grad", None) is not None
+            and weight.grad is None)
+
+
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)  # never read: the DDP hook drops it
+
+
+def linear_weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor,
+                       enabled: bool) -> torch.Tensor:
+    """The gradient of ``y = x W^T`` with respect to ``W`` ``[out, in]``, or its placeholder.
+
+    Args:
+        weight: ``W [out, in]``.
+        grad_output: ``dY [N, out]`` (2-D, tokens flattened), the dtype of ``input_``.
+        input_: ``X [N, in]`` (2-D).
+        enabled: gradient-accumulation fusion switched on.
+
+    Returns:
+        ``dY^T X [out, in]``; or, when fused (see :func:`fuses_into_main_grad`), an uninitialised
+        placeholder after ``weight.main_grad += dY^T X``.
+    """
+    if not fuses_into_main_grad(weight, enabled):
+        return grad_output.t().mm(input_)
+    main_grad = weight.main_grad
+    if main_grad.dtype == grad_output.dtype:
+        main_grad.addmm_(grad_output.t(), input_)
+    else:
+        main_grad.add_(grad_output.t().mm(input_))
+    return _placeholder(weight)
+
+
+def embedding_weight_grad(weight: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor,
+                          enabled: bool) -> torch.Tensor:
+    """The gradient of ``y = W[ids]`` with respect to ``W`` ``[v, h]``, or its placeholder.
+
+    Args:
+        weight: ``W [v, h]``.
+        ids: ``[N]`` int64 row indices in ``[0, v)`` (the same index may repeat).
+        grad_output: ``dY [N, h]``.
+        enabled: gradient-accumulation fusion switched on.
+
+    Returns:
+        The dense ``[v, h]`` gradient (rows of ``dY`` summed per index); or, when fused, an
+        uninitialised placeholder after ``weight.main_grad.index_add_(0, ids, dY)``.
+    """
+    if not fuses_into_main_grad(weight, enabled):
+        return weight.new_zeros(weight.shape).index_add_(0, ids, grad_output.to(weight.dtype))
+    weight.main_grad.index_add_(0, ids, grad_output.to(weight.main_grad.dtype))
+    return _placeholder(weight)

@@ -70,17 +70,18 @@ def _layer_bytes(config, tp, sp, setting):
     """Bytes per layer and micro-batch (fp32) of ``setting`` on one TP rank, by formula.
 
     Per token, in elements: the replicated part (outside the tensor-parallel blocks; divided by
-    TP with sequence parallelism) is the layer input x, each norm's 1/rms, normalised value and
-    output, and the residual sum h1: ``6h + 2``. The attention core keeps q, k and v after
-    RoPE and GQA expansion, the SDPA output (the dense layer's input is a view of it) and the
-    log-sum-exp: ``4 (n/T) d + n/T``. The MLP keeps gate_up, silu(gate) and their product:
+    TP with sequence parallelism) is the layer input x, each norm's 1/rms and output, and the
+    residual sum h1: ``4h + 2`` (the norms keep their inputs, x and h1, and recompute the
+    normalised value). The attention core keeps q and k after RoPE, v (g heads: SDPA shares
+    them among the query heads, nothing is repeated), the SDPA output (the dense layer's input
+    is a view of it) and the log-sum-exp: ``(2 n/T + 2 g/T) d + n/T``. The MLP keeps gate_up, silu(gate) and their product:
     ``4 f/T``. Selective recompute keeps only x, qkv, h1 and gate_up; full recompute only x.
     """
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     n, g = config.num_attention_heads // tp, config.num_query_groups // tp
     s_outside = S // tp if sp else S  # sequence length of the replicated tensors
     qkv = (n + 2 * g) * d
-    outside, core, mlp = 6 * h + 2, 4 * n * d + n, 4 * f // tp
+    outside, core, mlp = 4 * h + 2, (2 * n + 2 * g) * d + n, 4 * f // tp
     if setting == "none":
         elems = s_outside * outside + S * (core + mlp)
     elif setting == "selective":
@@ -145,7 +146,7 @@ def test_activation_bytes_tp2_with_and_without_sequence_parallel():
         assert without[name] == _layer_bytes(config, tp, False, name), name
         assert with_sp[name] == _layer_bytes(config, tp, True, name), name
     # Sequence parallelism divides the bytes outside the attention/MLP blocks by TP.
-    outside = 4 * S * B * (6 * config.hidden_size + 2)
+    outside = 4 * S * B * (4 * config.hidden_size + 2)
     assert without["none"] - with_sp["none"] == outside - outside // tp
     assert with_sp["full"] * tp == without["full"]
 

@@ -119,22 +119,23 @@ class SelfAttention(torch.nn.Module):
         q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
         q = apply_rotary_pos_emb(q.view(s, b, n, d), cos, sin)
         k = apply_rotary_pos_emb(k.view(s, b, g, d), cos, sin)
-        v = v.view(s, b, g, d)
+        # A copy: kept by SDPA for backward, a view would keep the whole QKV output alive.
+        v = v.contiguous().view(s, b, g, d)
         if inference_params is not None:
             k, v = inference_params.append_kv(self.layer_number, k, v)
             attention_mask = inference_params.attention_mask(s, q.device)
-        # SDPA wants [b, heads, s, d].
+        # SDPA wants [b, heads, s, d]; it shares each key/value head among n/g query heads itself
+        # (enable_gqa), so no repeated copies of k and v are made or kept for backward.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if g != n:
-            k = k.repeat_interleave(n // g, dim=1)
-            v = v.repeat_interleave(n // g, dim=1)
+        gqa = g != n
         dropout_p = self.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
         if dropout_p > 0.0:
             # Heads differ per tensor-parallel rank, so their dropout masks must too.
             with get_rng_tracker().fork():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                     is_causal=mask is None)
+                                                     is_causal=mask is None, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)

@@ -91,16 +91,44 @@ class RotaryEmbedding(torch.nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """``[x1 c - sign x2 s, x2 c + sign x1 s]`` for the halves ``x1, x2`` of the last dim, written
+    into one new contiguous tensor (no ``rotate_half`` copy, no concatenation)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x1, x2, o1, o2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-sign)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin, value=sign)
+    return out
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin``: four element-wise passes forward and backward (the
+    composite takes eight, plus a concatenation) and nothing kept but views of the fp32 tables.
+    The rotation is orthogonal, so the input gradient is the gradient rotated back (``-sin``)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        half = x.shape[-1] // 2
+        # The tables repeat their first half (cat((freqs, freqs))): one half is the whole table.
+        cos, sin = cos[..., :half], sin[..., :half]
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos.to(x.dtype), sin.to(x.dtype), 1.0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        cos, sin = ctx.saved_tensors
+        dtype = grad_output.dtype
+        return _rotate(grad_output, cos.to(dtype), sin.to(dtype), -1.0), None, None
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [s, b, n, d]`` by the angles of ``cos``/``sin [s, b, 1, d]`` (fp32).
+    """Rotate ``x [s, b, n, d]`` by the angles of ``cos``/``sin [s, b, 1, d]`` (fp32, as
+    :class:`RotaryEmbedding` returns them: both halves of the last dim equal).
 
-    Returns ``[s, b, n, d]`` in ``x``'s dtype; the tables are cast to that dtype first.
+    Returns a new contiguous ``[s, b, n, d]`` in ``x``'s dtype; the tables are cast to that dtype
+    first, as HuggingFace's ``apply_rotary_pos_emb`` does.
     """
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    return _RotaryFunction.apply(x, cos, sin)

@@ -98,13 +98,12 @@ def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch
 
     Korthikanti et al.'s ``sbh(34 + 5as/h)`` term by term, for our layer (element size e):
 
-    * each RMSNorm: its input in fp32 (``4sbh``: a copy in bf16, the residual stream itself in
-      fp32), fp32 ``1/rms`` (``4sb``), the normalised value (``e sbh``, kept for the weight
-      gradient), and its output, the next linear's input (``e sbh``);
-    * attention (GQA, n != g): rotated queries, keys and values repeated to n heads, the output
-      (``4 e sbnd / t``) plus an fp32 log-sum-exp per head and token (``4bns / t``); for MHA
-      (n == g) the keys are the rotated ``k`` and the values a view of the QKV output
-      (``e sb(4n + 2g)d / t``); bf16 casts of the rotary tables (``4 e sbd``) when e != 4;
+    * each RMSNorm: its input (``e sbh``: the layer input, or the residual after attention),
+      fp32 ``1/rms`` (``4sb``) and its output, the next linear's input (``e sbh``); the
+      normalised value is recomputed in backward;
+    * attention: rotated queries (n heads) and keys (g heads), the values (g heads: SDPA shares
+      each among n/g query heads, nothing is repeated), the output (``e sb(2n + 2g)d / t``) plus
+      an fp32 log-sum-exp per head and token (``4bns / t``);
     * SwiGLU: the fused gate/up output (``2 e sbf / t``), ``silu(gate)`` and the product
       (``2 e sbf / t``);
     * dropout masks (1 byte per element, two of ``sbh``) only when ``hidden_dropout > 0``.
@@ -137,9 +136,8 @@ def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch
         return int(e * sbh)
     if recompute == "selective":
         return int(2 * e * sbh + e * s * b * (n + 2 * g) * d + 2 * e * s * b * f // t + dropout)
-    norms = 2 * (4 * sbh + 4 * sb + 2 * e * sbh)
-    heads = 4 * n if g != n else 4 * n + 2 * g
-    attention = e * s * b * heads * d + 4 * b * n * s + (4 * e * s * b * d if e != 4 else 0)
+    norms = 2 * (2 * e * sbh + 4 * sb)
+    attention = e * s * b * (2 * n + 2 * g) * d + 4 * b * n * s
     mlp = 4 * e * s * b * f // t
     return int(norms + attention + mlp + dropout)
 
@@ -181,7 +179,7 @@ def head_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_size
     """Last stage: the final RMSNorm (as in a layer), the vocab-parallel cross entropy's fp32
     softmax ``4sbv/t`` and its target mask and ids (``9sb``)."""
     s, b, e, h = seq_length, micro_batch_size, dtype_bytes, config.hidden_size
-    norm = 4 * s * b * h + 4 * s * b + 2 * e * s * b * h
+    norm = 2 * e * s * b * h + 4 * s * b
     return int(norm + 4 * s * b * config.padded_vocab_size // tp + 9 * s * b)
 
 

@@ -129,6 +129,11 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     :class:`RotaryEmbedding` returns them: both halves of the last dim equal).
 
     Returns a new contiguous ``[s, b, n, d]`` in ``x``'s dtype; the tables are cast to that dtype
-    first, as HuggingFace's ``apply_rotary_pos_emb`` does.
+    first, as HuggingFace's ``apply_rotary_pos_emb`` does. Under ``torch.compile`` the plain
+    expression is traced instead (the compiler fuses it by itself).
     """
+    if torch.compiler.is_compiling():
+        half = x.shape[-1] // 2
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
     return _RotaryFunction.apply(x, cos, sin)

@@ -74,14 +74,15 @@ def _layer_bytes(config, tp, sp, setting):
     residual sum h1: ``4h + 2`` (the norms keep their inputs, x and h1, and recompute the
     normalised value). The attention core keeps q and k after RoPE, v (g heads: SDPA shares
     them among the query heads, nothing is repeated), the SDPA output (the dense layer's input
-    is a view of it) and the log-sum-exp: ``(2 n/T + 2 g/T) d + n/T``. The MLP keeps gate_up, silu(gate) and their product:
-    ``4 f/T``. Selective recompute keeps only x, qkv, h1 and gate_up; full recompute only x.
+    is a view of it) and the log-sum-exp: ``(2 n/T + 2 g/T) d + n/T``. The MLP keeps gate_up
+    and the product silu(gate) * up (silu(gate) is recomputed in backward): ``3 f/T``.
+    Selective recompute keeps only x, qkv, h1 and gate_up; full recompute only x.
     """
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     n, g = config.num_attention_heads // tp, config.num_query_groups // tp
     s_outside = S // tp if sp else S  # sequence length of the replicated tensors
     qkv = (n + 2 * g) * d
-    outside, core, mlp = 4 * h + 2, (2 * n + 2 * g) * d + n, 4 * f // tp
+    outside, core, mlp = 4 * h + 2, (2 * n + 2 * g) * d + n, 3 * f // tp
     if setting == "none":
         elems = s_outside * outside + S * (core + mlp)
     elif setting == "selective":

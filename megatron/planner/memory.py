@@ -104,8 +104,8 @@ def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch
     * attention: rotated queries (n heads) and keys (g heads), the values (g heads: SDPA shares
       each among n/g query heads, nothing is repeated), the output (``e sb(2n + 2g)d / t``) plus
       an fp32 log-sum-exp per head and token (``4bns / t``);
-    * SwiGLU: the fused gate/up output (``2 e sbf / t``), ``silu(gate)`` and the product
-      (``2 e sbf / t``);
+    * SwiGLU: the fused gate/up output (``2 e sbf / t``) and the product ``silu(gate) * up``
+      (``e sbf / t``; ``silu(gate)`` is recomputed in backward);
     * dropout masks (1 byte per element, two of ``sbh``) only when ``hidden_dropout > 0``.
 
     Sequence parallelism divides the ``sbh`` terms by t (column linears keep the un-gathered
@@ -138,7 +138,7 @@ def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch
         return int(2 * e * sbh + e * s * b * (n + 2 * g) * d + 2 * e * s * b * f // t + dropout)
     norms = 2 * (2 * e * sbh + 4 * sb)
     attention = e * s * b * (2 * n + 2 * g) * d + 4 * b * n * s
-    mlp = 4 * e * s * b * f // t
+    mlp = 3 * e * s * b * f // t
     return int(norms + attention + mlp + dropout)
 
 

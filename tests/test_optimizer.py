@@ -175,3 +175,33 @@ def test_bf16_reload_model_params_and_bad_config():
         OptimizerConfig()
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
         get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [net])
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("clip", [0.0, CLIP], ids=["no-clip", "clip"])
+def test_a_nonfinite_gradient_skips_the_step(clip, bf16):
+    """One inf in one gradient (the loss finite) skips the step and leaves every parameter and
+    the Adam state untouched: found by the sum check without clipping, by the gradient norm
+    (no separate pass) with it; the next finite step then runs."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = Net().to(torch.bfloat16) if bf16 else Net()
+    ddp = DistributedDataParallel(net, data_parallel_group=None)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=clip, bf16=bf16), [ddp])
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    x, y = _data(4)
+    for poison in (True, False):
+        ddp.zero_grad_buffer()
+        torch.nn.functional.mse_loss(ddp(x.to(net.fc.weight.dtype)).float(), y).backward()
+        if poison:
+            net.fc.weight.main_grad[0, 0] = float("inf")
+        ok, norm, _ = opt.step()
+        if poison:
+            assert not ok and (norm is None if clip == 0 else norm == float("inf"))
+            for n, p in net.named_parameters():
+                assert torch.equal(p, before[n]), n
+            assert not opt.state  # no Adam state was created
+        else:
+            assert ok and (norm is None) == (clip == 0)
+            assert not torch.equal(net.fc.weight, before["fc.weight"])

@@ -17,6 +17,7 @@ gradient, or the loss flagged through ``nonfinite_loss``, is inf/NaN on any rank
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -149,10 +150,12 @@ class MegatronOptimizer:
                                   model_parallel_group=_model_parallel_group())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip all main grads to the global norm ``clip_grad``; return the norm before clipping."""
+        """Clip all main grads to the global norm ``clip_grad``; return the norm before clipping
+        (an inf/NaN norm is returned with the gradients left as they are)."""
         total = self.get_grad_norm()
-        grads = [g for g in (param_grad(p) for p in self.get_parameters()) if g is not None]
-        clip_grads_by_total_norm(grads, clip_grad, total)
+        if math.isfinite(total):
+            grads = [g for g in (param_grad(p) for p in self.get_parameters()) if g is not None]
+            clip_grads_by_total_norm(grads, clip_grad, total)
         return total
 
     def count_zeros(self) -> int:
@@ -175,9 +178,17 @@ class MegatronOptimizer:
     def state(self):
         return self.optimizer.state
 
+    def _norm_checks_grads(self) -> bool:
+        """True when the step's gradient norm (clipping on, no loss scaler) tells whether a
+        gradient is inf/NaN: the norm is then non-finite, and no separate pass over the
+        gradients is needed (an fp32 sum of squares overflowing, at gradients above 1e19, counts
+        as non-finite too)."""
+        return self.grad_scaler is None and self.config.clip_grad > 0
+
     def _found_nonfinite(self, grads: List[torch.Tensor], inv_scale=None) -> bool:
         """Unscale ``grads`` in place (when ``inv_scale`` is given) and tell whether any of them, or
-        the loss of any rank (``nonfinite_loss``), is inf/NaN.
+        the loss of any rank (``nonfinite_loss``), is inf/NaN. The gradients themselves are left
+        to the norm when :meth:`_norm_checks_grads`.
 
         Collective: all-reduce (max) of the flag over the model-parallel group, and over the
         data-parallel group when the main grads are DP shards (distributed optimizer).
@@ -187,7 +198,7 @@ class MegatronOptimizer:
         self.nonfinite_loss = False
         if inv_scale is not None and grads:
             torch._foreach_mul_(grads, inv_scale.to(device))
-        if grads:
+        if grads and not self._norm_checks_grads():
             # A sum is inf/NaN iff an element is (or the sum overflows fp32, i.e. the gradient is
             # past any useful range): one read pass, where isfinite().any() makes five.
             sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
@@ -198,11 +209,18 @@ class MegatronOptimizer:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
 
-    def _clip_count_and_step(self) -> Tuple[Optional[float], Optional[int]]:
-        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0 else None
+    def _clip_count_and_step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """Clip, count zeros and step; ``(stepped, grad_norm, num_zeros)``. Nothing is stepped
+        (``stepped`` False) when the gradient norm is inf/NaN (see :meth:`_norm_checks_grads`);
+        the norm is identical on every rank, so every rank skips alike."""
+        grad_norm = None
+        if self.config.clip_grad > 0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+            if not math.isfinite(grad_norm):
+                return False, grad_norm, None
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()
-        return grad_norm, num_zeros
+        return True, grad_norm, num_zeros
 
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""
@@ -227,7 +245,8 @@ class FP32Optimizer(MegatronOptimizer):
             self.grad_scaler.update(found_inf)
         grad_norm = num_zeros = None
         if not found_inf:
-            grad_norm, num_zeros = self._clip_count_and_step()
+            stepped, grad_norm, num_zeros = self._clip_count_and_step()
+            found_inf = not stepped
         for p in params:
             if getattr(p, "main_grad", None) is not None:
                 # Drop the alias, or the next backward would accumulate into main_grad twice.
@@ -266,9 +285,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             self.grad_scaler.update(found_inf)
         if found_inf:
             return False, None, None
-        grad_norm, num_zeros = self._clip_count_and_step()
-        self._copy_main_params_to_model_params()
-        return True, grad_norm, num_zeros
+        stepped, grad_norm, num_zeros = self._clip_count_and_step()
+        if stepped:
+            self._copy_main_params_to_model_params()
+        return stepped, grad_norm, num_zeros
 
 
 class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):

@@ -146,12 +146,19 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 # Public API -----------------------------------------------------------------------------------
 
+def _apply(function, input_: torch.Tensor, group, *extra) -> torch.Tensor:
+    group = resolve_tensor_parallel_group(group)
+    if group_world_size(group) == 1:
+        return input_  # the identity: no autograd node, no Python call in backward
+    return function.apply(input_, group, *extra)
+
+
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """f. Forward: identity; backward: all-reduce (sum) over the tensor-parallel group.
 
     Any shape and dtype; returns the same shape.
     """
-    return _CopyToModelParallelRegion.apply(input_, resolve_tensor_parallel_group(group))
+    return _apply(_CopyToModelParallelRegion, input_, group)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
@@ -159,7 +166,7 @@ def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -
 
     Any shape and dtype; returns a new tensor of the same shape (the input is not modified).
     """
-    return _ReduceFromModelParallelRegion.apply(input_, resolve_tensor_parallel_group(group))
+    return _apply(_ReduceFromModelParallelRegion, input_, group)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
@@ -169,13 +176,13 @@ def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) ->
     Raises:
         ValueError: if the last dimension is not divisible by TP.
     """
-    return _ScatterToModelParallelRegion.apply(input_, resolve_tensor_parallel_group(group))
+    return _apply(_ScatterToModelParallelRegion, input_, group)
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: all-gather the last dim over the tensor-parallel group (``[..., n/TP] ->
     [..., n]``, rank order); backward: keep this rank's chunk."""
-    return _GatherFromModelParallelRegion.apply(input_, resolve_tensor_parallel_group(group))
+    return _apply(_GatherFromModelParallelRegion, input_, group)
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
@@ -185,7 +192,7 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> tor
     Raises:
         ValueError: if the first dimension is not divisible by TP.
     """
-    return _ScatterToSequenceParallelRegion.apply(input_, resolve_tensor_parallel_group(group))
+    return _apply(_ScatterToSequenceParallelRegion, input_, group)
 
 
 def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_output_grad: bool = True,
@@ -194,7 +201,7 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_o
     [s, b, h]``); backward: reduce-scatter the first dim when ``tensor_parallel_output_grad``
     (the consumer is a tensor-parallel layer, each rank holds a partial gradient), otherwise keep
     this rank's chunk (the consumer is replicated, gradients are already equal)."""
-    return _GatherFromSequenceParallelRegion.apply(input_, resolve_tensor_parallel_group(group),
+    return _apply(_GatherFromSequenceParallelRegion, input_, group,
                                                    tensor_parallel_output_grad)
 
 
@@ -205,7 +212,7 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None)
     Raises:
         ValueError: if the first dimension is not divisible by TP.
     """
-    return _ReduceScatterToSequenceParallelRegion.apply(input_, resolve_tensor_parallel_group(group))
+    return _apply(_ReduceScatterToSequenceParallelRegion, input_, group)
 
 
 def all_gather_first_dim(input_: torch.Tensor, group=None) -> torch.Tensor:

@@ -87,8 +87,11 @@ def run_script(name: str, quick: bool) -> list:
 
 def run_benchmark(name: str, quick: bool) -> list:
     module = importlib.import_module(f"benchmarks.{name}")
-    if hasattr(module, "run"):
-        return module.run(quick=quick)
+    run = getattr(module, "run", None)
+    # The module's own run(quick); a ``run`` it merely imports (preprocess.py imports the
+    # preprocessor's) does not count.
+    if callable(run) and getattr(run, "__module__", None) == module.__name__:
+        return run(quick=quick)
     return run_script(name, quick)
 
 

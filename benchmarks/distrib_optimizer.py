@@ -156,14 +156,42 @@ def _report(res):
         print(f"  {name:<30} {t * 1e3:8.1f} ms   {launched:>10}   {in_flight:>10}")
 
 
+def _measure(quick: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), quick, out), nprocs=DP, join=True)
+        return torch.load(out, weights_only=True)
+
+
+def rows_of(res: dict) -> list:
+    """Table rows for ``benchmarks/run_all.py``: MB sent per rank (measured vs the formula
+    ``2 Psi_pad (N-1)/N``), state MB per rank (measured vs ``8 Psi + 8 Psi_pad / N``), times."""
+    n, psi, pad = DP, res["psi"], res["psi_pad"]
+    rows = []
+    for m, t in res["traffic"].items():
+        sent = (t["reduce_scatter"] + t["all_gather"]) * (n - 1) // n
+        rows.append({"benchmark": "distrib_optimizer", "case": f"MB sent/rank, {m} micro-batches",
+                     "measured": sent * 4 / 1e6, "theory": 2 * pad * (n - 1) // n * 4 / 1e6})
+    for name, mem, theory in (("plain DP + AdamW", res["mem_plain"], 16 * psi),
+                              ("distributed optimizer", res["mem_ours"], 8 * psi + 8 * pad / n)):
+        rows.append({"benchmark": "distrib_optimizer", "case": f"state MB/rank, {name}",
+                     "measured": sum(mem.values()) / 1e6, "theory": theory / 1e6})
+    for name, (t, _, _) in res["time"].items():
+        rows.append({"benchmark": "distrib_optimizer", "case": f"iteration, {name}",
+                     "ms/step": t * 1e3})
+    return rows
+
+
+def run(quick: bool = False) -> list:
+    """Rows for ``benchmarks/run_all.py`` (DP = 2 processes)."""
+    return rows_of(_measure(quick))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), args.quick, out), nprocs=DP, join=True)
-        _report(torch.load(out, weights_only=True))
+    _report(_measure(args.quick))
 
 
 if __name__ == "__main__":

@@ -55,10 +55,20 @@ def _parse_preprocess(out: str) -> list:
         m = re.match(r"^(\w+): [\d,]+ documents", line)
         if m:
             shape = m.group(1)
-        m = re.match(rf"^(.{{40}}) {_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}%", line)
+        m = re.match(rf"^(.{{40}})\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}%", line)
         if m and shape:
             rows.append({"benchmark": "preprocess", "case": f"{shape}: {m.group(1).strip()}",
                          "tokens/s": _num(m.group(4)), "ratio": _num(m.group(7)) / 100})
+    return rows
+
+
+def _parse_convert(out: str) -> list:
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("{") and '"conversion"' in line:
+            r = json.loads(line)
+            rows.append({"benchmark": "convert", "case": r["conversion"], "seconds": r["seconds"],
+                         "peak GiB": r["peak_anon_GiB"], "theory": r["model_GiB"]})
     return rows
 
 
@@ -66,6 +76,8 @@ def _parse_preprocess(out: str) -> list:
 ADAPTERS = {
     "train_step": (["--rounds", "5", "--steps", "1"], [], _parse_train_step),
     "preprocess": (["--repeats", "1"], [], _parse_preprocess),
+    "convert": (["--layers", "2", "--hidden", "256", "--ffn", "688", "--heads", "4",
+                 "--groups", "2", "--vocab", "1024"], [], _parse_convert),
 }
 SKIP = {"run_all", "__init__", "gemm_ceiling"}  # gemm_ceiling: a helper of train_step
 
@@ -95,8 +107,10 @@ def run_benchmark(name: str, quick: bool) -> list:
     return run_script(name, quick)
 
 
+# "measured" / "theory": a quantity beside its formula (bubble fraction, MB sent, state MB);
+# convert's "theory" is the model's size, "peak GiB" the conversion's peak anonymous memory.
 NUMERIC_COLUMNS = ("tokens/s", "TFLOP/s", "MFU", "reference tokens/s", "ratio", "of ceiling", "ms/step",
-                   "seconds")
+                   "measured", "theory", "peak GiB", "seconds")
 
 
 def format_table(rows: list, previous: dict | None = None) -> str:
@@ -110,7 +124,9 @@ def format_table(rows: list, previous: dict | None = None) -> str:
         old = (previous or {}).get((r["benchmark"], str(r["case"])), {})
         for c in columns:
             v = r.get(c)
-            cell = "" if not isinstance(v, (int, float)) else (f"{v:.1%}" if c in ("MFU", "of ceiling") else f"{v:,.3g}")
+            cell = "" if not isinstance(v, (int, float)) else (
+                f"{v:.1%}" if c in ("MFU", "of ceiling") else f"{v:,.0f}" if abs(v) >= 1000
+                else f"{v:.3g}")
             if isinstance(v, (int, float)) and isinstance(old.get(c), (int, float)) and old[c]:
                 cell += f" ({v / old[c]:.2f}x)"
             line += f"{cell:>20}"

@@ -107,3 +107,29 @@ def test_fused_tp2_equals_tp1():
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dh, ref_dh, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw, ref_dw.chunk(2)[rank], rtol=1e-5, atol=1e-5)
+
+
+def _tp2_fp16_big_vocab():
+    ps.initialize_model_parallel(2, 1)
+    rank = ps.get_tensor_model_parallel_rank()
+    torch.manual_seed(5)
+    vocab = 131072  # near-uniform logits: the sum of exponentials exceeds fp16's 65504
+    hidden = torch.randn(6, 8) * 0.1
+    weight = torch.randn(vocab, 8) * 0.01
+    target = torch.randint(0, vocab, (6,))
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        h = hidden.to(dtype).clone().requires_grad_(True)
+        w = weight.chunk(2)[rank].to(dtype).clone().requires_grad_(True)
+        loss = linear_cross_entropy(copy_to_tensor_model_parallel_region(h), w, target)
+        loss.sum().backward()
+        out[dtype] = (loss.detach(), h.grad.float(), w.grad.float())
+    return out
+
+
+def test_fused_fp16_tp2_big_vocabulary_gradients_stay_finite():
+    for out in run_distributed(2, _tp2_fp16_big_vocab):
+        ref, half = out[torch.float32], out[torch.float16]
+        for name, a, b in zip(("loss", "d hidden", "d weight"), ref, half):
+            assert torch.isfinite(b).all(), name
+            torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3, msg=name)

@@ -6,8 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.tensor_parallel.grad_accumulation import (embedding_weight_grad,
-                                                             linear_weight_grad)
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation
 from megatron.model.llama import LlamaModel
 from tests.test_model import batch, small_config
 
@@ -19,41 +18,74 @@ def _weight_with_main_grad(shape, dtype=torch.float32, seed=0):
     return w
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_weight_grad_adds_into_main_grad(dtype):
+def _linear_and_embedding(dtype):
+    """A linear weight and an embedding table with main_grad, their inputs and the expected
+    weight gradients ``dY^T X`` and the per-row sums."""
     g = torch.Generator().manual_seed(1)
-    w = _weight_with_main_grad((6, 5), dtype)
-    dy, x = torch.randn(7, 6, generator=g).to(dtype), torch.randn(7, 5, generator=g).to(dtype)
-    before = w.main_grad.clone()
-    out = linear_weight_grad(w, dy, x, enabled=True)
-    assert out.shape == w.shape and out.dtype == w.dtype and w.grad_added_to_main_grad
-    torch.testing.assert_close(w.main_grad, before + (dy.t() @ x).float())
-
-    # Not fused: switched off, no main_grad, or a .grad that autograd would add the result to.
-    plain = torch.nn.Parameter(w.detach().clone())
-    torch.testing.assert_close(linear_weight_grad(plain, dy, x, enabled=True), dy.t() @ x)
-    w.grad_added_to_main_grad = False
-    torch.testing.assert_close(linear_weight_grad(w, dy, x, enabled=False), dy.t() @ x)
-    w.grad = torch.zeros_like(w)
-    torch.testing.assert_close(linear_weight_grad(w, dy, x, enabled=True), dy.t() @ x)
-    assert not w.grad_added_to_main_grad
-    torch.testing.assert_close(w.main_grad, before + (dy.t() @ x).float())  # untouched since
-
-
-def test_embedding_weight_grad_sums_repeated_rows():
-    g = torch.Generator().manual_seed(2)
-    w = _weight_with_main_grad((10, 4))
-    ids = torch.tensor([3, 0, 3, 9, 3])
-    dy = torch.randn(5, 4, generator=g)
-    dense = torch.zeros(10, 4)
-    for i, row in zip(ids.tolist(), dy):
+    w, table = _weight_with_main_grad((6, 5), dtype), _weight_with_main_grad((10, 5), dtype, 1)
+    x = torch.randn(7, 5, generator=g).to(dtype).requires_grad_()
+    ids = torch.tensor([3, 0, 3, 9, 3, 1, 3])
+    dy = torch.randn(7, 6, generator=g).to(dtype)
+    dense = torch.zeros(10, 5)
+    for i, row in zip(ids.tolist(), (dy @ w.detach()).float()):
         dense[i] += row
-    before = w.main_grad.clone()
-    embedding_weight_grad(w, ids, dy, enabled=True)
-    assert w.grad_added_to_main_grad
-    torch.testing.assert_close(w.main_grad, before + dense)
-    torch.testing.assert_close(embedding_weight_grad(torch.nn.Parameter(w.detach()), ids, dy, True),
-                               dense)
+    hidden = x.detach() + table.detach()[ids]
+    return w, table, x, ids, dy, (dy.t() @ hidden).float(), dense
+
+
+def _forward(w, table, x, ids, fusion=True):
+    from megatron.core.tensor_parallel.layers import _Embedding
+    hidden = x + _Embedding.apply(ids, table, fusion)  # the table's rows get d hidden = dY W
+    return linear_with_grad_accumulation(hidden, w, gradient_accumulation_fusion=fusion)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_adds_weight_gradients_into_main_grad(dtype):
+    w, table, x, ids, dy, dw, dtable = _linear_and_embedding(dtype)
+    before = w.main_grad.clone(), table.main_grad.clone()
+    _forward(w, table, x, ids).backward(dy)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.main_grad, before[0] + dw, **tol)
+    torch.testing.assert_close(table.main_grad, before[1] + dtable, **tol)
+    # No DDP hook here: the placeholders are still in .grad, flagged for the hook to drop.
+    assert w.grad_added_to_main_grad and table.grad_added_to_main_grad
+    assert w.grad.shape == w.shape and w.grad.dtype == w.dtype
+
+
+def test_unfused_cases_get_the_true_gradient_and_leave_main_grad_alone():
+    w, table, x, ids, dy, dw, dtable = _linear_and_embedding(torch.float32)
+    before = w.main_grad.clone(), table.main_grad.clone()
+
+    def untouched():
+        assert torch.equal(w.main_grad, before[0]) and torch.equal(table.main_grad, before[1])
+        assert not getattr(w, "grad_added_to_main_grad", False)
+        assert not getattr(table, "grad_added_to_main_grad", False)
+
+    # torch.autograd.grad: nothing accumulates into the parameters, the product is returned.
+    got_w, got_table = torch.autograd.grad(_forward(w, table, x, ids), [w, table], dy)
+    torch.testing.assert_close(got_w, dw)
+    torch.testing.assert_close(got_table, dtable)
+    untouched()
+    (got_x,) = torch.autograd.grad(_forward(w, table, x, ids), [x], dy)
+    torch.testing.assert_close(got_x, dy @ w.detach())
+    untouched()
+    # backward(inputs=...) without the weights: their gradients are not accumulated anywhere.
+    _forward(w, table, x, ids).backward(dy, inputs=[x])
+    assert w.grad is None and table.grad is None
+    untouched()
+    # Switched off, or a .grad already there (autograd would add the placeholder to it).
+    x.grad = None
+    _forward(w, table, x, ids, fusion=False).backward(dy)
+    torch.testing.assert_close(w.grad, dw)
+    torch.testing.assert_close(table.grad, dtable)
+    untouched()
+    _forward(w, table, x, ids).backward(dy)
+    torch.testing.assert_close(w.grad, 2 * dw)
+    untouched()
+    # A parameter without main_grad (no DDP) is plain autograd.
+    plain = torch.nn.Parameter(w.detach().clone())
+    linear_with_grad_accumulation(x.detach(), plain).backward(dy)
+    torch.testing.assert_close(plain.grad, dy.t() @ x.detach())
 
 
 class _CountWeightSizedAdds(TorchDispatchMode):

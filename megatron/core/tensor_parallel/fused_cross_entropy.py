@@ -8,12 +8,12 @@ Here the logits are computed once (one matrix product, as before) and then turne
 into what backward needs: at TP = 1 the softmax, by torch's fused row-wise kernel (one exponential
 per element; a ``log_softmax`` would need a second one in backward); at TP > 1, where the max and
 the sum of exponentials are all-reduced between passes, the unnormalised ``exp(z - max)``, in a
-few row chunks. Backward turns the buffer into the logits' gradient up to a per-row factor, in
-place (a scatter at the targets), before the two matrix products of the output layer's backward,
-whose ``[N, h]`` operand and result take the per-row factor; the weight's product goes straight
-into ``main_grad`` under gradient-accumulation fusion. The same idea as Liger-Kernel's fused linear
-cross entropy and Megatron-Core's ``fused_vocab_parallel_cross_entropy``, without recomputing the
-logits.
+few row chunks. Backward turns the buffer into the logits' gradient in place (in fp32 up to a
+per-row factor that the ``[N, h]`` operand and result of the output layer's two products take
+instead; in bf16/fp16, whose cast would overflow on unnormalised entries, exactly); the weight's
+product goes straight into ``main_grad`` under gradient-accumulation fusion. The same idea as
+Liger-Kernel's fused linear cross entropy and Megatron-Core's
+``fused_vocab_parallel_cross_entropy``, without recomputing the logits.
 
 The loss, label smoothing and reductions over the tensor-parallel group are those of
 :mod:`megatron.core.tensor_parallel.cross_entropy` (Megatron-LM's ``_VocabParallelCrossEntropy``).
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.cross_entropy import local_target
-from megatron.core.tensor_parallel.grad_accumulation import linear_weight_grad
+from megatron.core.tensor_parallel.grad_accumulation import accumulator_of, linear_weight_grad
 from megatron.core.tensor_parallel.mappings import all_reduce
 from megatron.core.tensor_parallel.utils import (group_rank, group_world_size,
                                                  resolve_tensor_parallel_group)
@@ -116,25 +116,33 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         hidden, weight, buf, sum_exp, target_mask, masked_target = ctx.saved_tensors
         g = grad_output.float()
         # d loss / d z = g * (softmax - (1 - s) onehot(target) - s / K)  (s = 0 without smoothing),
-        # softmax = buf / c with c = 1 (TP = 1: buf is the softmax) or c = sum_exp. The per-row
-        # factor g / c is applied to the [N, h] operands and results of the two products instead
-        # of to the [N, v/T] buffer: one pass over the buffer less.
+        # softmax = buf / c with c = 1 (TP = 1: buf is the softmax) or c = sum_exp.
         c = torch.ones_like(g) if sum_exp is None else sum_exp
-        row_scale = (g / c).unsqueeze(-1)
-        target_weight = -c * (~target_mask).to(c.dtype)
+        if hidden.dtype == torch.float32:
+            # The per-row factor g / c goes onto the [N, h] operand and result of the two
+            # products instead of the [N, v/T] buffer: one pass over the buffer less.
+            row_scale, unit = (g / c).unsqueeze(-1), c
+        else:
+            # Low precision: the buffer is cast, so it must hold the gradient itself (|entries|
+            # <= |g|); unnormalised entries (-c at the target, c up to v) would overflow fp16.
+            buf.mul_((g / c).unsqueeze(-1))
+            row_scale, unit = None, g
+        target_weight = -unit * (~target_mask).to(unit.dtype)
         if ctx.label_smoothing > 0:
             smoothing = ctx.label_smoothing * ctx.vocab_size / (ctx.vocab_size - 1)
-            buf.sub_((c * (smoothing / ctx.vocab_size)).unsqueeze(-1))
+            buf.sub_((unit * (smoothing / ctx.vocab_size)).unsqueeze(-1))
             target_weight = target_weight * (1.0 - smoothing)
         buf.scatter_add_(-1, masked_target.unsqueeze(-1), target_weight.unsqueeze(-1))
-        grad_logits = buf.to(hidden.dtype)  # the gradient divided by g / c, row by row
+        grad_logits = buf.to(hidden.dtype)
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = grad_logits.matmul(weight).mul_(row_scale.to(hidden.dtype))
+            grad_hidden = grad_logits.matmul(weight)
+            if row_scale is not None:
+                grad_hidden.mul_(row_scale)
         if ctx.needs_input_grad[1]:
-            scaled_hidden = (hidden.float() * row_scale).to(hidden.dtype)
-            grad_weight = linear_weight_grad(weight, grad_logits, scaled_hidden,
-                                             ctx.gradient_accumulation_fusion)
+            grad_weight = linear_weight_grad(
+                weight, grad_logits, hidden if row_scale is None else hidden * row_scale,
+                ctx.gradient_accumulation_fusion, accumulator_of(ctx, 1))
         del grad_logits
         _POOL.release(buf)
         return grad_hidden, grad_weight, None, None, None, None

@@ -13,9 +13,12 @@ backward returns an *uninitialised* placeholder of the weight's shape as the wei
 so that autograd still runs the parameter's post-accumulate-grad hook (bucket readiness for
 ``--overlap-grad-reduce``), and sets ``weight.grad_added_to_main_grad = True``; the hook then drops
 the placeholder instead of adding it. Fusion applies only where it is safe: the weight has a
-``main_grad`` (it is wrapped by DDP) and no ``.grad`` yet (autograd would add the placeholder into
-an existing ``.grad``). Every use of a weight in a backward must take the same path, which the
-model guarantees by passing one flag to all its layers.
+``main_grad`` (it is wrapped by DDP), no ``.grad`` yet (autograd would add the placeholder into
+an existing ``.grad``), and the running backward will accumulate into the weight (its
+``AccumulateGrad`` node executes: ``loss.backward()``, not ``torch.autograd.grad`` or
+``backward(inputs=...)`` without it, which get the true gradient and leave ``main_grad`` alone).
+Every use of a weight in a backward must take the same path, which the model guarantees by
+passing one flag to all its layers.
 
 bf16/fp16 weights with fp32 ``main_grad``: the product is computed in the weight's dtype and added
 in fp32, as without fusion (torch has no mixed-dtype GEMM on CPU).
@@ -25,13 +28,38 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fuses_into_main_grad", "linear_weight_grad", "embedding_weight_grad"]
+__all__ = ["accumulator_of", "fuses_into_main_grad", "linear_weight_grad", "embedding_weight_grad"]
 
 
-def fuses_into_main_grad(weight: torch.Tensor, enabled: bool) -> bool:
-    """True when ``weight``'s gradient can be accumulated into ``weight.main_grad`` directly."""
+def accumulator_of(ctx, index: int):
+    """The node that receives input ``index``'s gradient in the running backward of the custom
+    function ``ctx`` (``AccumulateGrad`` for a parameter), or None."""
+    next_functions = getattr(ctx, "next_functions", None)
+    if not next_functions or index >= len(next_functions):
+        return None
+    return next_functions[index][0]
+
+
+def _engine_accumulates(node) -> bool:
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError):  # torch.autograd.grad() asked for this very leaf
+        return False
+
+
+def fuses_into_main_grad(weight: torch.Tensor, enabled: bool, accumulator) -> bool:
+    """True when ``weight``'s gradient can be accumulated into ``weight.main_grad`` directly.
+
+    Args:
+        weight: the parameter.
+        enabled: gradient-accumulation fusion switched on.
+        accumulator: the weight's ``AccumulateGrad`` node in the running backward
+            (:func:`accumulator_of`); None (or a node this backward does not run) means no.
+    """
     return (enabled and weight.requires_grad and getattr(weight, "main_grad", None) is not None
-            and weight.grad is None)
+            and weight.grad is None and _engine_accumulates(accumulator))
 
 
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
@@ -40,7 +68,7 @@ def _placeholder(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor,
-                       enabled: bool) -> torch.Tensor:
+                       enabled: bool, accumulator=None) -> torch.Tensor:
     """The gradient of ``y = x W^T`` with respect to ``W`` ``[out, in]``, or its placeholder.
 
     Args:
@@ -48,12 +76,13 @@ def linear_weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input_: 
         grad_output: ``dY [N, out]`` (2-D, tokens flattened), the dtype of ``input_``.
         input_: ``X [N, in]`` (2-D).
         enabled: gradient-accumulation fusion switched on.
+        accumulator: the weight's ``AccumulateGrad`` node (see :func:`fuses_into_main_grad`).
 
     Returns:
         ``dY^T X [out, in]``; or, when fused (see :func:`fuses_into_main_grad`), an uninitialised
         placeholder after ``weight.main_grad += dY^T X``.
     """
-    if not fuses_into_main_grad(weight, enabled):
+    if not fuses_into_main_grad(weight, enabled, accumulator):
         return grad_output.t().mm(input_)
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output.dtype:
@@ -64,7 +93,7 @@ def linear_weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input_: 
 
 
 def embedding_weight_grad(weight: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor,
-                          enabled: bool) -> torch.Tensor:
+                          enabled: bool, accumulator=None) -> torch.Tensor:
     """The gradient of ``y = W[ids]`` with respect to ``W`` ``[v, h]``, or its placeholder.
 
     Args:
@@ -72,12 +101,13 @@ def embedding_weight_grad(weight: torch.Tensor, ids: torch.Tensor, grad_output: 
         ids: ``[N]`` int64 row indices in ``[0, v)`` (the same index may repeat).
         grad_output: ``dY [N, h]``.
         enabled: gradient-accumulation fusion switched on.
+        accumulator: the weight's ``AccumulateGrad`` node (see :func:`fuses_into_main_grad`).
 
     Returns:
         The dense ``[v, h]`` gradient (rows of ``dY`` summed per index); or, when fused, an
         uninitialised placeholder after ``weight.main_grad.index_add_(0, ids, dY)``.
     """
-    if not fuses_into_main_grad(weight, enabled):
+    if not fuses_into_main_grad(weight, enabled, accumulator):
         return weight.new_zeros(weight.shape).index_add_(0, ids, grad_output.to(weight.dtype))
     weight.main_grad.index_add_(0, ids, grad_output.to(weight.main_grad.dtype))
     return _placeholder(weight)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.tensor_parallel.grad_accumulation import (embedding_weight_grad,
+from megatron.core.tensor_parallel.grad_accumulation import (accumulator_of,
+                                                           embedding_weight_grad,
                                                            linear_weight_grad)
 from megatron.core.tensor_parallel.mappings import (
     all_gather_first_dim, copy_to_tensor_model_parallel_region,
@@ -110,7 +111,8 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
                                else input_)
                 grad_weight = linear_weight_grad(weight, grad_2d,
                                                  total_input.reshape(-1, total_input.size(-1)),
-                                                 ctx.gradient_accumulation_fusion)
+                                                 ctx.gradient_accumulation_fusion,
+                                                 accumulator_of(ctx, 1))
             if ctx.use_bias and ctx.needs_input_grad[2]:
                 grad_bias = grad_2d.sum(dim=0)
         return grad_input, grad_weight, grad_bias, None, None, None
@@ -291,7 +293,8 @@ class _Embedding(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = embedding_weight_grad(weight, ids.reshape(-1),
                                                 grad_output.reshape(-1, grad_output.size(-1)),
-                                                ctx.gradient_accumulation_fusion)
+                                                ctx.gradient_accumulation_fusion,
+                                                accumulator_of(ctx, 1))
         return None, grad_weight, None
 
 

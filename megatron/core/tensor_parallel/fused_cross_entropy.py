@@ -5,10 +5,10 @@ logits, a shifted copy, their exponentials and, in backward, a copy of the softm
 ``[tokens, v/TP]`` fp32 tensors and about eight memory passes over them. Over a 32k vocabulary
 those element-wise passes cost as much as the transformer layers of a small model on a CPU.
 Here the logits are computed once (one matrix product, as before) and then turned *in place*
-into what backward needs: at TP = 1 the softmax, by torch's fused row-wise kernel (one exponential
-per element; a ``log_softmax`` would need a second one in backward); at TP > 1, where the max and
-the sum of exponentials are all-reduced between passes, the unnormalised ``exp(z - max)``, in a
-few row chunks. Backward turns the buffer into the logits' gradient in place (in fp32 up to a
+into what backward needs: on CPU at TP = 1 the softmax, by torch's fused row-wise kernel (one
+exponential per element; a ``log_softmax`` would need a second one in backward); otherwise
+(TP > 1, where the max and the sum of exponentials are all-reduced between passes, or CUDA) the
+unnormalised ``exp(z - max)``, in a few row chunks on CPU. Backward turns the buffer into the logits' gradient in place (in fp32 up to a
 per-row factor that the ``[N, h]`` operand and result of the output layer's two products take
 instead; in bf16/fp16, whose cast would overflow on unnormalised entries, exactly); the weight's
 product goes straight into ``main_grad`` under gradient-accumulation fusion. The same idea as
@@ -92,7 +92,8 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         partition_vocab_size = buf.size(-1)
         vocab_size = partition_vocab_size * world
         target_mask, masked_target = local_target(target, partition_vocab_size, rank, world)
-        if world == 1:
+        if world == 1 and not buf.is_cuda:
+            # CPU only: the rare-row check below syncs with the host, which a GPU step must not.
             loss, sum_exp = _softmax_in_place(buf, hidden, weight, target, label_smoothing), None
         else:
             loss, sum_exp = _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing,

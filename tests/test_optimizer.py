@@ -205,3 +205,49 @@ def test_a_nonfinite_gradient_skips_the_step(clip, bf16):
         else:
             assert ok and (norm is None) == (clip == 0)
             assert not torch.equal(net.fc.weight, before["fc.weight"])
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_clipping_folds_into_the_fused_step(bf16):
+    """With torch's fused AdamW the clip factor reaches the kernel as ``grad_scale`` (no separate
+    pass over the gradients): parameters, Adam state and the clipped gradients left behind equal
+    those of clipping in place first (the path zero counting keeps), within fp32 rounding."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    runs = []
+    for count_zeros in (False, True):
+        torch.manual_seed(0)
+        net = Net().to(torch.bfloat16) if bf16 else Net()
+        ddp = DistributedDataParallel(net, data_parallel_group=None)
+        opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP, bf16=bf16,
+                                                     log_num_zeros_in_grad=count_zeros), [ddp])
+        seen = []
+        step = opt.optimizer.step
+
+        def spy(*args, _step=step, _opt=opt.optimizer, _seen=seen, **kwargs):
+            _seen.append(getattr(_opt, "grad_scale", None))
+            return _step(*args, **kwargs)
+        opt.optimizer.step = spy
+        norms = []
+        for i in range(3):
+            x, y = _data(4 * (i + 1))
+            ddp.zero_grad_buffer()
+            torch.nn.functional.mse_loss(ddp(x[-4:].to(net.fc.weight.dtype)).float(), y[-4:]).backward()
+            ok, norm, _ = opt.step()
+            assert ok and norm > CLIP  # clipping is active every step
+            norms.append(norm)
+        grads = [g.clone() for g in opt._main_grads()] if bf16 else [
+            p.main_grad.clone() for p in net.parameters()]
+        runs.append((seen, norms, [p.detach().clone() for p in opt.get_parameters()],
+                     [s[k].clone() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")],
+                     grads))
+    (fold_seen, fold_norms, *fold), (plain_seen, plain_norms, *plain) = runs
+    assert all(s is not None and s.item() > 1.0 for s in fold_seen)  # folded: 1 / clip_coeff
+    assert all(s is None for s in plain_seen)
+    assert fold_norms == pytest.approx(plain_norms, rel=1e-6)
+    for fold_tensors, plain_tensors in zip(fold, plain):
+        for a, b in zip(fold_tensors, plain_tensors):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # the gradients left behind are the clipped ones: their norm is the clip threshold
+    clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in fold[2]])).item()
+    assert clipped == pytest.approx(CLIP, rel=1e-4)

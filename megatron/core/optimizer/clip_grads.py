@@ -85,13 +85,16 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
     return total.item() ** (1.0 / norm_type)
 
 
-def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> None:
-    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1.
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """``max_norm / (total_norm + 1e-6)``: the factor clipping scales every gradient by when it is
+    below 1 (Megatron's rule, and ``torch.nn.utils.clip_grad_norm_``'s): the clipped norm is then
+    at most ``max_norm``."""
+    return max_norm / (total_norm + 1.0e-6)
 
-    Megatron's rule (and ``torch.nn.utils.clip_grad_norm_``'s): the clipped norm is at most
-    ``max_norm``.
-    """
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
+
+def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale ``grads`` in place by :func:`clip_coefficient` when that is below 1."""
+    clip_coeff = clip_coefficient(max_norm, total_norm)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
 

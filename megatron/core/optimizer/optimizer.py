@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.optimizer.clip_grads import (clip_grads_by_total_norm, count_zeros_fp32,
-                                                get_grad_norm_fp32, grads_for_norm, param_grad)
+from megatron.core.optimizer.clip_grads import (clip_coefficient, clip_grads_by_total_norm,
+                                                count_zeros_fp32, get_grad_norm_fp32,
+                                                grads_for_norm, param_grad)
 
 # Attributes that tell the norm how to count a parameter; main params must carry them too.
 _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
@@ -212,15 +213,46 @@ class MegatronOptimizer:
     def _clip_count_and_step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         """Clip, count zeros and step; ``(stepped, grad_norm, num_zeros)``. Nothing is stepped
         (``stepped`` False) when the gradient norm is inf/NaN (see :meth:`_norm_checks_grads`);
-        the norm is identical on every rank, so every rank skips alike."""
-        grad_norm = None
+        the norm is identical on every rank, so every rank skips alike.
+
+        With torch's fused AdamW the clipping is folded into the step: the kernel divides each
+        gradient by ``grad_scale = 1 / clip_coeff`` as it reads it and writes the clipped value
+        back, so the gradients end as clipping in place leaves them (within rounding: ``g / (1/c)``
+        for ``g * c``) without a separate read-and-write pass over them. Zero counting
+        (``log_num_zeros_in_grad``) counts the clipped gradients, so it keeps the separate pass.
+        """
+        grad_norm, clip_coeff = None, 1.0
         if self.config.clip_grad > 0:
-            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+            grad_norm = self.get_grad_norm()
             if not math.isfinite(grad_norm):
                 return False, grad_norm, None
+            clip_coeff = clip_coefficient(self.config.clip_grad, grad_norm)
+        fold = clip_coeff < 1.0 and self._fused_step() and not self.config.log_num_zeros_in_grad
+        if clip_coeff < 1.0 and not fold:
+            grads = [g for g in (param_grad(p) for p in self.get_parameters()) if g is not None]
+            clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        self.optimizer.step()
+        if fold:
+            device = self.get_parameters()[0].device
+            # Read by torch's fused Adam/AdamW step (the attribute GradScaler sets for it).
+            self.optimizer.grad_scale = torch.tensor(1.0 / clip_coeff, dtype=torch.float32,
+                                                     device=device)
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
+        else:
+            self.optimizer.step()
         return True, grad_norm, num_zeros
+
+    def _fused_step(self) -> bool:
+        """True when the torch optimizer is torch's fused Adam/AdamW (it honours ``grad_scale``)
+        on one device."""
+        groups = self.optimizer.param_groups
+        params = [p for g in groups for p in g["params"]]
+        return (isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(params)
+                and all(g.get("fused") for g in groups)
+                and len({p.device for p in params}) == 1)
 
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""

@@ -1,9 +1,10 @@
 """Training-step throughput of our LLaMA model beside transformers' LlamaForCausalLM (one CPU process).
 
 For hidden 256 and 1024, both models get the same configuration, the same weights (copied from
-ours), the same batch, the same loss (mean token cross entropy) and AdamW without clipping (ours
-fused, as our training runs it; transformers with torch's default kernel, as HF's Trainer
-builds it).
+ours), the same batch, the same loss (mean token cross entropy) and AdamW (ours fused, as our
+training runs it; transformers with torch's default kernel, as HF's Trainer builds it), without
+clipping unless ``--clip-grad`` is given (then ours clips as ``--clip-grad`` does, transformers
+with ``torch.nn.utils.clip_grad_norm_``, as HF's Trainer's ``max_grad_norm`` does).
 Ours runs its real training path: the DDP gradient buffer and the Megatron optimizer wrapper (fp32;
 with ``--bf16`` bf16 parameters and fp32 main parameters); transformers runs fp32, and bf16 under
 ``torch.autocast`` beside it. The "GEMM-only ceiling" times exactly the matrix products of one
@@ -14,6 +15,7 @@ these machines drift by +-10%; every result is the median over rounds of a paire
 beside MFU against the measured matmul peak (fp32 or bf16).
 
 Usage: python benchmarks/train_step.py [--rounds 7] [--steps 2] [--threads N] [--only 256 1024]
+       [--clip-grad 1.0]
 ``run(quick)`` returns the rows for ``benchmarks/run_all.py``.
 """
 
@@ -86,16 +88,16 @@ def _init_world() -> None:
     init_world(torch.device("cpu"))
 
 
-def ours_runner(config: ModelConfig, dtype: torch.dtype, tokens, labels):
+def ours_runner(config: ModelConfig, dtype: torch.dtype, tokens, labels, clip_grad: float = 0.0):
     """(model, step) of our training path: DDP buffer, Megatron optimizer (fp32, or bf16 params
-    with fp32 main params as ``--bf16``), fused AdamW, no clipping."""
+    with fp32 main params as ``--bf16``), fused AdamW, clipping to ``clip_grad`` (0: none)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
     torch.manual_seed(0)
     model = LlamaModel(config.replace(params_dtype=dtype)).train()
     ddp = DistributedDataParallel(model, data_parallel_group=parallel_state.get_data_parallel_group())
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=0.0, bf16=dtype == torch.bfloat16,
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=clip_grad, bf16=dtype == torch.bfloat16,
                                                  params_dtype=dtype), [ddp])
 
     def step():
@@ -107,9 +109,9 @@ def ours_runner(config: ModelConfig, dtype: torch.dtype, tokens, labels):
     return model, step
 
 
-def reference_runner(ours: LlamaModel, autocast: bool, tokens, labels):
-    """transformers with our weights, torch AdamW as HF's Trainer builds it (default kernel);
-    bf16 through ``torch.autocast``."""
+def reference_runner(ours: LlamaModel, autocast: bool, tokens, labels, clip_grad: float = 0.0):
+    """transformers with our weights, torch AdamW as HF's Trainer builds it (default kernel),
+    ``clip_grad_norm_`` to ``clip_grad`` when above 0; bf16 through ``torch.autocast``."""
     model = reference_model(ours)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's default kernel, as a user gets
 
@@ -118,6 +120,8 @@ def reference_runner(ours: LlamaModel, autocast: bool, tokens, labels):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(tokens).logits
         F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+        if clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
         opt.step()
     return model, step
 
@@ -129,18 +133,18 @@ def _seconds(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def measure(hidden: int, rounds: int, steps: int) -> list:
+def measure(hidden: int, rounds: int, steps: int, clip_grad: float = 0.0) -> list:
     """Rows for one configuration: ours / transformers / ceiling, fp32 and bf16 (paired medians)."""
     config = CONFIGS[hidden]
     tokens, labels = _batch(config)
-    ours32, ours32_step = ours_runner(config, torch.float32, tokens, labels)
-    _, ref32_step = reference_runner(ours32, False, tokens, labels)
+    ours32, ours32_step = ours_runner(config, torch.float32, tokens, labels, clip_grad)
+    _, ref32_step = reference_runner(ours32, False, tokens, labels, clip_grad)
     with torch.no_grad():  # same weights, same function: the comparison is like for like
         gap = (ours32(tokens, labels=labels).mean()
                - F.cross_entropy(reference_model(ours32)(tokens).logits.flatten(0, 1),
                                  labels.flatten())).abs().item()
-    _, ours16_step = ours_runner(config, torch.bfloat16, tokens, labels)
-    _, ref16_step = reference_runner(ours32, True, tokens, labels)
+    _, ours16_step = ours_runner(config, torch.bfloat16, tokens, labels, clip_grad)
+    _, ref16_step = reference_runner(ours32, True, tokens, labels, clip_grad)
     runs = {"ours fp32": ours32_step, "transformers fp32": ref32_step,
             "ours bf16": ours16_step, "transformers bf16": ref16_step,
             "ceiling fp32": gemm_ceiling_step(config, MICRO_BATCH, SEQ, torch.float32),
@@ -177,14 +181,15 @@ def measure(hidden: int, rounds: int, steps: int) -> list:
     return rows
 
 
-def run(quick: bool = False, hiddens=(256, 1024), rounds: int = 7, steps: int = 2) -> list:
+def run(quick: bool = False, hiddens=(256, 1024), rounds: int = 7, steps: int = 2,
+        clip_grad: float = 0.0) -> list:
     """Rows for ``benchmarks/run_all.py`` (quick: hidden 256 only, 5 rounds of one step)."""
     _init_world()
     if quick:
         hiddens, rounds, steps = (256,), 5, 1
     rows = []
     for hidden in hiddens:
-        rows += measure(hidden, rounds, steps)
+        rows += measure(hidden, rounds, steps, clip_grad)
     return rows
 
 
@@ -207,14 +212,18 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--only", type=int, nargs="+", default=[256, 1024], choices=sorted(CONFIGS),
                         help="hidden sizes to measure")
+    parser.add_argument("--clip-grad", type=float, default=0.0,
+                        help="clip both sides to this global gradient norm (0: no clipping)")
     args = parser.parse_args(argv)
     if args.rounds < 5:
         parser.error("--rounds must be at least 5 (a median of paired ratios needs them)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(False, args.only, args.rounds, args.steps)
+    if args.clip_grad < 0:
+        parser.error("--clip-grad must be >= 0 (0: no clipping)")
+    rows = run(False, args.only, args.rounds, args.steps, args.clip_grad)
     print(f"batch {MICRO_BATCH} x {SEQ} tokens, 4 layers, vocab 32000, {torch.get_num_threads()} "
-          f"threads; medians of {args.rounds} interleaved rounds x {args.steps} steps; "
+          f"threads; clip-grad {args.clip_grad}; medians of {args.rounds} interleaved rounds x {args.steps} steps; "
           "'of ceiling' and 'vs transformers' are medians of paired ratios; "
           f"{rows[0]['note']}")
     print(format_rows(rows))

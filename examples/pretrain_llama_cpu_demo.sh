@@ -9,7 +9,8 @@
 #   3. writes one JSON line per play and runs tools/preprocess_data.py,
 #   4. trains with torchrun (4 layers, hidden 256, 8 heads in 4 query groups, sequence 256,
 #      global batch 8, cosine lr 2e-3), evaluating every EVAL_INTERVAL iterations,
-#   5. saves a checkpoint and TensorBoard events and prints where they are,
+#   5. saves a checkpoint and TensorBoard events, prints where they are and draws them into
+#      OUT_DIR/training.png (tools/plot_training.py),
 #   6. prints a greedy sample (40 tokens after "ROMEO:") from the checkpoint with tools/generate.py
 #      (torchrun at the checkpoint's TP=2 x PP=2 layout, KV cache).
 #
@@ -20,7 +21,8 @@
 #
 # Environment: ITERS (default 300; CI runs ITERS=40), EVAL_INTERVAL (default ITERS/6),
 # CACHE_DIR (default ./cache), OUT_DIR (default ./runs/llama_cpu_demo), NPROC (default 4),
-# PYTHON (an interpreter to use instead of creating .venv).
+# PYTHON (an interpreter to use instead of creating .venv), MASTER_PORT (default 29517; the
+# sample uses MASTER_PORT + 1).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -107,6 +109,7 @@ mkdir -p "$OUT_DIR"
 
 echo "checkpoint:  $OUT_DIR/checkpoints (latest_checkpointed_iteration.txt, iter_$(printf '%07d' "$ITERS")/)"
 echo "TensorBoard: tensorboard --logdir $OUT_DIR/tensorboard"
+"$PYTHON" tools/plot_training.py "$OUT_DIR/tensorboard" --output "$OUT_DIR/training.png" --seq-length 256
 
 # 4. Sample ---------------------------------------------------------------------------------------
 echo "greedy sample from the checkpoint:"

@@ -28,3 +28,5 @@ def test_cpu_demo_short_variant(tmp_path):
     assert sorted(os.listdir(ckpt / "iter_0000040")) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "run" / "tensorboard"))
+    png = (tmp_path / "run" / "training.png").read_bytes()  # tools/plot_training.py at the end
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000

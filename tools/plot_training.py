@@ -107,7 +107,9 @@ def main(argv=None) -> int:
     series = read_tensorboard(args.source, args.seq_length) if is_events else read_log(args.source)
     unit = "samples/s" if is_events and not args.seq_length else "tokens/s"
     try:
-        plot(series, args.output, title=os.path.basename(os.path.normpath(args.source)), throughput_unit=unit)
+        # The run's folder and the source inside it (a TensorBoard folder alone says little).
+        title = os.path.join(*os.path.normpath(os.path.abspath(args.source)).split(os.sep)[-2:])
+        plot(series, args.output, title=title, throughput_unit=unit)
     except ValueError as err:
         print(f"error: {args.source}: {err}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from tests.dist import run_distributed
 
 VOCAB = 127  # NullTokenizer: ids 0..126, end-of-document 127, vocabulary 128
 ITERS = 10
+CLIP = 0.3  # below every iteration's grad norm here: each step clips (folded into fused AdamW)
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -22,7 +23,7 @@ BASE = [
     "--seq-length", "16", "--max-position-embeddings", "16",
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
     "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-    "--weight-decay", "0.1", "--clip-grad", "1.0",
+    "--weight-decay", "0.1", "--clip-grad", str(CLIP),
     "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
     "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
@@ -100,6 +101,8 @@ def test_single_process_trains(single):
     assert [it for it, _ in valid] == [5, 10, 10] and valid[-1][1] == single["untied"]["final valid"]["lm loss"]
     assert len({v for _, v in valid}) == 3  # the validation stream moves on between evaluations
     assert single["masked"]["lm loss"] != single["untied"]["lm loss"]
+    for name in ("untied", "masked", "tied"):  # clipping is active on every iteration
+        assert min(single[name]["grad norm"]) > CLIP, (name, single[name]["grad norm"])
 
 
 def test_two_rank_layouts_match_one_process(single, data_prefix, tmp_path_factory):

@@ -247,12 +247,13 @@ class MegatronOptimizer:
 
     def _fused_step(self) -> bool:
         """True when the torch optimizer is torch's fused Adam/AdamW (it honours ``grad_scale``)
-        on one device."""
+        on one device, and nobody else (torch's ``GradScaler``) has set a ``grad_scale`` on it."""
         groups = self.optimizer.param_groups
         params = [p for g in groups for p in g["params"]]
         return (isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(params)
                 and all(g.get("fused") for g in groups)
-                and len({p.device for p in params}) == 1)
+                and len({p.device for p in params}) == 1
+                and getattr(self.optimizer, "grad_scale", None) is None)
 
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""

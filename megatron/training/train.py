@@ -64,6 +64,18 @@ def reduce_loss_dicts(loss_dicts: list) -> dict:
     return out
 
 
+def nonfinite_loss_flag(loss_dicts: list):
+    """True (a 0-dim bool tensor on the losses' device, no host read) when a loss sum of the
+    per-micro-batch ``{key: (sum, count)}`` dicts is inf/NaN: what makes a value of
+    :func:`reduce_loss_dicts` non-finite. False when there is no loss."""
+    sums = [v[0] if isinstance(v, (tuple, list)) else v for d in loss_dicts for v in d.values()]
+    if not sums:
+        return False
+    device = next((v.device for v in sums if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    values = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in sums])
+    return ~torch.isfinite(values).all()
+
+
 def num_floating_point_operations(args, batch_size: int) -> float:
     """Model FLOPs of one iteration (forward + backward) for the validated ``args``:
     :func:`megatron.model.flops.num_floating_point_operations` (Megatron-LM's formula)."""
@@ -85,11 +97,14 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False, config=schedule_config)
-    reduced = reduce_loss_dicts(losses) if ps.is_pipeline_last_stage(ignore_virtual=True) else {}
+    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     # Only the last stage sees the loss: the optimizer folds this flag into its found-inf
-    # all-reduce, so an inf/NaN loss skips the step on every rank alike.
-    optimizer.nonfinite_loss = any(not math.isfinite(v) for v in reduced.values())
+    # all-reduce, so an inf/NaN loss skips the step on every rank alike. A device tensor, and the
+    # losses are read on the host only after the step: on CUDA nothing waits for the GPU before
+    # the optimizer's kernels are queued.
+    optimizer.nonfinite_loss = nonfinite_loss_flag(losses) if last_stage else False
     update_successful, grad_norm, num_zeros = optimizer.step()
+    reduced = reduce_loss_dicts(losses) if last_stage else {}
     if update_successful:
         opt_param_scheduler.step(increment=global_batch_size)
     return reduced, 0 if update_successful else 1, grad_norm, num_zeros

@@ -74,6 +74,16 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
         if model_parallel_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
         return total.item()
+    total = grad_norm_power_fp32(grads, norm_type, model_parallel_group, data_parallel_group)
+    return total.item() ** (1.0 / norm_type)
+
+
+def grad_norm_power_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
+                         model_parallel_group=None, data_parallel_group=None) -> torch.Tensor:
+    """The sum of ``|g| ** norm_type`` over the gradients of the whole model (finite p), combined
+    over the groups as in :func:`get_grad_norm_fp32`: a 0-dim fp32 tensor on the gradients'
+    device, read by nobody here (no host sync)."""
+    device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
@@ -82,7 +92,7 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
         dist.all_reduce(total, group=data_parallel_group)
     if model_parallel_group is not None:
         dist.all_reduce(total, group=model_parallel_group)
-    return total.item() ** (1.0 / norm_type)
+    return total
 
 
 def clip_coefficient(max_norm: float, total_norm: float) -> float:

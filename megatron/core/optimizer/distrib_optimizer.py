@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, grads_for_norm
+from megatron.core.optimizer.clip_grads import grads_for_norm
 from megatron.core.optimizer.distrib_optimizer_checkpoint import (STATE_KEYS, param_names,
                                                                   plain_to_records, read_shards)
 from megatron.core.optimizer.optimizer import (MixedPrecisionOptimizer, _model_parallel_group,
@@ -166,11 +166,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if main is not model_shard:
                 model_shard.copy_(main)
 
-    def get_grad_norm(self) -> float:
-        """Global L2 norm over the shards: partial sums combined over DP, then TP x PP."""
-        return get_grad_norm_fp32(grads_for_norm(self.get_parameters()),
-                                  model_parallel_group=_model_parallel_group(),
-                                  data_parallel_group=self._dp_group())
+    def _norm_data_parallel_group(self):
+        """The global norm sums the shards' partial sums over DP, then TP x PP."""
+        return self._dp_group()
 
     def count_zeros(self) -> int:
         """Zero gradient elements of the model (padding excluded), each counted once."""

@@ -13,6 +13,10 @@ After Megatron-LM's ``megatron/core/optimizer/optimizer.py``:
 ``log_num_zeros_in_grad``; ``update_successful`` is False (and nothing is updated) when a main
 gradient, or the loss flagged through ``nonfinite_loss``, is inf/NaN on any rank: an fp16 overflow
 (the grad scaler backs off) or a non-finite bf16/fp32 iteration.
+
+On CUDA with torch's fused AdamW the step reads nothing on the host before the kernel is queued
+(:meth:`MegatronOptimizer._step_on_device`): the skip flag and the clip factor reach the kernel
+as its ``found_inf`` and ``grad_scale`` tensors, and the flag and the norm are read once after.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import (clip_coefficient, clip_grads_by_total_norm,
-                                                count_zeros_fp32, get_grad_norm_fp32,
+                                                count_zeros_fp32, grad_norm_power_fp32,
                                                 grads_for_norm, param_grad)
 
 # Attributes that tell the norm how to count a parameter; main params must carry them too.
@@ -147,8 +151,17 @@ class MegatronOptimizer:
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the main grads, each element of the model counted once."""
-        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
-                                  model_parallel_group=_model_parallel_group())
+        return self._grad_norm_power().item() ** 0.5
+
+    def _norm_data_parallel_group(self):
+        """Group over which the norm's partial sums are also combined (None: grads not sharded)."""
+        return None
+
+    def _grad_norm_power(self) -> torch.Tensor:
+        """Sum of squares of the main grads of the whole model: a 0-dim fp32 device tensor."""
+        return grad_norm_power_fp32(self.get_main_grads_for_grad_norm(), 2.0,
+                                    model_parallel_group=_model_parallel_group(),
+                                    data_parallel_group=self._norm_data_parallel_group())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip all main grads to the global norm ``clip_grad``; return the norm before clipping
@@ -187,15 +200,20 @@ class MegatronOptimizer:
         return self.grad_scaler is None and self.config.clip_grad > 0
 
     def _found_nonfinite(self, grads: List[torch.Tensor], inv_scale=None) -> bool:
-        """Unscale ``grads`` in place (when ``inv_scale`` is given) and tell whether any of them, or
-        the loss of any rank (``nonfinite_loss``), is inf/NaN. The gradients themselves are left
-        to the norm when :meth:`_norm_checks_grads`.
+        """:meth:`_nonfinite_flag` read on the host."""
+        return bool(self._nonfinite_flag(grads, inv_scale).item() > 0)
+
+    def _nonfinite_flag(self, grads: List[torch.Tensor], inv_scale=None) -> torch.Tensor:
+        """Unscale ``grads`` in place (when ``inv_scale`` is given); a 0-dim fp32 device tensor,
+        1 when any of them, or the loss of any rank (``nonfinite_loss``: a bool or a device
+        tensor), is inf/NaN, else 0. The gradients themselves are left to the norm when
+        :meth:`_norm_checks_grads`.
 
         Collective: all-reduce (max) of the flag over the model-parallel group, and over the
         data-parallel group when the main grads are DP shards (distributed optimizer).
         """
         device = grads[0].device if grads else torch.device("cpu")
-        found = torch.tensor(float(self.nonfinite_loss), device=device)
+        found = torch.as_tensor(self.nonfinite_loss, device=device).float().reshape(()).clone()
         self.nonfinite_loss = False
         if inv_scale is not None and grads:
             torch._foreach_mul_(grads, inv_scale.to(device))
@@ -208,7 +226,7 @@ class MegatronOptimizer:
         for group in (_model_parallel_group(), dp_group):
             if group is not None:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item() > 0)
+        return found
 
     def _clip_count_and_step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         """Clip, count zeros and step; ``(stepped, grad_norm, num_zeros)``. Nothing is stepped
@@ -255,6 +273,52 @@ class MegatronOptimizer:
                 and len({p.device for p in params}) == 1
                 and getattr(self.optimizer, "grad_scale", None) is None)
 
+    def _steps_on_device(self) -> bool:
+        """True for the step without host syncs (:meth:`_step_on_device`): parameters on CUDA
+        (on the CPU a host read waits for nothing) or ``device_side_step = True`` set on this
+        object (tests), torch's fused AdamW, no zero counting (a count is a host read)."""
+        forced = getattr(self, "device_side_step", None)
+        params = self.get_parameters()
+        on_device = forced if forced is not None else bool(params) and params[0].is_cuda
+        return on_device and self._fused_step() and not self.config.log_num_zeros_in_grad
+
+    def _step_on_device(self, found: torch.Tensor, before_read=None
+                        ) -> Tuple[bool, Optional[float], Optional[int], bool]:
+        """Clip and step with nothing read on the host until the step's kernels are queued.
+
+        The skip decision and the clip factor stay device tensors handed to torch's fused kernel
+        (``found_inf``: the kernel leaves parameters and moments untouched and takes its step
+        count back; ``grad_scale = 1 / clip_coeff``, or 1 when the norm is within the clip).
+        ``before_read()`` queues more work before the one host read (the flag and the squared
+        norm together), which gives what :meth:`_clip_count_and_step` gives, plus whether the
+        flag (not the norm) was set: ``(stepped, grad_norm, None, flagged)``.
+        """
+        clip = self.config.clip_grad
+        skip = found > 0
+        total = torch.zeros_like(found)
+        if clip > 0:
+            total = self._grad_norm_power().to(found.device)
+            skip = skip | ~torch.isfinite(total)
+            inv_coeff = (total.double().sqrt() + 1.0e-6) / clip
+            self.optimizer.grad_scale = torch.where(
+                skip | (inv_coeff <= 1.0), torch.ones_like(inv_coeff), inv_coeff).float()
+        self.optimizer.found_inf = skip.float()
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+            if clip > 0:
+                del self.optimizer.grad_scale
+        if before_read is not None:
+            before_read()
+        flagged, power = torch.stack([found, total.float()]).tolist()  # the step's one host read
+        grad_norm = power ** 0.5 if clip > 0 else None
+        if flagged > 0:
+            return False, None, None, True
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return False, grad_norm, None, False
+        return True, grad_norm, None, False
+
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""
 
@@ -271,15 +335,22 @@ class FP32Optimizer(MegatronOptimizer):
         for p in params:
             if getattr(p, "main_grad", None) is not None:
                 p.grad = p.main_grad  # a view: no copy
-        found_inf = self._found_nonfinite(
-            [p.grad for p in params if p.grad is not None],
-            None if self.grad_scaler is None else self.grad_scaler.inv_scale)
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(found_inf)
-        grad_norm = num_zeros = None
-        if not found_inf:
-            stepped, grad_norm, num_zeros = self._clip_count_and_step()
+        grads = [p.grad for p in params if p.grad is not None]
+        inv_scale = None if self.grad_scaler is None else self.grad_scaler.inv_scale
+        if self._steps_on_device():
+            stepped, grad_norm, num_zeros, flagged = self._step_on_device(
+                self._nonfinite_flag(grads, inv_scale))
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(flagged)
             found_inf = not stepped
+        else:
+            found_inf = self._found_nonfinite(grads, inv_scale)
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(found_inf)
+            grad_norm = num_zeros = None
+            if not found_inf:
+                stepped, grad_norm, num_zeros = self._clip_count_and_step()
+                found_inf = not stepped
         for p in params:
             if getattr(p, "main_grad", None) is not None:
                 # Drop the alias, or the next backward would accumulate into main_grad twice.
@@ -312,6 +383,16 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         self._copy_model_grads_to_main_grads()
+        if self._steps_on_device():
+            # Copied back unconditionally, before the host read: after a skipped step the main
+            # params are unchanged and the copy rewrites the model params with their own values.
+            stepped, grad_norm, num_zeros, flagged = self._step_on_device(
+                self._nonfinite_flag(self._main_grads(), None if self.grad_scaler is None
+                                     else self.grad_scaler.inv_scale),
+                before_read=self._copy_main_params_to_model_params)
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(flagged)
+            return stepped, grad_norm, num_zeros
         # fp16 overflow, or inf/NaN in bf16: skip the iteration on every rank (nothing changes).
         found_inf = self._unscale_main_grads_and_check_for_nan()
         if self.grad_scaler is not None:

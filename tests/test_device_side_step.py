@@ -97,20 +97,25 @@ def test_distributed_optimizer_device_side_step_dp2(precision):
         _compare(host, device)
 
 
-def test_nothing_is_read_on_the_host_before_the_kernel_is_queued(monkeypatch):
-    """Every host read of a tensor (item, tolist, bool, float, int) inside ``step()`` comes after
-    torch's fused AdamW is called, and there is one (the flag and the squared norm together)."""
+@pytest.mark.parametrize("loss_flag", ["tensor", "bool"], ids=["last-stage", "other-stage"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_nothing_is_read_on_the_host_before_the_kernel_is_queued(monkeypatch, precision, loss_flag):
+    """Inside ``step()``, every host read of a tensor (item, tolist, bool, float, int) comes after
+    torch's fused AdamW is called, and there is one (the flag and the squared norm together); no
+    tensor is made from host data before it either (on CUDA, a copy from the host waits for the
+    queue). The loss flag is a device tensor on the last pipeline stage, False elsewhere."""
     from megatron.core.distributed import DistributedDataParallel
 
     torch.manual_seed(0)
-    net = Net().to(torch.bfloat16)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    net = Net().to(dtype)
     ddp = DistributedDataParallel(net, data_parallel_group=None)
-    opt = get_megatron_optimizer(_config("bf16", CLIP), [ddp])
+    opt = get_megatron_optimizer(_config(precision, CLIP), [ddp])
     opt.device_side_step = True
     x, y = _data(8)
     ddp.zero_grad_buffer()
-    torch.nn.functional.mse_loss(ddp(x.to(torch.bfloat16)).float(), y).backward()
-    opt.nonfinite_loss = torch.tensor(False)
+    opt.scale_loss(torch.nn.functional.mse_loss(ddp(x.to(dtype)).float(), y)).backward()
+    opt.nonfinite_loss = torch.tensor(False) if loss_flag == "tensor" else False
     events = []
     inner = opt.optimizer.step
     monkeypatch.setattr(opt.optimizer, "step",
@@ -122,6 +127,14 @@ def test_nothing_is_read_on_the_host_before_the_kernel_is_queued(monkeypatch):
             events.append(_name)
             return _original(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, reading)
+    for name in ("tensor", "as_tensor"):
+        original = getattr(torch, name)
+
+        def making(data, *a, _name=name, _original=original, **k):
+            if "kernel" not in events and not isinstance(data, torch.Tensor):
+                events.append(f"torch.{_name}")
+            return _original(data, *a, **k)
+        monkeypatch.setattr(torch, name, making)
     ok, norm, _ = opt.step()
     monkeypatch.undo()
     assert ok and norm > CLIP

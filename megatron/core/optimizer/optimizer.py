@@ -213,10 +213,17 @@ class MegatronOptimizer:
         data-parallel group when the main grads are DP shards (distributed optimizer).
         """
         device = grads[0].device if grads else torch.device("cpu")
-        found = torch.as_tensor(self.nonfinite_loss, device=device).float().reshape(()).clone()
-        self.nonfinite_loss = False
+        # Made on the device, never copied from the host: a host-to-GPU copy waits for the queue.
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        flag, self.nonfinite_loss = self.nonfinite_loss, False
+        if isinstance(flag, torch.Tensor):
+            found = torch.maximum(found, flag.to(device=device, dtype=torch.float32).reshape(()))
+        elif flag:
+            found.fill_(1.0)
         if inv_scale is not None and grads:
-            torch._foreach_mul_(grads, inv_scale.to(device))
+            # The scaler's CPU scale as a number on the GPU (exact: the fp32 value), not a copy.
+            factor = inv_scale.item() if device.type != inv_scale.device.type else inv_scale
+            torch._foreach_mul_(grads, factor)
         if grads and not self._norm_checks_grads():
             # A sum is inf/NaN iff an element is (or the sum overflows fp32, i.e. the gradient is
             # past any useful range): one read pass, where isfinite().any() makes five.

@@ -163,15 +163,6 @@ class MegatronOptimizer:
                                     model_parallel_group=_model_parallel_group(),
                                     data_parallel_group=self._norm_data_parallel_group())
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip all main grads to the global norm ``clip_grad``; return the norm before clipping
-        (an inf/NaN norm is returned with the gradients left as they are)."""
-        total = self.get_grad_norm()
-        if math.isfinite(total):
-            grads = [g for g in (param_grad(p) for p in self.get_parameters()) if g is not None]
-            clip_grads_by_total_norm(grads, clip_grad, total)
-        return total
-
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), model_parallel_group=_model_parallel_group())
 
@@ -289,17 +280,19 @@ class MegatronOptimizer:
         on_device = forced if forced is not None else bool(params) and params[0].is_cuda
         return on_device and self._fused_step() and not self.config.log_num_zeros_in_grad
 
-    def _step_on_device(self, found: torch.Tensor, before_read=None
-                        ) -> Tuple[bool, Optional[float], Optional[int], bool]:
-        """Clip and step with nothing read on the host until the step's kernels are queued.
+    def _step_on_device(self, grads: List[torch.Tensor], before_read=None
+                        ) -> Tuple[bool, Optional[float], Optional[int]]:
+        """Check, clip and step ``grads`` (the main grads) with nothing read on the host until
+        the step's kernels are queued; ``(stepped, grad_norm, None)`` as the host path gives.
 
-        The skip decision and the clip factor stay device tensors handed to torch's fused kernel
-        (``found_inf``: the kernel leaves parameters and moments untouched and takes its step
-        count back; ``grad_scale = 1 / clip_coeff``, or 1 when the norm is within the clip).
-        ``before_read()`` queues more work before the one host read (the flag and the squared
-        norm together), which gives what :meth:`_clip_count_and_step` gives, plus whether the
-        flag (not the norm) was set: ``(stepped, grad_norm, None, flagged)``.
+        The inf/NaN flag (:meth:`_nonfinite_flag`) and the clip factor stay device tensors
+        handed to torch's fused kernel (``found_inf``: the kernel leaves parameters and moments
+        untouched and takes its step count back; ``grad_scale = 1 / clip_coeff``, or 1 when the
+        norm is within the clip). ``before_read()`` queues more work before the one host read
+        (the flag and the squared norm together); the fp16 scaler is updated after it.
         """
+        found = self._nonfinite_flag(
+            grads, None if self.grad_scaler is None else self.grad_scaler.inv_scale)
         clip = self.config.clip_grad
         skip = found > 0
         total = torch.zeros_like(found)
@@ -319,12 +312,12 @@ class MegatronOptimizer:
         if before_read is not None:
             before_read()
         flagged, power = torch.stack([found, total.float()]).tolist()  # the step's one host read
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(flagged > 0)
         grad_norm = power ** 0.5 if clip > 0 else None
         if flagged > 0:
-            return False, None, None, True
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            return False, grad_norm, None, False
-        return True, grad_norm, None, False
+            return False, None, None
+        return grad_norm is None or math.isfinite(grad_norm), grad_norm, None
 
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""
@@ -343,15 +336,12 @@ class FP32Optimizer(MegatronOptimizer):
             if getattr(p, "main_grad", None) is not None:
                 p.grad = p.main_grad  # a view: no copy
         grads = [p.grad for p in params if p.grad is not None]
-        inv_scale = None if self.grad_scaler is None else self.grad_scaler.inv_scale
         if self._steps_on_device():
-            stepped, grad_norm, num_zeros, flagged = self._step_on_device(
-                self._nonfinite_flag(grads, inv_scale))
-            if self.grad_scaler is not None:
-                self.grad_scaler.update(flagged)
+            stepped, grad_norm, num_zeros = self._step_on_device(grads)
             found_inf = not stepped
         else:
-            found_inf = self._found_nonfinite(grads, inv_scale)
+            found_inf = self._found_nonfinite(
+                grads, None if self.grad_scaler is None else self.grad_scaler.inv_scale)
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             grad_norm = num_zeros = None
@@ -393,13 +383,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         if self._steps_on_device():
             # Copied back unconditionally, before the host read: after a skipped step the main
             # params are unchanged and the copy rewrites the model params with their own values.
-            stepped, grad_norm, num_zeros, flagged = self._step_on_device(
-                self._nonfinite_flag(self._main_grads(), None if self.grad_scaler is None
-                                     else self.grad_scaler.inv_scale),
-                before_read=self._copy_main_params_to_model_params)
-            if self.grad_scaler is not None:
-                self.grad_scaler.update(flagged)
-            return stepped, grad_norm, num_zeros
+            return self._step_on_device(self._main_grads(),
+                                        before_read=self._copy_main_params_to_model_params)
         # fp16 overflow, or inf/NaN in bf16: skip the iteration on every rank (nothing changes).
         found_inf = self._unscale_main_grads_and_check_for_nan()
         if self.grad_scaler is not None:

@@ -15,7 +15,7 @@ oversubscription. Two numbers per case:
   makespan: first start to last finish over the ranks);
 * ``from order``: the same fraction from the *order* of operations each rank recorded, replayed
   with exact durations and data dependencies (:func:`bubble_from_order`); it equals the theory
-  exactly (``tests/test_bubble.py``), so the gap between ``measured`` and theory is the cost of
+  exactly (``tests/unit/core/pipeline_parallel/test_bubble.py``), so the gap between ``measured`` and theory is the cost of
   communication and Python, not of the schedule.
 
 Usage: ``python benchmarks/pipeline.py [--quick] [--tf-ms 20] [--tb-ms 40]``.

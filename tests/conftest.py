@@ -1,12 +1,17 @@
+"""Fixtures shared by the whole suite: the reference data folder, a small dataset for end-to-end
+runs and the files argument validation checks for. Builders live in ``tests/helpers``."""
+
 import os
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from tests.helpers.paths import SHARED_DATA  # noqa: E402
 
 
 def pytest_configure(config):
@@ -19,3 +24,34 @@ def shared_data():
     if not os.path.isdir(SHARED_DATA):
         pytest.skip("../shared/data is not present on this machine")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    """200 documents of 3..40 random tokens, each ended by the EOD token (127), for the runs of
+    ``tests/helpers/pretrain.py``."""
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+    from tests.helpers.pretrain import VOCAB
+
+    folder = tmp_path_factory.mktemp("e2e_data")
+    prefix = str(folder / "tiny_text_document")
+    rng = np.random.RandomState(0)
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(200):
+        doc = rng.randint(0, VOCAB, size=rng.randint(3, 41)).tolist() + [VOCAB]
+        builder.add_item(doc)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A dataset prefix with empty .bin/.idx and a tokenizer file: validation only checks they
+    exist."""
+    prefix = str(tmp_path / "corpus_text_document")
+    for ext in (".bin", ".idx"):
+        open(prefix + ext, "wb").close()
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(b"")
+    return {"prefix": prefix, "model": str(model), "dir": str(tmp_path)}

@@ -8,7 +8,7 @@ layer saves for backward: RMSNorm instead of LayerNorm (fp32 statistics), SwiGLU
 grouped-query attention, SDPA/flash attention (no ``s x s`` scores or softmax stored, a
 log-sum-exp per head and token instead), no dropout masks when dropout is 0. Recompute follows
 :mod:`megatron.model.recompute` (selective with its default modules, full uniform / block).
-tests/test_planner.py checks every activation count against the bytes autograd saves.
+tests/unit/planner/test_planner.py checks every activation count against the bytes autograd saves.
 
 Units: bytes unless a name says elements. Shapes: s = sequence, b = micro-batch, h = hidden,
 f = ffn hidden, n / g = query heads / key-value groups, d = per-head width, v = padded vocabulary,

@@ -1,0 +1,29 @@
+"""A one-layer model with optimizer and scheduler to save and load in checkpoint tests."""
+
+import torch
+
+
+class CountingScheduler:
+    def __init__(self):
+        self.num_steps = 0
+
+    def state_dict(self):
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, sd):
+        self.num_steps = sd["num_steps"]
+
+
+def checkpoint_parts(seed, out_features=3):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, torch.distributed.get_world_size())
+    model_parallel_manual_seed(1234)
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, out_features)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return [model], opt, CountingScheduler()

@@ -1,0 +1,67 @@
+"""Shared pieces of the conversion tests: small random HuggingFace LLaMAs and the logits of our
+model loaded from a converted checkpoint in a world of TP x PP gloo processes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron.core import parallel_state as ps
+from tests.helpers.dist import run_distributed
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+VOCAB = 251  # odd: needs padding at every TP size
+
+
+def make_hf(folder: str, *, tie=False, rope_scaling=None, layers=2, groups=2, vocab=VOCAB):
+    """Save a random LLaMA (8 heads in ``groups`` groups, rope_theta 50000, eps 1e-6, std-0.2
+    weights, random norm weights) with a stand-in tokenizer file; return the model."""
+    from megatron.config import ModelConfig
+    from tests.helpers.model import hf_model
+
+    config = ModelConfig(num_layers=layers, hidden_size=64, ffn_hidden_size=96,
+                         num_attention_heads=8, num_query_groups=groups, kv_channels=8,
+                         padded_vocab_size=vocab, max_position_embeddings=256, norm_epsilon=1e-6,
+                         rotary_base=50000.0, rope_scaling=rope_scaling,
+                         untie_embeddings_and_output_weights=not tie)
+    model = hf_model(config, vocab_size=vocab)
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "tokenizer.model"), "wb") as f:
+        f.write(b"stand-in tokenizer bytes")
+    return model
+
+
+def convert(*argv) -> str:
+    from tools.checkpoint.convert import main
+    return main([str(a) for a in argv])
+
+
+def tokens_batch(b=2, s=128, vocab=VOCAB, seed=3):
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits_rank(tp, pp, load_dir, tokens):
+    from megatron.inference import forward_logits
+    from megatron.inference.model_loader import load_model_for_inference
+
+    ps.initialize_model_parallel(tp, pp)
+    model, _ = load_model_for_inference(load_dir)
+    logits = forward_logits(model, tokens)
+    first_tp = ps.get_tensor_model_parallel_rank() == 0
+    return logits if logits is not None and first_tp else None
+
+
+def megatron_logits(load_dir: str, tp: int, pp: int, tokens) -> torch.Tensor:
+    """Full-vocabulary logits ``[b, s, v_padded]`` of our model loaded from ``load_dir``."""
+    out = run_distributed(tp * pp, _logits_rank, tp, pp, load_dir, tokens)
+    return next(o for o in out if o is not None)
+
+
+def assert_logits_match(ours: torch.Tensor, reference: torch.Tensor, atol=1e-4) -> None:
+    """Equal within ``atol`` at every position over the true vocabulary (the comparison the
+    negative tests expect to fail)."""
+    assert reference.abs().max() > 1.0  # attention far from uniform: the comparison has teeth
+    diff = (ours[..., :reference.shape[-1]].float() - reference.float()).abs().max().item()
+    assert diff <= atol, f"logits differ by {diff:.3g} > {atol}"

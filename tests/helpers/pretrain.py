@@ -1,0 +1,61 @@
+"""pretrain_llama.main() runs inside process worlds: the small model's flags and the comparison of
+histories, shared by the end-to-end tests (the dataset is the ``data_prefix`` fixture of conftest.py)."""
+
+import numpy as np
+
+VOCAB = 127  # NullTokenizer: ids 0..126, end-of-document 127, vocabulary 128
+
+ITERS = 10
+
+
+CLIP = 0.3  # below every iteration's grad norm here: each step clips (folded into fused AdamW)
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
+    "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--weight-decay", "0.1", "--clip-grad", str(CLIP),
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+    "--make-vocab-size-divisible-by", "64", "--split", "90,10,0",
+    "--log-interval", "5", "--eval-interval", "5", "--eval-iters", "2", "--seed", "7",
+    "--num-workers", "0",
+]
+
+UNTIED = ["--untie-embeddings-and-output-weights"]
+
+MASKED = ["--eod-mask-loss", "--calculate-per-token-loss", "--reset-position-ids",
+          "--reset-attention-mask"]
+
+
+def layout_args(tp, pp):
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def run_many(runs):
+    """Run ``pretrain_llama.main`` for each ``(name, argv)`` in this world; the histories of the
+    last rank (last pipeline stage) by name."""
+    import torch.distributed as dist
+
+    import pretrain_llama
+
+    out = {}
+    for name, argv in runs:
+        history = pretrain_llama.main(argv)
+        out[name] = history
+        dist.barrier()
+    return out if dist.get_rank() == dist.get_world_size() - 1 else None
+
+
+def e2e_argv(data_prefix, cache, *extra):
+    return BASE + ["--data-path", data_prefix, "--data-cache-path", cache] + list(extra)
+
+
+def assert_close_history(a, b, name):
+    np.testing.assert_allclose(a["lm loss"], b["lm loss"], rtol=1e-5, err_msg=f"{name}: lm loss")
+    np.testing.assert_allclose(a["grad norm"], b["grad norm"], rtol=1e-5, err_msg=f"{name}: grad norm")
+    np.testing.assert_allclose([v for _, v in a["valid"]], [v for _, v in b["valid"]], rtol=1e-5,
+                               err_msg=f"{name}: validation loss")

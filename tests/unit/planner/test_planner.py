@@ -1,0 +1,231 @@
+"""The planner's memory model against real models: parameter, gradient-buffer and optimizer bytes
+exactly, activation bytes within 10% of the tensors autograd saves (saved_tensors_hooks)."""
+
+import pytest
+import torch
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state as ps
+from megatron.model import get_layer_numbers
+from megatron.planner.cost import Hardware, estimate, enumerate_layouts, rank_layouts
+from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+from megatron.planner.memory import (activation_bytes_per_layer, grad_buffer_numel,
+                                     layers_activation_bytes, optimizer_state_bytes, param_numels,
+                                     stage_activation_bytes)
+from tests.helpers.activation_memory import saved_activation_bytes
+from tests.helpers.dist import run_distributed
+
+TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=88, num_attention_heads=4,
+            num_query_groups=2, padded_vocab_size=128, max_position_embeddings=32)
+
+
+def _measure_weights(tp, pp, bf16, untie, bucket_size):
+    """Build one stage wrapped in DDP, take one optimizer step; return measured and planned bytes."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.model.llama import LlamaModel
+
+    ps.initialize_model_parallel(tp, pp)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = ModelConfig(**TINY, params_dtype=dtype, tensor_model_parallel_size=tp,
+                         untie_embeddings_and_output_weights=untie)
+    rank, size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    model = LlamaModel(config, pre_process=rank == 0, post_process=rank == size - 1,
+                       layer_numbers=get_layer_numbers(config.num_layers, size, rank))
+    ddp = DistributedDataParallel(model, data_parallel_group=ps.get_data_parallel_group(),
+                                  bucket_size=bucket_size)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16, params_dtype=dtype), [ddp])
+    sum(p.float().square().sum() for p in model.parameters()).backward()
+    ddp.finish_grad_sync()
+    opt.step()
+
+    measured = {
+        "parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "gradients": sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers),
+        "optimizer": sum(t.numel() * t.element_size() for st in opt.optimizer.state.values()
+                         for t in st.values() if torch.is_tensor(t))
+        + sum(p.numel() * p.element_size() for g in getattr(opt, "fp32_from_float16_groups", [])
+              for p in g),
+    }
+    dp = ps.get_data_parallel_world_size()
+    numels = param_numels(config, tp, pp, rank)
+    planned = {"parameters": (2 if bf16 else 4) * sum(numels),
+               "gradients": 4 * grad_buffer_numel(numels, dp, bucket_size),
+               "optimizer": optimizer_state_bytes(numels, mixed_precision=bf16)}
+    return measured, planned
+
+
+def _measure_cases(cases):
+    results = []
+    for case in cases:  # one world for all cases: starting worlds is the slow part here
+        results.append(_measure_weights(*case))
+        ps.destroy_model_parallel()
+    return results
+
+
+def test_weights_gradients_optimizer_bytes_exact():
+    cases = [(2, 1, False, True, None),   # TP=2, fp32
+             (1, 2, True, False, None),   # PP=2, bf16 main params, tied copy on the last stage
+             (1, 1, True, True, 3000)]    # DP=2 with several DP-padded buckets
+    for rank_results in run_distributed(2, _measure_cases, cases):
+        for case, (measured, planned) in zip(cases, rank_results):
+            assert measured == planned, case
+
+
+def test_distributed_optimizer_formula():
+    numels = [10, 7, 5]
+    # one bucket of 22 elements padded to 24 for DP=4: 8 * 24 / 4 (fp32), 12 * 24 / 4 (bf16)
+    assert grad_buffer_numel(numels, 4, None) == 24
+    assert optimizer_state_bytes(numels, mixed_precision=False, distributed=True, dp=4) == 48
+    assert optimizer_state_bytes(numels, mixed_precision=True, distributed=True, dp=4) == 72
+
+
+# Recompute settings as ModelConfig fields, with the planner's arguments for them.
+RECOMPUTE = {
+    "none": ({}, dict(recompute="none")),
+    "selective": (dict(recompute_granularity="selective"), dict(recompute="selective")),
+    "full-uniform-1": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+                       dict(recompute="full", recompute_method="uniform", recompute_num_layers=1)),
+    "full-uniform-2": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+                       dict(recompute="full", recompute_method="uniform", recompute_num_layers=2)),
+    "full-block-1": (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+                     dict(recompute="full", recompute_method="block", recompute_num_layers=1)),
+}
+
+
+def _measured_and_planned(config, setting, seq, mbs, num_layers=3):
+    """Bytes ``num_layers`` layers keep for backward when run through the model's layer loop
+    (``forward_layers``: full recompute checkpoints there), counted by ``saved_activation_bytes``
+    without parameters and rotary tables; and the planner's bytes for the same stage."""
+    from megatron.model.recompute import forward_layers
+    from megatron.model.rotary import RotaryEmbedding
+    from megatron.model.transformer import TransformerLayer
+
+    fields, planner_args = RECOMPUTE[setting]
+    config = config.replace(**fields)
+    tp = config.tensor_model_parallel_size
+    sp = config.sequence_parallel and tp > 1
+    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1) for i in range(num_layers))
+    x = torch.randn(seq // tp if sp else seq, mbs, config.hidden_size, dtype=config.params_dtype,
+                    requires_grad=True)
+    cos, sin = RotaryEmbedding(config.kv_channels)(torch.arange(seq).expand(mbs, seq))
+    out, measured = saved_activation_bytes(
+        lambda: forward_layers(layers, x, (cos, sin), None, None, config),
+        exclude=[cos, sin, *layers.parameters()])
+    out.float().sum().backward()  # recomputed storages come back; backward must run
+    assert all(p.grad is not None for p in layers.parameters())
+    planned = layers_activation_bytes(config, seq, mbs, tp, num_layers, sequence_parallel=sp,
+                                      dtype_bytes=2 if config.params_dtype == torch.bfloat16 else 4,
+                                      **planner_args)
+    return measured, planned
+
+
+def _within_10_percent(results):
+    for key, (measured, planned) in results.items():
+        assert abs(planned - measured) <= 0.1 * measured, (key, planned, measured)
+
+
+@pytest.mark.parametrize("dtype,heads,groups,seq,mbs", [
+    (torch.float32, 4, 2, 64, 2),    # GQA
+    (torch.bfloat16, 4, 2, 64, 1),
+    (torch.float32, 4, 4, 32, 2),    # MHA: values are a view of the QKV output
+    (torch.bfloat16, 8, 1, 48, 2),   # MQA
+])
+def test_activation_bytes_within_10_percent(dtype, heads, groups, seq, mbs):
+    config = ModelConfig(**{**TINY, "num_attention_heads": heads, "num_query_groups": groups},
+                         params_dtype=dtype)
+    _within_10_percent({setting: _measured_and_planned(config, setting, seq, mbs)
+                        for setting in RECOMPUTE})
+
+
+def _tp_saved_bytes(seq, mbs):
+    ps.initialize_model_parallel(2, 1)
+    model_parallel_manual_seed(5)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for sp in (False, True):
+            config = ModelConfig(**TINY, params_dtype=dtype, tensor_model_parallel_size=2,
+                                 sequence_parallel=sp)
+            for setting in RECOMPUTE:
+                results[(str(dtype), sp, setting)] = _measured_and_planned(config, setting, seq, mbs)
+    return results
+
+
+def test_activation_bytes_tp2_with_and_without_sequence_parallel_within_10_percent():
+    for rank_results in run_distributed(2, _tp_saved_bytes, 32, 2):
+        _within_10_percent(rank_results)
+
+
+def test_activation_model_orders_recompute_and_sequence_parallel():
+    config = ModelConfig(**TINY)
+    none, sel, full = (activation_bytes_per_layer(config, 64, 2, 2, recompute=r)
+                       for r in ("none", "selective", "full"))
+    assert full < sel < none
+    assert activation_bytes_per_layer(config, 64, 2, 2, sequence_parallel=True) < none
+    with pytest.raises(ValueError, match="recompute"):
+        activation_bytes_per_layer(config, 64, 2, 2, recompute="some")
+    with pytest.raises(ValueError, match="recompute_method"):
+        layers_activation_bytes(config, 64, 2, 2, 4, recompute="full", recompute_method="blocks")
+
+
+def test_stage_adds_the_layers_rebuilt_in_backward():
+    """A 4-layer stage, 2 micro-batches in flight (PP=2): what they keep, plus the layers of one
+    checkpointed group rebuilt with all their intermediates (2 for uniform 2, 1 for block)."""
+    config = ModelConfig(**{**TINY, "num_layers": 8})
+    x, none = 2 * 64 * 2 * 32, activation_bytes_per_layer(config, 64, 2, 1)
+    stage = dict(seq_length=64, micro_batch_size=2, tp=1, pp=2, num_microbatches=4)
+    assert stage_activation_bytes(config, **stage) == 2 * 4 * none
+    assert stage_activation_bytes(config, **stage, recompute="full", recompute_num_layers=2) == 2 * 2 * x + 2 * none
+    assert (stage_activation_bytes(config, **stage, recompute="full", recompute_method="block",
+                                   recompute_num_layers=3) == 2 * (3 * x + none) + none)
+
+
+def test_cost_model_terms_by_hand():
+    """One layout computed by hand: bubble (p-1)/m of compute, DP ring all-reduce exposed."""
+    config = ModelConfig(**TINY)
+    hw = Hardware(num_gpus=4, gpu_memory=1e12, peak_flops=1e12, mfu=0.5, gpus_per_node=4,
+                  intra_node_bandwidth=1e9, reserved_memory=0)
+    layouts = [l for l in enumerate_layouts(config, hw, 8) if (l.tp, l.pp, l.dp, l.micro_batch_size,
+               l.recompute, l.use_distributed_optimizer) == (1, 2, 2, 1, "none", False)]
+    est = estimate(config, layouts[0], hw, 32)
+    # Megatron formula by hand: 12 * B s L h^2 * ((1 + g/n + s/h) * 1 + f/h * 1.5 + v / (2 L h))
+    flops = 12 * 8 * 32 * 2 * 32 ** 2 * ((1 + 0.5 + 1) + 88 / 32 * 1.5 + 128 / (2 * 2 * 32))
+    assert est.compute_s == pytest.approx(flops / (4 * 1e12 * 0.5))
+    assert est.bubble_s == pytest.approx(est.compute_s * 1 / 4)
+    psi = max(sum(param_numels(config, 1, 2, r)) for r in (0, 1))  # the busiest stage
+    exposed = 2 * 0.5 * 4 * psi / 1e9 - est.compute_s / 4 * 2 / 3
+    assert est.dp_comm_s == pytest.approx(max(0.0, exposed))
+    assert est.iteration_s == pytest.approx(est.compute_s + est.bubble_s + est.tp_comm_s
+                                            + est.pp_comm_s + est.dp_comm_s)
+
+
+def test_rank_layouts_filters_by_memory_and_errors_clearly():
+    config = ModelConfig(**TINY)
+    hw = Hardware(num_gpus=4, gpu_memory=1e12, gpus_per_node=4, reserved_memory=0)
+    ranked = rank_layouts(config, hw, 8, 32, vocab_size=100)
+    assert ranked and all(r.fits for r in ranked)
+    times = [r.iteration_s for r in ranked]
+    assert times == sorted(times)
+    tight = Hardware(num_gpus=4, gpu_memory=ranked[0].memory.total * 0.5, gpus_per_node=4, reserved_memory=0)
+    assert all(r.memory.total <= tight.gpu_memory for r in rank_layouts(config, tight, 8, 32))
+    with pytest.raises(ValueError, match="--global-batch-size"):
+        rank_layouts(config, Hardware(num_gpus=3, gpu_memory=1e12, gpus_per_node=1), 7, 32)
+
+
+def test_plan_cli_prints_best_flags(tmp_path, capsys):
+    import json
+    from tools.plan import main
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 172,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}))
+    assert main(["--hf-config", str(cfg), "--num-gpus", "4", "--gpu-memory-gib", "1",
+                 "--global-batch-size", "8", "--seq-length", "64", "--gpus-per-node", "4",
+                 "--reserved-gib", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "launch flags of the best layout" in out and "--tensor-model-parallel-size" in out
+    assert "--untie-embeddings-and-output-weights" in out and "--num-query-groups 2" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["--hf-config", str(bad), "--num-gpus", "4", "--gpu-memory-gib", "1",
+                 "--global-batch-size", "8", "--seq-length", "64"]) == 2
+    assert "num_hidden_layers" in capsys.readouterr().err

@@ -1,0 +1,176 @@
+"""Megatron legacy checkpoint layout: names, round trip, crash safety and clear errors."""
+
+import os
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron import checkpointing as ckpt
+from tests.helpers.checkpoint import checkpoint_parts
+from tests.helpers.dist import run_distributed
+
+
+def test_checkpoint_names_follow_megatron():
+    name = ckpt.get_checkpoint_name("out", 100, pipeline_parallel=True, tensor_rank=1, pipeline_rank=2)
+    assert name == os.path.join("out", "iter_0000100", "mp_rank_01_002", "model_optim_rng.pt")
+    name = ckpt.get_checkpoint_name("out", 7, pipeline_parallel=False, tensor_rank=0, pipeline_rank=0)
+    assert name == os.path.join("out", "iter_0000007", "mp_rank_00", "model_optim_rng.pt")
+    name = ckpt.get_checkpoint_name("out", 0, release=True, pipeline_parallel=False, tensor_rank=3)
+    assert name == os.path.join("out", "release", "mp_rank_03", "model_optim_rng.pt")
+
+
+def test_tracker_file(tmp_path):
+    tracker = tmp_path / ckpt.TRACKER_FILENAME
+    tracker.write_text("release")
+    assert ckpt.read_metadata(str(tracker)) == (0, True)
+    tracker.write_text("42\n")
+    assert ckpt.read_metadata(str(tracker)) == (42, False)
+    tracker.write_text("latest")
+    with pytest.raises(ckpt.CheckpointError, match="iteration number or 'release'"):
+        ckpt.read_metadata(str(tracker))
+
+
+def test_args_are_plain_values():
+    args = SimpleNamespace(lr=1e-3, dtype=torch.bfloat16, data_path=("a", "b"), save=None)
+    assert ckpt.args_to_dict(args) == {"data_path": ["a", "b"], "dtype": "torch.bfloat16",
+                                       "lr": 1e-3, "save": None}
+
+
+def _round_trip(save_dir):
+    model, opt, sched = checkpoint_parts(0)
+    sched.num_steps = 5
+    args = SimpleNamespace(save=save_dir, load=save_dir, finetune=False, no_load_optim=False,
+                           no_load_rng=False, keep_last_checkpoints=1, hidden_size=4)
+    ckpt.save_checkpoint(3, model, opt, sched, args, consumed_train_samples=24,
+                         consumed_valid_samples=8)
+    ckpt.save_checkpoint(6, model, opt, sched, args, consumed_train_samples=48,
+                         consumed_valid_samples=16)
+    after_save = torch.rand(3)
+    model2, opt2, sched2 = checkpoint_parts(1)
+    loaded = ckpt.load_checkpoint(model2, opt2, sched2, args)
+    after_load = torch.rand(3)
+    same_weights = all(torch.equal(a, b) for a, b in zip(model[0].state_dict().values(),
+                                                         model2[0].state_dict().values()))
+    same_opt = torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
+    return loaded, same_weights, same_opt, sched2.num_steps, torch.equal(after_save, after_load)
+
+
+def test_save_load_round_trip_two_pipeline_stages(tmp_path):
+    out = run_distributed(2, _round_trip, str(tmp_path))
+    for loaded, same_weights, same_opt, steps, same_rng in out:
+        assert loaded == {"iteration": 6, "consumed_train_samples": 48, "consumed_valid_samples": 16}
+        assert same_weights and same_opt and steps == 5 and same_rng
+    assert (tmp_path / ckpt.TRACKER_FILENAME).read_text() == "6"
+    assert sorted(os.listdir(tmp_path / "iter_0000006")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    # --keep-last-checkpoints 1 removed iteration 3 once 6 was complete; no staging folder is left.
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000006", ckpt.TRACKER_FILENAME]
+    # --use-checkpoint-args takes the model shape from the saved arguments.
+    args = SimpleNamespace(load=str(tmp_path), hidden_size=99, num_layers=3)
+    assert ckpt.load_args_from_checkpoint(args) == ["hidden_size"]
+    assert args.hidden_size == 4 and args.num_layers == 3
+    path = tmp_path / "iter_0000006" / "mp_rank_00_001" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["args"]["save"] == str(tmp_path) and state["iteration"] == 6
+
+
+def _failing_save(save_dir):
+    model, opt, sched = checkpoint_parts(0)
+    args = SimpleNamespace(save=save_dir, load=save_dir, keep_last_checkpoints=1)
+    ckpt.save_checkpoint(1, model, opt, sched, args, consumed_train_samples=8, consumed_valid_samples=0)
+    if torch.distributed.get_rank() == 1:
+        def full_disk(obj, path):
+            raise OSError(28, "No space left on device")
+        ckpt._write_atomic = full_disk
+    try:
+        ckpt.save_checkpoint(2, model, opt, sched, args, consumed_train_samples=16,
+                             consumed_valid_samples=0)
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path):
+    errors = run_distributed(2, _failing_save, str(tmp_path))
+    assert "No space left on device" in errors[1] and "another rank" in errors[0]
+    assert (tmp_path / ckpt.TRACKER_FILENAME).read_text() == "1"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ckpt.TRACKER_FILENAME]
+
+
+def _load_error(save_dir, case):
+    model, opt, sched = checkpoint_parts(0)
+    args = SimpleNamespace(save=save_dir, load=save_dir, finetune=False, no_load_optim=False,
+                           no_load_rng=False)
+    ckpt.save_checkpoint(4, model, opt, sched, args, consumed_train_samples=8, consumed_valid_samples=0)
+    path = ckpt.get_checkpoint_name(save_dir, 4)
+    if case == "shape":
+        model, opt, sched = checkpoint_parts(0, out_features=5)
+    elif case == "corrupt":
+        with open(path, "r+b") as f:
+            f.truncate(100)
+    elif case == "pickle":
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("echo pwned",))
+        with open(path, "wb") as f:
+            pickle.dump({"model": Evil()}, f)
+    elif case == "missing":
+        os.remove(path)
+    try:
+        ckpt.load_checkpoint(model, opt, sched, args)
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _load_errors(root, cases):
+    return [_load_error(os.path.join(root, case), case) for case in cases]
+
+
+LOAD_ERRORS = {
+    "shape": r"tensor weight has shape \(3, 4\) in the checkpoint but \(5, 4\) in the model",
+    "corrupt": r"cannot read checkpoint shard .*iter_0000004.*model_optim_rng.pt",
+    "pickle": r"refused for safety",
+    "missing": r"model_optim_rng.pt does not exist.*No other complete checkpoint",
+}
+
+
+def test_load_errors_name_file_and_problem(tmp_path):
+    import re
+
+    messages = run_distributed(1, _load_errors, str(tmp_path), list(LOAD_ERRORS))[0]
+    for (case, expected), message in zip(LOAD_ERRORS.items(), messages):
+        assert message is not None and re.search(expected, message), (case, message)
+
+
+def _fresh_or_finetune(load_dir, finetune):
+    model, opt, sched = checkpoint_parts(0)
+    args = SimpleNamespace(load=load_dir, finetune=finetune)
+    try:
+        return ckpt.load_checkpoint(model, opt, sched, args)
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+
+
+def test_empty_load_folder_is_fresh_start_but_finetune_error(tmp_path):
+    assert run_distributed(1, _fresh_or_finetune, str(tmp_path), False)[0]["iteration"] == 0
+    assert "--finetune needs a checkpoint" in run_distributed(1, _fresh_or_finetune, str(tmp_path), True)[0]
+
+
+def _release(save_dir):
+    model, opt, sched = checkpoint_parts(0)
+    args = SimpleNamespace(save=save_dir, load=save_dir, finetune=False, no_load_optim=False,
+                           no_load_rng=False)
+    ckpt.save_checkpoint(9, model, opt, sched, args, consumed_train_samples=8, consumed_valid_samples=0)
+    os.rename(os.path.join(save_dir, "iter_0000009"), os.path.join(save_dir, "release"))
+    with open(os.path.join(save_dir, ckpt.TRACKER_FILENAME), "w") as f:
+        f.write("release")
+    model2, opt2, sched2 = checkpoint_parts(1)
+    loaded = ckpt.load_checkpoint(model2, opt2, sched2, args)
+    return loaded, torch.equal(model[0].weight, model2[0].weight)
+
+
+def test_release_checkpoint_loads_weights_only(tmp_path):
+    loaded, same = run_distributed(1, _release, str(tmp_path))[0]
+    assert loaded["iteration"] == 0 and same

@@ -404,10 +404,45 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
         optimizer.load_parameter_state(shard_paths if saved.get("distributed_optimizer") else [])
 
 
+def _read_shard(path: str, args) -> dict:
+    """This rank's shard: ours as saved, or another system's (Megatron-LM) translated to ours by
+    :func:`megatron.foreign_checkpoints.state_for_load` (notes printed on rank 0)."""
+    from megatron import foreign_checkpoints
+
+    probe = path if os.path.isfile(path) else foreign_checkpoints.first_shard(
+        os.path.dirname(os.path.dirname(path)))
+    state = None
+    if probe is not None:
+        state = foreign_checkpoints.state_for_load(
+            probe, path, args, parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+    if state is None:
+        return _torch_load(path, args.load)
+    if dist.get_rank() == 0:
+        for note in state["notes"]:
+            print(f" {note}", flush=True)
+    return state
+
+
+def read_saved_args(path: str) -> dict:
+    """The ``args`` of the shard ``path`` under our names: ours as saved, another system's
+    translated (:func:`megatron.foreign_checkpoints.saved_args`).
+
+    Raises:
+        CheckpointError: unreadable, or a checkpoint that must be converted first.
+    """
+    from megatron import foreign_checkpoints
+
+    foreign = foreign_checkpoints.identify(path)
+    if foreign is not None:
+        return foreign_checkpoints.saved_args(foreign)
+    return dict(_torch_load(path).get("args") or {})
+
+
 def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, args) -> dict:
     """Load this rank's shard ``path``; ``load_checkpoint``'s result."""
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    state = _torch_load(path, args.load)
+    state = _read_shard(path, args)
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         if key not in state:
@@ -422,7 +457,7 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, arg
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 
-    weights_only = release or getattr(args, "finetune", False)
+    weights_only = release or getattr(args, "finetune", False) or state.get("weights_only_load")
     if not weights_only and not getattr(args, "no_load_optim", False):
         if optimizer is not None and state.get("optimizer") is None:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
@@ -481,7 +516,7 @@ def load_args_from_checkpoint(args) -> list[str]:
     shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
     if not shards:
         raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
-    saved = _torch_load(shards[0]).get("args") or {}
+    saved = read_saved_args(shards[0])
     changed = []
     for name in CHECKPOINT_MODEL_ARGS:
         if name in saved and hasattr(args, name):

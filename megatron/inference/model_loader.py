@@ -9,7 +9,7 @@ import os
 import torch
 
 from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
-                                    load_checkpoint, _torch_load)
+                                    load_checkpoint, read_saved_args)
 from megatron.config import ModelConfig
 from megatron.core import parallel_state as ps
 from megatron.model import get_layer_numbers
@@ -19,7 +19,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def checkpoint_args(load_dir: str) -> dict:
-    """The ``args`` dict stored in the checkpoint named by ``load_dir``'s tracker.
+    """The ``args`` dict stored in the checkpoint named by ``load_dir``'s tracker (our names;
+    a Megatron-LM checkpoint's translated).
 
     Raises:
         CheckpointError: no tracker file or no shard.
@@ -31,7 +32,7 @@ def checkpoint_args(load_dir: str) -> dict:
     shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
     if not shards:
         raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
-    return dict(_torch_load(shards[0]).get("args") or {})
+    return read_saved_args(shards[0])
 
 
 def model_config_from_args(saved: dict) -> ModelConfig:

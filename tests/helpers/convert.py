@@ -65,3 +65,32 @@ def assert_logits_match(ours: torch.Tensor, reference: torch.Tensor, atol=1e-4) 
     assert reference.abs().max() > 1.0  # attention far from uniform: the comparison has teeth
     diff = (ours[..., :reference.shape[-1]].float() - reference.float()).abs().max().item()
     assert diff <= atol, f"logits differ by {diff:.3g} > {atol}"
+
+
+def hf_logits(hf_dir: str, ids: torch.Tensor, dtype=torch.float32, round_to=None) -> torch.Tensor:
+    """transformers' eager-attention logits of the HF model in ``hf_dir`` computed in ``dtype``
+    (weights first rounded to ``round_to`` when given, as an fp16 checkpoint holds them)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager",
+                                             torch_dtype=dtype).eval()
+    with torch.no_grad():
+        if round_to is not None:
+            for p in model.parameters():
+                p.copy_(p.to(round_to).to(dtype))
+        return model(ids).logits
+
+
+def assert_reproduces(ours: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor) -> float:
+    """Our fp32 logits reproduce a reference's fp32 logits ``expected`` as well as fp32 allows:
+    no farther from the fp64 logits ``exact`` than the reference itself is (x1.5; a different
+    summation order, e.g. a tensor-parallel split, moves fp32 results by that much), within
+    3e-5 of ``expected``, with the same argmax at 99% of positions. Returns max |ours-expected|."""
+    ours = ours[..., :expected.shape[-1]].float()
+    reference_error = (expected.double() - exact).abs().max().item()
+    our_error = (ours.double() - exact).abs().max().item()
+    diff = (ours - expected).abs().max().item()
+    assert our_error <= 1.5 * reference_error, (our_error, reference_error)
+    assert diff <= 3e-5, diff
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.99
+    return diff

@@ -1,5 +1,7 @@
-"""Convert LLaMA checkpoints between HuggingFace, Megatron-LLaMA and our Megatron layout, at any
-tensor/pipeline-parallel layout (Megatron-LM's ``tools/checkpoint/convert.py`` calling convention).
+"""Convert LLaMA checkpoints between HuggingFace, NVIDIA Megatron-LM, Alibaba Megatron-LLaMA and our
+Megatron layout, at any tensor/pipeline-parallel layout (Megatron-LM's
+``tools/checkpoint/convert.py`` calling convention; Megatron-LM's and Megatron-LLaMA's
+checkpoints are read, not written).
 
 Usage::
 
@@ -7,6 +9,8 @@ Usage::
         --load-dir Llama-2-7b-hf --save-dir ckpt --target-tensor-parallel-size 2 \\
         --target-pipeline-parallel-size 2 [--target-params-dtype bf16]
     python tools/checkpoint/convert.py --loader megatron --saver hf --load-dir ckpt --save-dir out
+    python tools/checkpoint/convert.py --loader megatron-llama --saver megatron \\
+        --load-dir mllama-ckpt --save-dir ckpt --norm-epsilon 1e-6
 
 A loader module ``loader_<name>.py`` provides ``add_arguments(parser)`` and
 ``load_checkpoint(args) -> (meta, stream)``; a saver ``saver_<name>.py`` provides
@@ -30,7 +34,8 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `tools` and `megatron` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-LOADERS = {"hf": "loader_hf", "megatron": "loader_megatron", "megatron-llama": "loader_megatron_llama",
+LOADERS = {"hf": "loader_hf", "megatron": "loader_megatron", "megatron-lm": "loader_megatron",
+           "megatron-llama": "loader_megatron_llama",
            "megatron_llama": "loader_megatron_llama"}
 SAVERS = {"megatron": "saver_megatron", "hf": "saver_hf"}
 

@@ -1,9 +1,14 @@
-"""Loader ``--loader megatron``: our checkpoints (Megatron legacy layout) at any TP/PP.
+"""Loader ``--loader megatron`` (alias ``megatron-lm``): checkpoints in Megatron's legacy layout
+(``--ckpt-format torch``) at any TP/PP: ours, and NVIDIA Megatron-LM's (Megatron-Core or
+legacy-model tensor names, found from the first shard; :mod:`megatron.foreign_checkpoints`).
 
 Reads the tracker (``release`` or an iteration), finds the layout from the ``mp_rank_*`` folders,
 takes the model shape from the stored ``args`` and streams one pipeline stage at a time (its
 tensor-parallel shards memory-mapped). The output layer comes from the *last* stage; with tied
-embeddings the first stage's word embedding is the one streamed.
+embeddings the first stage's word embedding is the one streamed. Megatron-LM's shards are renamed
+and their fused QKV reordered by the same mapping ``pretrain_llama.py --load`` uses; values their
+args lose or may hold wrongly come from ``--norm-epsilon``, ``--rotary-base`` and
+``--max-position-embeddings``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import torch
 
 from megatron.config import rope_scaling_from_args
 from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
+from megatron.foreign_checkpoints import (MEGATRON_LM, describe, identify, megatron_lm,
+                                          megatron_lm_args)
+from megatron.foreign_checkpoints.safe_pickle import load_raw
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
 
@@ -25,14 +33,34 @@ _SHARD = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_dp_(\d{3}))?$")
 
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("megatron loader")
+    add_foreign_arguments(group)
+
+
+def add_foreign_arguments(group) -> None:
+    """The flags supplying what another system's checkpoint args lack (shared by the loaders)."""
     group.add_argument("--true-vocab-size", type=int, default=None,
                        help="vocabulary size without padding, when the checkpoint does not store it")
+    group.add_argument("--norm-epsilon", type=float, default=None,
+                       help="RMSNorm epsilon of a Megatron-LM / Megatron-LLaMA checkpoint (overrides "
+                            "its args; required where they lack it)")
+    group.add_argument("--rotary-base", type=float, default=None,
+                       help="RoPE theta of a Megatron-LM checkpoint (overrides its args)")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="maximum positions of a Megatron-LM checkpoint (Megatron-LM's HF "
+                            "loader records 4096)")
+
+
+def foreign_overrides(args) -> dict:
+    return {k: getattr(args, k, None) for k in ("norm_epsilon", "rotary_base",
+                                                "max_position_embeddings", "true_vocab_size")}
 
 
 def find_shards(load_dir: str):
     """``(folder, {(tp_rank, pp_rank): path}, tp, pp)`` of the checkpoint named by the tracker.
 
-    Data-parallel copies (``_dp_DDD``, Megatron-LLaMA) are skipped: the lowest is used.
+    Data-parallel copies (``_dp_DDD``, Megatron-LLaMA) are skipped: the lowest is used. Folders
+    without ``model_optim_rng.pt`` (Megatron-LLaMA's distributed-optimizer ``optim.pt`` /
+    ``distrib_optim.pt`` folders) are not shards.
 
     Raises:
         CheckpointError: no tracker, no shards, or an incomplete TP x PP grid.
@@ -47,7 +75,8 @@ def find_shards(load_dir: str):
         if not m:
             continue
         key = (int(m.group(1)), int(m.group(2) or 0))
-        shards.setdefault(key, os.path.join(path, "model_optim_rng.pt"))
+        if os.path.isfile(os.path.join(path, "model_optim_rng.pt")):  # not optim.pt-only folders
+            shards.setdefault(key, os.path.join(path, "model_optim_rng.pt"))
     if not shards:
         raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
     tp = max(t for t, _ in shards) + 1
@@ -79,11 +108,18 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
 def load_checkpoint(args):
     """``(meta, stream)`` of the checkpoint under ``args.load_dir`` (see ``convert.py``)."""
     folder, shards, tp, pp = find_shards(args.load_dir)
+    foreign = identify(shards[(0, 0)])
+    if foreign is not None:
+        return load_megatron_lm(foreign, shards, tp, pp, args)
+    if any(v is not None for k, v in foreign_overrides(args).items() if k != "true_vocab_size"):
+        raise CheckpointError(f"{args.load_dir} is one of our checkpoints, which record their "
+                              "norm epsilon, RoPE theta and positions: drop --norm-epsilon, "
+                              "--rotary-base and --max-position-embeddings")
     first = load_torch_file(shards[(0, 0)])
     saved = first.get("args")
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{shards[(0, 0)]} stores no args dict; is it one of ours? "
-                              "(Megatron-LLaMA checkpoints: --loader megatron-llama)")
+        raise CheckpointError(f"{shards[(0, 0)]} stores no args dict; it is not a checkpoint of "
+                              "ours, Megatron-LM's or Megatron-LLaMA's")
     # Megatron's keys with virtual pipeline stages: model0, model1, ... (one per chunk).
     chunks = sorted((k for k in first if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
     chunks = chunks if "model" not in first and chunks else ["model"]
@@ -108,6 +144,30 @@ def load_checkpoint(args):
     # plain stages (a shard file is read once per chunk).
     stages = [[lambda t=t, p=p, key=key: load_torch_file(shards[(t, p)])[key] for t in range(tp)]
               for key in chunks for p in range(pp)]
+    return meta, stream_stages(stages, meta, names=OUR_NAMES)
+
+
+def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
+    """``(meta, stream)`` of a Megatron-LM checkpoint (``foreign``: its first shard), each shard
+    mapped to our names and QKV order by :func:`megatron_lm.to_our_state_dict`."""
+    if foreign.system != MEGATRON_LM:
+        raise CheckpointError(f"{args.load_dir} is {describe(foreign)}: use --loader megatron-llama")
+    if getattr(args, "include_optimizer", False):
+        raise CheckpointError(f"{args.load_dir} is {describe(foreign)}: its optimizer state is not "
+                              "converted; convert the weights only (drop --include-optimizer)")
+    ours = megatron_lm_args(foreign, foreign_overrides(args))
+    if (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]) != (tp, pp):
+        raise CheckpointError(f"{args.load_dir}: args say TP={ours['tensor_model_parallel_size']}, "
+                              f"PP={ours['pipeline_model_parallel_size']} but the folder holds "
+                              f"TP={tp}, PP={pp} shards")
+    for note in foreign.notes:
+        print(f" {note}")
+    chunks = megatron_lm.model_keys(foreign.state)
+    embedding = megatron_lm.top_tensor(foreign.state[chunks[0]], "word_embeddings.weight")
+    meta = meta_from_args(ours, embedding.shape[0] * tp, ours["true_vocab_size"])
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    stages = [[lambda t=t, p=p, key=key: megatron_lm.to_our_state_dict(
+        load_raw(shards[(t, p)])[key], ours, tp) for t in range(tp)] for key in chunks for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
 
 

@@ -1,9 +1,12 @@
 """``pretrain_llama.py --load`` on checkpoints other systems wrote (``../shared/data``): a genuine
 Megatron-LM checkpoint (Megatron-Core names, TP=2 x PP=2, no optimizer state) trains directly at
 its layout, and at TP=1 after ``tools/checkpoint/convert.py``; both start at the loss that
-transformers gives the source HF model on the same batch."""
+transformers gives the source HF model on the same batch. A genuine Megatron-LLaMA checkpoint is
+refused with the one command that converts it, and that command works."""
 
 import os
+import re
+import shlex
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ pytest.importorskip("transformers")
 
 SEQ = 32
 MLM = "megatron-lm-reference/checkpoints"
+MLLAMA = "megatron-llama-reference"
 
 
 def flags(vocab: int, eps: str, heads: int, groups: int, ffn: int):
@@ -82,3 +86,33 @@ def test_megatron_lm_checkpoint_trains_directly_and_after_conversion(shared_data
     print(f"HF loss {reference:.7f}; first losses: direct TP2xPP2 {direct}, converted TP1 {tp1}")
     assert abs(direct[0] - reference) < 1e-5 and abs(tp1[0] - reference) < 1e-5
     assert direct[-1] < direct[0] and tp1[-1] < tp1[0]  # and both train
+
+
+def _load_only(argv):
+    import pretrain_llama
+    try:
+        pretrain_llama.main(argv)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_megatron_llama_checkpoint_is_refused_with_the_converting_command(shared_data, tmp_path):
+    src = os.path.join(shared_data, MLLAMA, "v1_tool_tp2pp1", "checkpoint")
+    prefix, _, _ = repeated_document(str(tmp_path), 1000)
+    argv = flags(1000, "1e-6", 4, 4, 176) + [
+        "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache"), "--load", src,
+        "--finetune", "--make-vocab-size-divisible-by", "1"]
+    message = run_distributed(1, _load_only, argv, timeout=120)[0]
+    assert message is not None and "\n" not in message, message
+    assert f"--load {src} is a Megatron-LLaMA checkpoint" in message, message
+    command = re.search(r"convert it first: python tools/checkpoint/convert.py (.*), then train "
+                        r"with --load (\S+) --finetune", message)
+    assert command is not None, message
+    words = shlex.split(command.group(1))
+    assert words[words.index("--norm-epsilon") + 1] == "1e-06"  # the tool stores no epsilon
+    words[words.index("--save-dir") + 1] = str(tmp_path / "converted")  # shared data is read-only
+    convert(*words)
+    saved = torch.load(tmp_path / "converted" / "release" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=True)["args"]
+    assert saved["norm_epsilon"] == 1e-6 and saved["true_vocab_size"] == 1000

@@ -1,114 +1,119 @@
-"""Loader ``--loader megatron-llama``: checkpoints of Alibaba's Megatron-LLaMA (training runs and
-its conversion tool).
+"""Loader ``--loader megatron-llama``: checkpoints of Alibaba's Megatron-LLaMA, as its conversion
+tool (``tools/checkpoint_conversion/llama_checkpoint_conversion.py``) and its training
+``save_checkpoint`` write them.
 
-Layout: ``release/`` or ``iter_XXXXXXX/`` with ``mp_rank_TT[_PPP][_dp_DDD]/model_optim_rng.pt``;
-``model`` holds ``language_model.embedding.word_embeddings.weight`` (vocabulary partition, first
-stage), ``language_model.encoder.layers.N.*`` (N local to the stage) with per-rank ``[Q; K; V]``
-and ``[gate; up]`` blocks, ``language_model.encoder.final_layernorm.weight`` and ``lm_head.weight``
-(the whole output matrix, replicated on every tensor-parallel rank, last stage). Keys may be
-nested dicts or dotted names. ``args`` is a pickled ``argparse.Namespace``: it is read with
-``torch.load(weights_only=True)`` whose restricted unpickler is allowed ``argparse.Namespace`` and
-nothing else beyond tensors and builtins, so loading never runs code from the file.
+Layout: ``release/`` or ``iter_XXXXXXX/`` with ``mp_rank_TT[_PPP][_dp_DDD]/model_optim_rng.pt``
+(``_dp_000`` with ``--distributed-checkpointing``; folders holding only ``optim.pt`` or
+``distrib_optim.pt``, written for the distributed optimizer, are skipped); ``model`` holds
+``language_model.embedding.word_embeddings.weight`` (vocabulary partition, first stage; padded by
+repeating the last row), ``language_model.encoder.layers.N.*`` (N local to the stage) with
+per-rank ``[Q; K; V]`` and ``[gate; up]`` blocks in HF row order,
+``language_model.encoder.final_layernorm.weight`` and ``lm_head.weight`` (the whole output matrix,
+replicated on every tensor-parallel rank, last stage). Weights may be fp32, bf16 or fp16.
+
+``args`` is a ``types.SimpleNamespace`` (the conversion tool: 14 fields, no norm epsilon) or the
+training run's ``argparse.Namespace`` (with ``megatron.core.enums.ModelType``); both are read as
+plain data (:mod:`megatron.foreign_checkpoints.safe_pickle`), never by running the pickle. What
+the args do not say:
+
+- the norm epsilon (the tool stores none): ``--norm-epsilon``, else the conversion fails naming it;
+- RoPE theta: Megatron-LLaMA hard-codes 10000 (``megatron/model/rotary_pos_embedding.py``);
+- the true vocabulary: the tool's ``orig_vocab_size``, else ``--true-vocab-size``, else the
+  tokenizer that ``save_checkpoint`` writes into the checkpoint folder (``len(tokenizer)``).
 """
 
 from __future__ import annotations
 
-import argparse
-
-import torch
-
 from megatron.checkpointing import CheckpointError
+from megatron.foreign_checkpoints import MEGATRON_LLAMA, describe, identify
+from megatron.foreign_checkpoints.megatron_lm import setting
+from megatron.foreign_checkpoints.safe_pickle import flatten, load_raw
 from tools.checkpoint.layout import DTYPES
-from tools.checkpoint.loader_megatron import find_shards, meta_from_args, stream_stages
+from tools.checkpoint.loader_megatron import (add_foreign_arguments, find_shards, meta_from_args,
+                                              stream_stages)
+from tools.checkpoint.tokenizer_files import tokenizer_info
 
 NAMES = {"embedding": "language_model.embedding.word_embeddings.weight",
          "layer": "language_model.encoder.layers.{}.",
          "final_norm": "language_model.encoder.final_layernorm.weight",
          "output_replicated": "lm_head.weight"}
+ROTARY_BASE = 10000.0  # Megatron-LLaMA's RotaryEmbedding: 1 / 10000 ** (2i / d)
+# args fields, where recorded, that must have our LLaMA's value
+_REQUIRED = {"swiglu": True, "RMSNorm": True, "add_bias_linear": False,
+             "use_rotary_position_embeddings": True, "rotary_percent": 1.0,
+             "apply_layernorm_1p": False, "group_query_attention": False}
 
 
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group("megatron-llama loader")
-    group.add_argument("--true-vocab-size", type=int, default=None,
-                       help="vocabulary size without padding (Megatron-LLaMA does not store it)")
+    add_foreign_arguments(parser.add_argument_group("megatron-llama loader"))
 
 
-def numpy_safe_globals() -> list:
-    """The exact NumPy globals a pickled ``np.random.get_state()`` (Megatron-LLaMA's
-    ``rng_state["np_rng_state"]``: ``("MT19937", uint32[624], int, int, float)``) and NumPy
-    scalars need: the array/scalar reconstructors, ``ndarray``, ``dtype`` and the dtype classes of
-    uint32/int64/float64. Both module spellings are listed (NumPy 1 pickles ``numpy.core``,
-    NumPy 2 ``numpy._core``). None of them runs code: they rebuild arrays from bytes."""
-    import numpy as np
-
-    try:
-        multiarray = np._core.multiarray
-    except AttributeError:  # NumPy 1
-        multiarray = np.core.multiarray
-    allowed = [np.ndarray, np.dtype, multiarray._reconstruct, multiarray.scalar,
-               (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-               (multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
-               (multiarray.scalar, "numpy.core.multiarray.scalar"),
-               (multiarray.scalar, "numpy._core.multiarray.scalar")]
-    allowed += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64)]
-    return allowed
-
-
-def safe_load(path: str) -> dict:
-    """``torch.load(weights_only=True)`` allowing ``argparse.Namespace`` and the NumPy pieces of
-    :func:`numpy_safe_globals` (never a full unpickler, never executes code).
+def model_args(saved: dict, source: str, args, notes: list) -> dict:
+    """Our model arguments from Megatron-LLaMA's ``args`` (plain dict), flags filling the gaps.
 
     Raises:
-        CheckpointError: the file holds other objects (names the refused global).
+        CheckpointError: a field at a value this LLaMA does not implement, or the norm epsilon
+            neither recorded nor given (names ``--norm-epsilon``).
     """
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace] + numpy_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # the unpickler reports refusals as UnpicklingError/RuntimeError
-        raise CheckpointError(f"cannot read {path} safely: {type(exc).__name__}: {exc}") from exc
-
-
-def flatten(tree, prefix: str = "") -> dict:
-    """Nested state dicts -> one dict with dotted names."""
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def _args_dict(args) -> dict:
-    if isinstance(args, argparse.Namespace):
-        return vars(args)
-    if isinstance(args, dict):
-        return args
-    raise CheckpointError(f"checkpoint args of type {type(args).__name__} are not understood")
+    for field, want in _REQUIRED.items():
+        if field in saved and saved[field] is not None and saved[field] != want:
+            raise CheckpointError(f"{source} has {field}={saved[field]!r}; this LLaMA needs "
+                                  f"{field}={want!r}")
+    if getattr(args, "rotary_base", None) not in (None, ROTARY_BASE):
+        notes.append(f"--rotary-base {args.rotary_base} overrides Megatron-LLaMA's hard-coded "
+                     f"theta {ROTARY_BASE:g}")
+    heads = saved["num_attention_heads"]
+    out = {k: saved.get(k) for k in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                     "max_position_embeddings", "seq_length",
+                                     "make_vocab_size_divisible_by")}
+    out.update(
+        num_attention_heads=heads, num_query_groups=heads,
+        kv_channels=saved.get("kv_channels") or saved["hidden_size"] // heads,
+        norm_epsilon=setting(saved, ("layernorm_epsilon",), "--norm-epsilon",
+                             getattr(args, "norm_epsilon", None), source, notes),
+        rotary_base=getattr(args, "rotary_base", None) or ROTARY_BASE,
+        untie_embeddings_and_output_weights=True,  # lm_head, whatever the args say (--causal-lm)
+        max_position_embeddings=getattr(args, "max_position_embeddings", None)
+        or saved["max_position_embeddings"])
+    return out
 
 
 def load_checkpoint(args):
-    """``(meta, stream)`` of the Megatron-LLaMA checkpoint under ``args.load_dir``."""
+    """``(meta, stream)`` of the Megatron-LLaMA checkpoint under ``args.load_dir``.
+
+    Raises:
+        CheckpointError: not a Megatron-LLaMA checkpoint, a refused pickle (named), args that
+            disagree with the folder's layout, or a value the model needs that is missing.
+    """
     folder, shards, tp, pp = find_shards(args.load_dir)
-    first = safe_load(shards[(0, 0)])
-    saved = _args_dict(first.get("args"))
+    foreign = identify(shards[(0, 0)])
+    if foreign is None or foreign.system != MEGATRON_LLAMA:
+        what = describe(foreign) if foreign is not None else "one of ours"
+        raise CheckpointError(f"--load-dir {args.load_dir} is {what}, not Megatron-LLaMA's: use "
+                              "--loader megatron")
+    saved, source = foreign.args, foreign.path
     for name, flag in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if saved.get(name, flag) != flag:
             raise CheckpointError(f"{folder}: args say {name}={saved[name]} but the folder holds "
                                   f"{flag} shards")
-    saved = dict(saved)
-    # Megatron-LLaMA names: --layernorm-epsilon; untied lm_head always (--causal-lm).
-    saved.setdefault("norm_epsilon", saved.get("layernorm_epsilon"))
-    saved["untie_embeddings_and_output_weights"] = True
-    if not saved.get("group_query_attention"):
-        saved["num_query_groups"] = saved["num_attention_heads"]
-    model = flatten(first["model"])
-    embedding = model[NAMES["embedding"]]
-    meta = meta_from_args(saved, embedding.shape[0] * tp, getattr(args, "true_vocab_size", None))
-    meta["tokenizer_type"] = saved.get("tokenizer_type")
-    meta["tokenizer_model"] = saved.get("tokenizer_model") or saved.get("tokenizer_name_or_path")
+    notes = []
+    ours = model_args(saved, source, args, notes)
+    tokenizer = tokenizer_info(args.load_dir)
+    true_vocab = (getattr(args, "true_vocab_size", None) or saved.get("orig_vocab_size")
+                  or tokenizer.get("vocab_size"))
+    embedding = flatten(foreign.state["model"])[NAMES["embedding"]]
+    meta = meta_from_args(ours, embedding.shape[0] * tp, true_vocab)
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-    stages = [[lambda t=t, p=p: flatten(safe_load(shards[(t, p)])["model"]) for t in range(tp)]
+    if tokenizer:  # save_checkpoint / the tool copy the tokenizer files into the root
+        meta["tokenizer_dir"] = args.load_dir
+    elif saved.get("tokenizer_type") == "PretrainedFromHF":
+        meta["tokenizer_type"] = "PretrainedFromHF"
+        meta["tokenizer_model"] = saved.get("tokenizer_name_or_path")
+    if tokenizer.get("bos_token_id") is not None or tokenizer.get("eos_token_id") is not None:
+        meta["hf_token_ids"] = {k: tokenizer.get(k) for k in ("bos_token_id", "eos_token_id")}
+    for note in notes:
+        print(f" {note}")
+    stages = [[lambda t=t, p=p: flatten(load_raw(shards[(t, p)])["model"]) for t in range(tp)]
               for p in range(pp)]
     return meta, stream_stages(stages, meta, names=NAMES)
+

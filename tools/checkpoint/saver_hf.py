@@ -18,6 +18,7 @@ import torch
 
 from tools.checkpoint.layout import DTYPES
 from tools.checkpoint.loader_hf import TOKENIZER_FILES
+from tools.checkpoint.tokenizer_files import tokenizer_info
 
 _HF_LAYER = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
              "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
@@ -42,11 +43,13 @@ def _size(text: str) -> int:
     return int(t)
 
 
-def hf_config(meta: dict, dtype: torch.dtype) -> dict:
+def hf_config(meta: dict, dtype: torch.dtype, tokenizer_dir: str | None = None) -> dict:
     """``config.json`` of the model (``LlamaConfig`` fields, both rope spellings for old and new
-    transformers)."""
+    transformers). BOS / EOS ids: the source's, else those of the tokenizer files in
+    ``tokenizer_dir`` (:func:`tools.checkpoint.tokenizer_files.tokenizer_info`), else None."""
     rope = {"rope_type": "default"} if meta.get("rope_scaling") is None else dict(meta["rope_scaling"])
-    ids = meta.get("hf_token_ids") or {}
+    ids = {k: v for k, v in tokenizer_info(tokenizer_dir).items() if k != "vocab_size"}
+    ids.update({k: v for k, v in (meta.get("hf_token_ids") or {}).items() if v is not None})
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": meta["true_vocab_size"], "hidden_size": meta["hidden_size"],
@@ -159,10 +162,10 @@ def save_checkpoint(meta: dict, stream, args) -> str:
         writer.spill()
         del payload  # else it lives on while the loader builds the next message
     writer.finish()
+    source = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
+    _copy_tokenizer(source, folder)
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(meta, dtype), f, indent=2)
-    _copy_tokenizer(args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model"),
-                    folder)
+        json.dump(hf_config(meta, dtype, folder), f, indent=2)
     return folder
 
 

@@ -1,93 +1,171 @@
-"""Megatron-LLaMA checkpoints (built synthetically in its layout) convert exactly, and their pickled
-args are read without running code."""
+"""Genuine Megatron-LLaMA checkpoints (``../shared/data/megatron-llama-reference``: V1, its
+conversion tool's TP=2 release; V2, its training ``save_checkpoint`` at TP=2 x PP=2) convert to HF
+bitwise and to ours, our model reproduces the expected logits, and the pickles inside are read as
+plain data, never executed.
 
-import argparse
+The other variants Megatron-LLaMA writes are built here from the genuine files, transformed exactly
+as its code writes them (alibaba/Megatron-LLaMA 25306de):
+
+- ``fp16``: ``tools/checkpoint_conversion/hf_to_megatron.sh``'s flags (TP 2, PP 1, DP 16, fp16).
+  The tool casts each HF tensor with ``.to(dtype)`` before splitting it and records
+  ``data_parallel_size`` and ``params_dtype`` in its ``SimpleNamespace``: V1's tensors (bitwise the
+  HF ones) cast to fp16, its args with those two fields changed.
+- ``dp``: ``save_checkpoint`` with ``--distributed-checkpointing``: data-parallel rank 0 of each
+  (TP, PP) rank writes ``mp_rank_TT_PPP_dp_000/model_optim_rng.pt``
+  (``get_rank_directory_name``): V2's files byte for byte in those folders.
+- ``distopt``: the tool with ``--use_distributed_optimizer`` (TP 2, PP 1): the model files lose
+  their dummy ``optimizer`` entry, which goes to ``release/mp_rank_0T_000/optim.pt`` instead.
+"""
+
+import json
 import os
+import shutil
+import types
 
 import pytest
 import torch
 
 from megatron.checkpointing import CheckpointError
-from tests.helpers.convert import VOCAB, convert, make_hf
-from tools.checkpoint.layout import fuse_gate_up, fuse_qkv, pad_vocab, split
+from megatron.foreign_checkpoints.safe_pickle import load_raw
+from tests.helpers.convert import assert_reproduces, convert, hf_logits, megatron_logits
 
-TP, PP, LAYERS, PADDED = 2, 2, 4, 256
+pytest.importorskip("transformers")
 
-
-def megatron_llama_rng_state():
-    """Megatron-LLaMA's ``rng_state`` entry: NumPy's state as NumPy pickles it (a uint32 array),
-    Python's, torch's, and a NumPy scalar for good measure."""
-    import random
-
-    import numpy as np
-    np.random.seed(11)
-    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None,
-            "rng_tracker_states": {}, "np_scalar": np.float64(0.5), "np_int": np.int64(3)}
+TOKENIZER = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def write_megatron_llama(hf_dir, out, iteration=10):
-    """Write ``hf_dir``'s model in Megatron-LLaMA's layout at TP=2, PP=2 (nested dicts, lm_head
-    replicated, per-rank [Q; K; V] and [gate; up], _dp_000 folders, an argparse.Namespace)."""
-    from safetensors.torch import load_file
+def _root(shared_data):
+    return os.path.join(shared_data, "megatron-llama-reference")
 
-    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
-    ns = argparse.Namespace(num_layers=LAYERS, hidden_size=64, ffn_hidden_size=96,
-                            num_attention_heads=8, group_query_attention=True, num_query_groups=2,
-                            kv_channels=8, max_position_embeddings=256, seq_length=128,
-                            layernorm_epsilon=1e-6, rotary_base=50000.0, padded_vocab_size=PADDED,
-                            tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
-                            params_dtype=torch.float32, tokenizer_type="PretrainedFromHF")
-    embed = split(pad_vocab(sd["model.embed_tokens.weight"], PADDED), TP, 0)
-    folder = os.path.join(out, f"iter_{iteration:07d}")
-    per_stage = LAYERS // PP
-    for p in range(PP):
-        for t in range(TP):
-            encoder = {}
-            for i in range(per_stage):
-                g, pre = p * per_stage + i, f"layers.{i}."
-                h = lambda n: sd[f"model.layers.{g}.{n}.weight"]  # noqa: E731
-                encoder[pre + "input_layernorm.weight"] = h("input_layernorm")
-                encoder[pre + "self_attention.query_key_value.weight"] = fuse_qkv(
-                    h("self_attn.q_proj"), h("self_attn.k_proj"), h("self_attn.v_proj"), TP)[t]
-                encoder[pre + "self_attention.dense.weight"] = split(h("self_attn.o_proj"), TP, 1)[t]
-                encoder[pre + "post_attention_layernorm.weight"] = h("post_attention_layernorm")
-                encoder[pre + "mlp.dense_h_to_4h.weight"] = fuse_gate_up(
-                    h("mlp.gate_proj"), h("mlp.up_proj"), TP)[t]
-                encoder[pre + "mlp.dense_4h_to_h.weight"] = split(h("mlp.down_proj"), TP, 1)[t]
-            model = {"language_model": {"encoder": encoder}}
-            if p == 0:
-                model["language_model"]["embedding"] = {"word_embeddings": {"weight": embed[t]}}
-            if p == PP - 1:
-                encoder["final_layernorm.weight"] = sd["model.norm.weight"]
-                model["lm_head.weight"] = pad_vocab(sd["lm_head.weight"], PADDED)
-            path = os.path.join(folder, f"mp_rank_{t:02d}_{p:03d}_dp_000", "model_optim_rng.pt")
-            os.makedirs(os.path.dirname(path))
-            torch.save({"model": model, "args": ns, "iteration": iteration,
-                        "checkpoint_version": 3.0, "rng_state": [megatron_llama_rng_state()]}, path)
+
+def _cast(tree, dtype):
+    return {k: _cast(v, dtype) if isinstance(v, dict) else v.to(dtype) for k, v in tree.items()}
+
+
+def _start(src, out, tracker):
+    os.makedirs(out)
+    for name in TOKENIZER:
+        shutil.copy(os.path.join(src, name), out)
     with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(iteration))
+        f.write(tracker)
 
 
-def test_megatron_llama_to_hf_is_bitwise(tmp_path):
+def fp16_variant(root, out):
+    v1 = os.path.join(root, "v1_tool_tp2pp1", "checkpoint")
+    _start(v1, out, "release")
+    for t in range(2):
+        raw = load_raw(os.path.join(v1, "release", f"mp_rank_{t:02d}", "model_optim_rng.pt"))
+        args = types.SimpleNamespace(**dict(vars(raw["args"]), data_parallel_size=16,
+                                            params_dtype=torch.float16))
+        path = os.path.join(out, "release", f"mp_rank_{t:02d}", "model_optim_rng.pt")
+        os.makedirs(os.path.dirname(path))
+        torch.save({"model": _cast(raw["model"], torch.float16), "checkpoint_version": 3.0,
+                    "args": args, "optimizer": raw["optimizer"]}, path)
+
+
+def dp_variant(root, out):
+    v2 = os.path.join(root, "v2_train_tp2pp2", "checkpoint")
+    _start(v2, out, "10")
+    for name in os.listdir(os.path.join(v2, "iter_0000010")):
+        target = os.path.join(out, "iter_0000010", name + "_dp_000")
+        os.makedirs(target)
+        shutil.copy(os.path.join(v2, "iter_0000010", name, "model_optim_rng.pt"), target)
+
+
+def distopt_variant(root, out):
+    v1 = os.path.join(root, "v1_tool_tp2pp1", "checkpoint")
+    _start(v1, out, "release")
+    for t in range(2):
+        raw = load_raw(os.path.join(v1, "release", f"mp_rank_{t:02d}", "model_optim_rng.pt"))
+        model_dir = os.path.join(out, "release", f"mp_rank_{t:02d}")
+        optim_dir = os.path.join(out, "release", f"mp_rank_{t:02d}_000")  # the tool's naming
+        for folder in (model_dir, optim_dir):
+            os.makedirs(folder)
+        torch.save({k: raw[k] for k in ("model", "checkpoint_version", "args")},
+                   os.path.join(model_dir, "model_optim_rng.pt"))
+        torch.save({"optimizer": raw["optimizer"]}, os.path.join(optim_dir, "optim.pt"))
+
+
+@pytest.fixture(scope="module")
+def vectors(shared_data, tmp_path_factory):
+    """``{name: (checkpoint folder, extra convert flags, fp16)}``, genuine and transformed."""
+    root, tmp = _root(shared_data), tmp_path_factory.mktemp("mllama")
+    for name, build in (("fp16", fp16_variant), ("dp", dp_variant), ("distopt", distopt_variant)):
+        build(root, str(tmp / name))
+    eps = ["--norm-epsilon", "1e-6"]  # the conversion tool stores none
+    return {"v1": (os.path.join(root, "v1_tool_tp2pp1", "checkpoint"), eps, False),
+            "v2": (os.path.join(root, "v2_train_tp2pp2", "checkpoint"), [], False),
+            "fp16": (str(tmp / "fp16"), eps, True), "dp": (str(tmp / "dp"), [], False),
+            "distopt": (str(tmp / "distopt"), eps, False)}
+
+
+@pytest.mark.parametrize("name", ["v1", "v2", "fp16", "dp", "distopt"])
+def test_to_hf_is_bitwise_and_reproduces_the_logits(vectors, shared_data, tmp_path, name):
     from safetensors.torch import load_file
 
-    make_hf(str(tmp_path / "hf"), layers=LAYERS)
-    write_megatron_llama(str(tmp_path / "hf"), str(tmp_path / "mllama"))
-    convert("--loader", "megatron-llama", "--saver", "hf", "--load-dir", tmp_path / "mllama",
-            "--save-dir", tmp_path / "out", "--true-vocab-size", VOCAB)
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    root = _root(shared_data)
+    folder, extra, fp16 = vectors[name]
+    convert("--loader", "megatron-llama", "--saver", "hf", "--load-dir", folder, "--save-dir",
+            tmp_path / "hf", *extra)
+    source = load_file(os.path.join(root, "hf_source", "model.safetensors"))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(exported) == sorted(source)
+    want = {k: v.half() if fp16 else v for k, v in source.items()}
+    assert all(torch.equal(exported[k], want[k]) for k in want)  # all 39 tensors bitwise
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    assert (config["rms_norm_eps"], config["rope_theta"], config["vocab_size"]) == (1e-6, 10000.0, 1000)
+    assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (1, 2, 128)
+    assert os.path.isfile(tmp_path / "hf" / "tokenizer.model")
+    with open(os.path.join(root, "expected.json")) as f:
+        ids = torch.tensor(json.load(f)["batch"]["input_ids"])
+    ours = hf_logits(str(tmp_path / "hf"), ids)
+    if fp16:
+        assert torch.equal(ours, hf_logits(os.path.join(root, "hf_source"), ids, round_to=torch.float16))
+        return
+    expected = torch.load(os.path.join(root, "expected_logits.pt"), weights_only=True)
+    assert torch.equal(ours, hf_logits(os.path.join(root, "hf_source"), ids))  # same model
+    print(f"{name} -> HF: max |logit - expected| {(ours - expected).abs().max().item():.3g}")
+    assert (ours - expected).abs().max() <= 1e-5
 
 
-def test_megatron_llama_without_true_vocab_size_refuses_hf_export(tmp_path):
-    make_hf(str(tmp_path / "hf"), layers=LAYERS)
-    write_megatron_llama(str(tmp_path / "hf"), str(tmp_path / "mllama"))
-    with pytest.raises(ValueError, match="--true-vocab-size"):
-        convert("--loader", "megatron-llama", "--saver", "hf", "--load-dir", tmp_path / "mllama",
-                "--save-dir", tmp_path / "out")
+@pytest.mark.parametrize("name, tp, pp", [("v1", 1, 1), ("v2", 2, 2)])
+def test_to_ours_reproduces_the_logits(vectors, shared_data, tmp_path, name, tp, pp):
+    root = _root(shared_data)
+    folder, extra, _ = vectors[name]
+    convert("--loader", "megatron-llama", "--saver", "megatron", "--load-dir", folder,
+            "--save-dir", tmp_path / "ours", "--target-tensor-parallel-size", tp,
+            "--target-pipeline-parallel-size", pp, *extra)
+    saved = torch.load(tmp_path / "ours" / "release" / ("mp_rank_00" + ("_000" if pp > 1 else ""))
+                       / "model_optim_rng.pt", weights_only=True)["args"]
+    assert (saved["norm_epsilon"], saved["rotary_base"], saved["true_vocab_size"]) == (1e-6, 10000.0, 1000)
+    with open(os.path.join(root, "expected.json")) as f:
+        ids = torch.tensor(json.load(f)["batch"]["input_ids"])
+    logits = megatron_logits(str(tmp_path / "ours"), tp, pp, ids)
+    expected = torch.load(os.path.join(root, "expected_logits.pt"), weights_only=True)
+    exact = hf_logits(os.path.join(root, "hf_source"), ids, torch.float64)
+    diff = assert_reproduces(logits, expected, exact)
+    print(f"{name} -> ours TP={tp} PP={pp}: max |logit - expected| {diff:.3g}")
+
+
+def test_missing_epsilon_fails_naming_the_flag(vectors, tmp_path):
+    folder = vectors["v1"][0]  # genuinely without it: the tool's args have 14 fields, no epsilon
+    with pytest.raises(CheckpointError, match="does not record layernorm_epsilon; pass --norm-epsilon"):
+        convert("--loader", "megatron-llama", "--saver", "hf", "--load-dir", folder,
+                "--save-dir", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_pickles_read_as_plain_data(vectors):
+    from megatron.foreign_checkpoints import MEGATRON_LLAMA, identify
+
+    v1 = identify(os.path.join(vectors["v1"][0], "release", "mp_rank_01", "model_optim_rng.pt"))
+    assert v1.system == MEGATRON_LLAMA and v1.args["params_dtype"] == "torch.float32"
+    assert len(v1.args) == 14 and "layernorm_epsilon" not in v1.args
+    v2 = identify(os.path.join(vectors["v2"][0], "iter_0000010", "mp_rank_01_001", "model_optim_rng.pt"))
+    assert v2.args["model_type"] == "megatron.core.enums.ModelType(1)" and len(v2.args) == 235
+    kind, keys, pos, _, _ = v2.state["rng_state"][0]["np_rng_state"]  # NumPy's own pickle
+    assert kind == "MT19937" and keys.dtype.name == "uint32" and keys.shape == (624,)
 
 
 class _Exploit:
@@ -95,34 +173,17 @@ class _Exploit:
         return (os.system, ("touch PWNED",))
 
 
-def test_pickled_code_is_never_executed(tmp_path, monkeypatch):
+def test_code_in_a_pickle_is_refused_naming_file_and_class(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "ck" / "release" / "mp_rank_00" / "model_optim_rng.pt"
     path.parent.mkdir(parents=True)
     torch.save({"model": {}, "args": _Exploit()}, str(path))
     (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("release")
-    with pytest.raises(CheckpointError, match="cannot read"):
-        convert("--loader", "megatron-llama", "--saver", "hf", "--load-dir", tmp_path / "ck",
-                "--save-dir", tmp_path / "out")
+    for loader in ("megatron-llama", "megatron"):
+        with pytest.raises(CheckpointError) as info:
+            convert("--loader", loader, "--saver", "hf", "--load-dir", tmp_path / "ck",
+                    "--save-dir", tmp_path / "out")
+        message = str(info.value)
+        assert f"{path} pickles the class {os.system.__module__}.system" in message, message
+        assert "weights_only=False" not in message and "\n" not in message
     assert not (tmp_path / "PWNED").exists()
-
-
-def test_numpy_rng_state_loads_with_weights_only_allowlist(tmp_path):
-    import numpy as np
-
-    from tools.checkpoint.loader_megatron_llama import safe_load
-
-    path = str(tmp_path / "model_optim_rng.pt")
-    torch.save({"rng_state": [megatron_llama_rng_state()]}, path)
-    with pytest.raises(Exception):  # the plain weights_only unpickler refuses NumPy objects
-        torch.load(path, weights_only=True)
-    state = safe_load(path)["rng_state"][0]
-    kind, keys, pos, _, _ = state["np_rng_state"]
-    np.random.seed(11)
-    expected = np.random.get_state()
-    assert kind == "MT19937" and keys.dtype == np.uint32 and pos == expected[2]
-    assert np.array_equal(keys, expected[1]) and state["np_scalar"] == 0.5
-    # anything beyond the listed reconstructors and dtypes is still refused
-    torch.save({"rng_state": np.array([1.5], dtype=np.float16)}, path)
-    with pytest.raises(CheckpointError, match="cannot read"):
-        safe_load(path)

@@ -199,3 +199,14 @@ def test_run_flags_must_match_the_checkpoint(shared_data):
     with pytest.raises(CheckpointError, match="M1 has num_attention_heads=8 but this run has "
                                               "--num-attention-heads 4"):
         check_run_matches(ours, argparse.Namespace(**other), "M1")
+
+
+def test_flags_for_foreign_values_are_refused_on_our_checkpoints(tmp_path):
+    from tests.convert_helpers import make_hf
+
+    make_hf(str(tmp_path / "hf"))
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "ours")
+    with pytest.raises(CheckpointError, match="is one of our checkpoints, which record their norm "
+                                              "epsilon.*drop --norm-epsilon"):
+        convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "ours",
+                "--save-dir", tmp_path / "out", "--norm-epsilon", "1e-6")

@@ -94,3 +94,14 @@ def assert_reproduces(ours: torch.Tensor, expected: torch.Tensor, exact: torch.T
     assert diff <= 3e-5, diff
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.99
     return diff
+
+
+def megatron_lm_reference(shared_data: str) -> str:
+    """The folder of Megatron-LM's genuine checkpoints (M1, M2, M3) and their HF source."""
+    return os.path.join(shared_data, "megatron-lm-reference", "checkpoints")
+
+
+def megatron_lm_shard(root: str, name: str, t: int = 0, p=None) -> str:
+    """``root/name/iter_0000001/mp_rank_TT[_PPP]/model_optim_rng.pt`` of a reference vector."""
+    sub = f"mp_rank_{t:02d}" + ("" if p is None else f"_{p:03d}")
+    return os.path.join(root, name, "iter_0000001", sub, "model_optim_rng.pt")

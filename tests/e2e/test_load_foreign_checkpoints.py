@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.convert_helpers import convert
-from tests.dist import run_distributed
+from tests.helpers.convert import convert
+from tests.helpers.dist import run_distributed
 
 pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     py_modules=["pretrain_llama"],
     install_requires=[
-        "torch>=2.3",
+        "torch>=2.5",  # torch.serialization.safe_globals and get_unsafe_globals_in_checkpoint
         "numpy",
         "sentencepiece",
         "tokenizers",

@@ -32,14 +32,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
 from megatron.core import parallel_state
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, partial, corrupt or does not fit the model."""
 
 
 # Names ------------------------------------------------------------------------------------------
@@ -307,22 +304,20 @@ def last_complete_hint(load_dir: str, broken_folder: str) -> str:
             f"{get_checkpoint_tracker_filename(load_dir)}.")
 
 
-def _torch_load(path: str, load_dir: str | None = None) -> dict:
-    """``torch.load(weights_only=True)`` with errors that name the file (and, given the
-    ``--load`` folder, the last complete checkpoint)."""
-    folder = os.path.dirname(os.path.dirname(path))
-    hint = last_complete_hint(load_dir, folder) if load_dir else ""
+def _torch_load(path: str) -> dict:
+    """This rank's shard ``path`` (:func:`megatron.checkpoint_io.load_torch_file`: CRCs checked,
+    tensors and plain values only).
+
+    Raises:
+        UnreadableFileError: missing (naming what its folder holds), damaged or refused.
+    """
     if not os.path.isfile(path):
+        folder = os.path.dirname(os.path.dirname(path))
         present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         held = (f"; {folder} holds {present} (a partial checkpoint, or one saved with another "
                 "tensor/pipeline-parallel layout)" if present else "")
-        raise CheckpointError(f"checkpoint shard {path} does not exist{held}.{hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unpickling errors come in many types
-        raise CheckpointError(f"cannot read checkpoint shard {path}: {type(exc).__name__}: {exc}. "
-                              "The file is truncated, corrupt, or holds objects other than tensors "
-                              f"and plain values (refused for safety).{hint}") from exc
+        raise UnreadableFileError(f"checkpoint shard {path} does not exist{held}.")
+    return load_torch_file(path, what="checkpoint shard")
 
 
 def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
@@ -378,6 +373,9 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
     error = None
     try:
         result = _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, args)
+    except UnreadableFileError as exc:  # a shard of this rank: name a checkpoint to fall back on
+        error = UnreadableFileError(str(exc).rstrip(".") + "." + last_complete_hint(
+            args.load, get_checkpoint_dir(args.load, iteration, release)))
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = exc
     # Every rank learns of a failure on any rank, instead of waiting for it in the next collective.
@@ -417,7 +415,7 @@ def _read_shard(path: str, args) -> dict:
             probe, path, args, parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size())
     if state is None:
-        return _torch_load(path, args.load)
+        return _torch_load(path)
     if dist.get_rank() == 0:
         for note in state["notes"]:
             print(f" {note}", flush=True)

@@ -131,7 +131,8 @@ def _load_errors(root, cases):
 LOAD_ERRORS = {
     "shape": r"tensor weight has shape \(3, 4\) in the checkpoint but \(5, 4\) in the model",
     "corrupt": r"cannot read checkpoint shard .*iter_0000004.*model_optim_rng.pt",
-    "pickle": r"refused for safety",
+    "pickle": r"refused to load checkpoint shard .*model_optim_rng.pt: its pickle asks for "
+              r"(posix|nt)\.system.*nothing in it ran",
     "missing": r"model_optim_rng.pt does not exist.*No other complete checkpoint",
 }
 
@@ -142,6 +143,7 @@ def test_load_errors_name_file_and_problem(tmp_path):
     messages = run_distributed(1, _load_errors, str(tmp_path), list(LOAD_ERRORS))[0]
     for (case, expected), message in zip(LOAD_ERRORS.items(), messages):
         assert message is not None and re.search(expected, message), (case, message)
+        assert "weights_only" not in message, (case, message)  # never advise the full unpickler
 
 
 def _fresh_or_finetune(load_dir, finetune):
@@ -174,3 +176,46 @@ def _release(save_dir):
 def test_release_checkpoint_loads_weights_only(tmp_path):
     loaded, same = run_distributed(1, _release, str(tmp_path))[0]
     assert loaded["iteration"] == 0 and same
+
+
+# Flipped bytes: a damaged shard is named with the last complete checkpoint, never loaded ---------
+
+def _flipped_byte_load(folder, target):
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core import parallel_state as ps
+    from tests.helpers.checkpoint import flip_storage_byte
+    from tests.helpers.toy import BUCKET, LR, Net, distrib_iteration
+
+    ps.initialize_model_parallel(1, 1)  # DP=2 with the distributed optimizer
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net(), data_parallel_group=ps.get_data_parallel_group(),
+                                  bucket_size=BUCKET, use_distributed_optimizer=True)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, use_distributed_optimizer=True), [ddp])
+    args = SimpleNamespace(save=folder, load=folder, keep_last_checkpoints=None, finetune=False,
+                           no_load_optim=False, no_load_rng=False)
+    for it in (1, 2):
+        distrib_iteration(ddp, opt, it, 1)
+        ckpt.save_checkpoint(it, [ddp], opt, None, args, consumed_train_samples=16 * it,
+                             consumed_valid_samples=0)
+    shard = os.path.join(folder, "iter_0000002", "mp_rank_00", target)
+    if torch.distributed.get_rank() == 0:
+        flip_storage_byte(shard)
+    torch.distributed.barrier()
+    try:
+        ckpt.load_checkpoint([ddp], opt, None, args)
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("target", ["model_optim_rng.pt", ckpt.distrib_optim_filename(1)])
+def test_flipped_byte_is_named_with_the_last_complete_checkpoint(tmp_path, target):
+    errors = run_distributed(2, _flipped_byte_load, str(tmp_path), target)
+    shard = str(tmp_path / "iter_0000002" / "mp_rank_00" / target)
+    hint = (f"The last complete checkpoint is {tmp_path / 'iter_0000001'}: to resume from it, "
+            f"write 1 into {tmp_path / ckpt.TRACKER_FILENAME}")
+    # both DP ranks read the damaged file (the model shard, or every optimizer shard to re-cut)
+    for message in errors:
+        assert message is not None and shard in message, errors
+        assert "fails its CRC-32 check" in message and hint in message, message

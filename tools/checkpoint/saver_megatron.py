@@ -22,6 +22,7 @@ import shutil
 
 import torch
 
+from megatron.checkpoint_io import load_torch_file
 from megatron.checkpointing import CHECKPOINT_VERSION, get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.tokenizer import vocab_size_with_padding
 from tools.checkpoint import optimizer_state
@@ -202,7 +203,7 @@ class _StageWriter:
         for r in range(self.tp):
             flat = {}
             for path in self.spills[r]:
-                flat.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+                flat.update(load_torch_file(path, what="spill file", mmap=True, verify=False))
             model = {k: v for k, v in flat.items() if not k.startswith("optimizer/")}
             state = dict(self.extra, model=model, args=self.ckpt_args,
                          checkpoint_version=CHECKPOINT_VERSION)

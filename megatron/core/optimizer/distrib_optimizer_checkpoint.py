@@ -22,6 +22,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron.checkpoint_io import load_torch_file
 from megatron.core.optimizer.optimizer import get_param_groups
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -42,7 +43,7 @@ def read_shards(paths: List[str]) -> Tuple[Dict[str, list], int]:
     pieces: Dict[str, list] = {}
     step = 0
     for path in paths:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = load_torch_file(path, what="distributed-optimizer shard")
         step = max(step, int(sd["step"]))
         for name, rec in sd["params"].items():
             pieces.setdefault(name, []).append(rec)

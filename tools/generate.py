@@ -7,8 +7,8 @@ Usage (TP x PP processes; the checkpoint's layout, or reshard it first with
         --max-new-tokens 64 --greedy
     python tools/generate.py --load ckpt --prompt "ROMEO:" --temperature 0.8 --top-k 40 --top-p 0.9
 
-The tokenizer comes from the checkpoint's stored ``--tokenizer-type`` / ``--tokenizer-model`` unless
-given here. Rank 0 prints one sample per prompt.
+The tokenizer comes from the checkpoint's stored ``--tokenizer-type`` / ``--tokenizer-model`` /
+``--tokenizer-name-or-path`` unless given here. Rank 0 prints one sample per prompt.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--tokenizer-type", default=None)
     p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--tokenizer-name-or-path", default=None,
+                   help="HuggingFaceTokenizer folder (default: the checkpoint's)")
     p.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     return p.parse_args(argv)
 
@@ -50,6 +52,7 @@ def main(argv=None) -> list:
     tok_args = argparse.Namespace(
         tokenizer_type=args.tokenizer_type or saved.get("tokenizer_type"),
         tokenizer_model=args.tokenizer_model or saved.get("tokenizer_model"),
+        tokenizer_name_or_path=args.tokenizer_name_or_path or saved.get("tokenizer_name_or_path"),
         vocab_size=saved.get("true_vocab_size"))
     tokenizer = build_tokenizer(tok_args)
     device = select_device(args.distributed_backend)

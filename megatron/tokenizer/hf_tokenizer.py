@@ -1,6 +1,7 @@
 """Tokenizers run by the HuggingFace ``tokenizers`` library: ``HuggingFaceTokenizer`` and ``GPT2BPETokenizer``.
 
-Only local files are read; nothing is downloaded from the hub.
+Only local files are read; nothing is downloaded from the hub, and no code shipped with a
+tokenizer folder is run (:func:`megatron.hf_folder.refuse_custom_code`).
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 from typing import List, Optional, Sequence
+
+from megatron.hf_folder import refuse_custom_code
 
 from .base import AbstractTokenizer
 
@@ -68,6 +71,8 @@ class HuggingFaceTokenizer(_LibTokenizer):
 
     Raises:
         FileNotFoundError: ``path`` is not a local folder holding a tokenizer.
+        ValueError: the folder asks to run its own code (``auto_map``, ``*.py``): refused before
+            anything is read, so ``transformers`` never asks on standard input.
     """
 
     name = "HuggingFaceTokenizer"
@@ -77,6 +82,7 @@ class HuggingFaceTokenizer(_LibTokenizer):
             raise FileNotFoundError(
                 f"--tokenizer-name-or-path {path!r}: not a local folder. Hub downloads are not done here; "
                 "fetch it first (e.g. `huggingface-cli download NAME --local-dir DIR`) and pass DIR")
+        refuse_custom_code(path, "--tokenizer-name-or-path")
         self.source = path
         self._build(path)
 
@@ -97,7 +103,8 @@ class HuggingFaceTokenizer(_LibTokenizer):
             try:
                 from transformers import AutoTokenizer
 
-                fast = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
+                fast = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True,
+                                                     trust_remote_code=False)
             except Exception as e:
                 raise FileNotFoundError(f"--tokenizer-name-or-path {path}: no tokenizer.json, and "
                                         f"transformers could not load the folder ({e})") from e

@@ -2,7 +2,9 @@
 ``pytorch_model*.bin``, tokenizer files), streamed tensor by tensor.
 
 Safetensors are read lazily through ``safetensors.safe_open``; ``.bin`` files with
-``torch.load(weights_only=True, mmap=True)``. Config fields we do not implement are refused
+``torch.load(weights_only=True, mmap=True)`` after a CRC check (:mod:`megatron.checkpoint_io`).
+A folder asking to run its own code (``auto_map``, ``*.py``) is refused, as are index entries
+pointing outside the folder (:mod:`megatron.hf_folder`). Config fields we do not implement are refused
 (:func:`meta_from_hf_config`), never dropped.
 """
 
@@ -13,6 +15,7 @@ import os
 
 import torch
 
+from megatron.hf_folder import refuse_custom_code, weight_map
 from megatron.model.rotary import check_rope_scaling
 from tools.checkpoint.layout import DTYPES, find_file, load_torch_file
 
@@ -103,8 +106,7 @@ class HFWeights:
         self.folder = folder
         index = find_file(folder, ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
         if index is not None:
-            with open(index, encoding="utf-8") as f:
-                self.where = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+            self.where = weight_map(index, folder)  # entries may not point outside the folder
         else:
             single = find_file(folder, ["model.safetensors", "pytorch_model.bin"])
             if single is None:
@@ -149,6 +151,7 @@ def load_checkpoint(args):
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"--load-dir {folder} has no config.json (not a HuggingFace folder)")
+    refuse_custom_code(folder, "--load-dir")  # the model's and its tokenizer files' configs
     with open(cfg_path, encoding="utf-8") as f:
         meta = meta_from_hf_config(json.load(f), cfg_path, getattr(args, "allow_unknown_hf_fields", False))
     meta["tokenizer_dir"] = folder

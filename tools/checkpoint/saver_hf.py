@@ -16,6 +16,8 @@ import shutil
 
 import torch
 
+from megatron.checkpoint_io import load_torch_file
+from megatron.hf_folder import refuse_custom_code
 from tools.checkpoint.layout import DTYPES
 from tools.checkpoint.loader_hf import TOKENIZER_FILES
 from tools.checkpoint.tokenizer_files import tokenizer_info
@@ -96,7 +98,7 @@ class _ShardWriter:
         torch.save({k: v if v.untyped_storage().nbytes() == v.numel() * v.element_size()
                     else v.clone() for k, v in self.fresh.items()}, path)
         self.spills.append(path)
-        self.pending.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        self.pending.update(load_torch_file(path, what="spill file", mmap=True, verify=False))
         self.fresh = {}
 
     def flush(self) -> None:
@@ -134,6 +136,8 @@ def save_checkpoint(meta: dict, stream, args) -> str:
         ValueError: the true vocabulary size is unknown (padding rows would leak into the export),
             or a target tensor/pipeline-parallel size other than 1 was asked for.
         FileExistsError: ``--save-dir`` already holds a model.
+        ValueError: the tokenizer folder to copy asks to run its own code
+            (:func:`megatron.hf_folder.refuse_custom_code`).
     """
     if (args.target_tensor_parallel_size or 1) != 1 or (args.target_pipeline_parallel_size or 1) != 1:
         raise ValueError("--saver hf writes one unsharded model: drop "
@@ -141,6 +145,10 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     if not meta.get("true_vocab_size"):
         raise ValueError("the checkpoint does not store its true vocabulary size, so padding rows "
                          "cannot be removed: pass --true-vocab-size N (the tokenizer's vocabulary)")
+    tokenizer = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
+    if tokenizer and os.path.isdir(tokenizer):  # its files go beside the model: checked first
+        refuse_custom_code(tokenizer, "--tokenizer-dir" if args.tokenizer_dir else
+                           "the source's tokenizer folder")
     folder = args.save_dir
     if os.path.exists(os.path.join(folder, "config.json")):
         raise FileExistsError(f"--save-dir {folder} already holds a model; choose an empty folder")

@@ -1,0 +1,110 @@
+"""HuggingFace model and tokenizer folders, read as data only.
+
+A HuggingFace folder can ask its reader to run Python shipped with it: an ``auto_map`` entry in
+``config.json`` / ``tokenizer_config.json`` (or another ``*config*.json``) names a class in a
+``*.py`` file of the folder, and ``transformers`` then asks on standard input whether to run it
+(and runs it on "y"). Nothing here ever runs such code: :func:`refuse_custom_code` refuses the
+folder before ``transformers`` is imported, every ``from_pretrained`` passes
+``trust_remote_code=False``, and standard input is never read.
+
+A sharded checkpoint's ``model.safetensors.index.json`` (``pytorch_model.bin.index.json``) maps
+each tensor to a shard file; :func:`weight_map` refuses entries that leave the folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+# Keys of a HuggingFace config that make transformers import code (``auto_map``: Auto* class ->
+# "module.Class" in a file of the folder or of another hub repository).
+CUSTOM_CODE_KEYS = ("auto_map",)
+
+
+def _config_files(folder: str) -> list:
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "*config*.json")))
+
+
+def _python_files(folder: str) -> list:
+    """``*.py`` files of ``folder`` and of its direct subfolders (a dynamic module is a file of the
+    folder; one level below covers a copied repository's package)."""
+    found = []
+    for pattern in ("*.py", os.path.join("*", "*.py")):
+        found += glob.glob(os.path.join(glob.escape(folder), pattern))
+    return sorted(found)
+
+
+def refuse_custom_code(folder: str, flag: str) -> None:
+    """Refuse a HuggingFace folder that asks to run code of its own.
+
+    Args:
+        folder: a local model or tokenizer folder.
+        flag: the flag that named it (``--tokenizer-name-or-path``, ``--load-dir``), for messages.
+
+    Raises:
+        ValueError: a ``*config*.json`` of the folder has an ``auto_map`` entry, is not valid JSON,
+            or the folder holds ``*.py`` files; the message names the folder, the file and the key.
+    """
+    fix = ("custom code is never run here (trust_remote_code=False); use a folder with the "
+           "standard files only (tokenizer.json or tokenizer.model, config.json without auto_map, "
+           "no .py files)")
+    for path in _config_files(folder):
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{flag} {folder}: {path} is not readable JSON ({exc})") from None
+        for key in CUSTOM_CODE_KEYS:
+            if isinstance(config, dict) and key in config:
+                raise ValueError(f"{flag} {folder}: {path} asks to run code from the folder "
+                                 f"({key}: {json.dumps(config[key])[:200]}); {fix}")
+    code = _python_files(folder)
+    if code:
+        raise ValueError(f"{flag} {folder}: the folder ships Python code ({', '.join(code[:3])}"
+                         f"{', ...' if len(code) > 3 else ''}); {fix}")
+
+
+def _roots(folder: str) -> list:
+    """Real paths shard files may resolve into: the folder, and for a snapshot of the
+    HuggingFace hub cache (``models--ORG--NAME/snapshots/REV``, whose files are symlinks to
+    ``../../blobs/SHA``) that repository's ``blobs`` folder."""
+    real = os.path.realpath(folder)
+    roots = [real]
+    if os.path.basename(os.path.dirname(real)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
+    return roots
+
+
+def weight_map(index_path: str, folder: str) -> dict:
+    """``{tensor name: shard path}`` of a ``*.index.json`` of ``folder``.
+
+    Raises:
+        ValueError: the index is not valid JSON or has no ``weight_map``, or an entry is not a
+            plain file name inside the folder (absolute, ``..``, or a symlink resolving
+            outside); the message names the index file and the entry.
+    """
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            entries = json.load(f)["weight_map"]
+        items = entries.items()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            AttributeError) as exc:
+        raise ValueError(f"{index_path}: not a checkpoint index with a weight_map "
+                         f"({type(exc).__name__}: {exc})") from None
+    roots, where = _roots(folder), {}
+    for name, file in items:
+        bad = None
+        if not isinstance(file, str) or not file:
+            bad = "not a file name"
+        elif os.path.isabs(file) or ".." in file.replace("\\", "/").split("/"):
+            bad = "a path outside the model folder"
+        else:
+            real = os.path.realpath(os.path.join(folder, file))
+            if not any(real == r or real.startswith(r + os.sep) for r in roots):
+                bad = f"a link resolving outside the model folder, to {real}"
+        if bad:
+            raise ValueError(f"{index_path}: weight_map entry {name!r}: {file!r} is {bad}; shard "
+                             "files must lie in the folder of the index. Fix or replace the index")
+        where[name] = os.path.join(folder, file)
+    return where

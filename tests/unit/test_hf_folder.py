@@ -1,0 +1,96 @@
+"""megatron/hf_folder.py: HuggingFace folders that ask to run code are refused naming the file and
+the key; index entries may not leave the model folder (the hub cache's blob links may)."""
+
+import json
+import os
+
+import pytest
+
+from megatron.hf_folder import refuse_custom_code, weight_map
+
+AUTO_MAP = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+
+
+def _folder(path, files):
+    path.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+def test_standard_folder_passes(tmp_path):
+    refuse_custom_code(_folder(tmp_path / "ok", {
+        "config.json": {"model_type": "llama"}, "tokenizer_config.json": {"eos_token": "</s>"},
+        "tokenizer.json": {"auto_map": "a tokenizer.json is data, never read as a config"},
+        "README.md": "x"}), "--load-dir")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "processor_config.json"])
+def test_auto_map_in_any_config_is_refused_naming_file_and_key(tmp_path, name):
+    folder = _folder(tmp_path / "m", {"config.json": {"model_type": "llama"}, name: {
+        "model_type": "llama", "auto_map": AUTO_MAP}})
+    with pytest.raises(ValueError) as err:
+        refuse_custom_code(folder, "--tokenizer-name-or-path")
+    message = str(err.value)
+    assert message.startswith(f"--tokenizer-name-or-path {folder}: {os.path.join(folder, name)} "
+                              "asks to run code from the folder (auto_map: ")
+    assert "evil.EvilTokenizer" in message and "trust_remote_code=False" in message
+
+
+@pytest.mark.parametrize("name", ["evil.py", os.path.join("pkg", "modeling.py")])
+def test_python_files_are_refused(tmp_path, name):
+    folder = _folder(tmp_path / "m", {"config.json": {}, name: "print('ran')"})
+    with pytest.raises(ValueError, match=r"the folder ships Python code \(.*" + os.path.basename(name)):
+        refuse_custom_code(folder, "--load-dir")
+
+
+def test_unreadable_config_is_named(tmp_path):
+    folder = _folder(tmp_path / "m", {"tokenizer_config.json": "{not json"})
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not readable JSON"):
+        refuse_custom_code(folder, "--load-dir")
+
+
+def _index(folder, entry):
+    path = os.path.join(folder, "model.safetensors.index.json")
+    with open(path, "w") as f:
+        json.dump({"metadata": {}, "weight_map": {"a": "model-1.safetensors", "b": entry}}, f)
+    return path
+
+
+def test_index_entries_inside_the_folder_resolve(tmp_path):
+    folder = _folder(tmp_path / "m", {"model-1.safetensors": "", "sub/model-2.safetensors": ""})
+    where = weight_map(_index(folder, "sub/model-2.safetensors"), folder)
+    assert where == {"a": os.path.join(folder, "model-1.safetensors"),
+                     "b": os.path.join(folder, "sub/model-2.safetensors")}
+
+
+def test_index_entries_leaving_the_folder_are_refused(tmp_path):
+    outside = _folder(tmp_path / "elsewhere", {"secret.safetensors": ""})
+    folder = _folder(tmp_path / "m", {"model-1.safetensors": ""})
+    os.symlink(os.path.join(outside, "secret.safetensors"), os.path.join(folder, "link.safetensors"))
+    for entry, why in ((os.path.join(outside, "secret.safetensors"), "a path outside"),
+                       ("../elsewhere/secret.safetensors", "a path outside"),
+                       ("link.safetensors", "a link resolving outside the model folder, to "
+                        + os.path.realpath(os.path.join(outside, "secret.safetensors"))),
+                       ("", "not a file name")):
+        index = _index(folder, entry)
+        with pytest.raises(ValueError) as err:
+            weight_map(index, folder)
+        assert str(err.value).startswith(f"{index}: weight_map entry 'b': {entry!r} is {why}"), entry
+
+
+def test_hub_cache_snapshot_links_into_its_blobs_are_allowed(tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    blobs = _folder(repo / "blobs", {"0123abcd": ""})
+    snapshot = _folder(repo / "snapshots" / "rev1", {"model-1.safetensors": ""})
+    os.symlink(os.path.join("..", "..", "blobs", "0123abcd"),
+               os.path.join(snapshot, "model-2.safetensors"))
+    where = weight_map(_index(snapshot, "model-2.safetensors"), snapshot)
+    assert os.path.realpath(where["b"]) == os.path.realpath(os.path.join(blobs, "0123abcd"))
+
+
+def test_index_without_weight_map_is_named(tmp_path):
+    folder = _folder(tmp_path / "m", {"model.safetensors.index.json": {"metadata": {}}})
+    with pytest.raises(ValueError, match="not a checkpoint index with a weight_map"):
+        weight_map(os.path.join(folder, "model.safetensors.index.json"), folder)

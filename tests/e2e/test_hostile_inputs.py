@@ -125,3 +125,31 @@ def test_every_entry_point_refuses_custom_code_without_reading_stdin(cases):
                 "(auto_map: ") in err, (case, err[-2000:])
     root = os.path.dirname(cases["preprocess_data"][3])
     assert not [f for f in os.listdir(root) if f.startswith(("pre_", "out_"))]  # nothing written
+
+
+def test_converter_refuses_index_entries_outside_the_model_folder(tmp_path):
+    """A model.safetensors.index.json whose entry points at a shard outside the folder (here a
+    copy of a real one, so only the location is wrong) is refused naming the index and entry."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from tests.helpers.convert import convert
+
+    model = str(tmp_path / "hf")
+    make_hf(model)
+    os.makedirs(tmp_path / "outside")
+    shutil.copy(os.path.join(model, "model.safetensors"), tmp_path / "outside")
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    entries = {name: "model.safetensors" for name in names}
+    entries["model.norm.weight"] = "../outside/model.safetensors"
+    index = os.path.join(model, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": entries}, f)
+    with pytest.raises(ValueError) as err:
+        convert("--loader", "hf", "--saver", "megatron", "--load-dir", model, "--save-dir",
+                tmp_path / "out")
+    assert str(err.value).startswith(f"{index}: weight_map entry 'model.norm.weight': "
+                                     "'../outside/model.safetensors' is a path outside")
+    assert not os.path.exists(tmp_path / "out" / "latest_checkpointed_iteration.txt")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.training import launch
 
 
 def select_device(backend: str | None = None) -> torch.device:
@@ -24,10 +25,16 @@ def select_device(backend: str | None = None) -> torch.device:
 
     Args:
         backend: the requested ``--distributed-backend`` (None: choose from the hardware).
+
+    Raises:
+        ValueError: this rank's GPU does not exist, or the node runs more processes than it has
+            GPUs (:func:`megatron.training.launch.check_local_device`).
     """
     if torch.cuda.is_available() and backend != "gloo":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        torch.cuda.set_device(launch.check_local_device(
+            int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count(),
+            int(local_world) if local_world else None))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -47,7 +54,8 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         True if this call created the process group (the caller then destroys it).
 
     Raises:
-        ValueError: for an unknown backend, or nccl without CUDA.
+        ValueError: for an unknown backend, nccl without CUDA, or two ranks on one GPU.
+        RuntimeError: ``MASTER_PORT`` is taken by another process (names it).
     """
     if dist.is_initialized():
         return False
@@ -61,11 +69,22 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = timedelta(minutes=timeout_minutes)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, store=_elastic_store(rank, world_size, timeout),
-                                rank=rank, world_size=world_size, timeout=timeout)
-    elif "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    launch.die_with_agent()  # a worker whose torchrun agent died must not train on and save
+    if "MASTER_ADDR" in os.environ:
+        try:
+            store = (_elastic_store(rank, world_size, timeout)
+                     if "TORCHELASTIC_RESTART_COUNT" in os.environ else None)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        except RuntimeError as exc:  # torch's DistNetworkError for a port taken by another job
+            error = launch.port_in_use_error(exc, os.environ["MASTER_ADDR"],
+                                             os.environ.get("MASTER_PORT"))
+            if error is None:
+                raise
+            raise error from None
+        if backend == "nccl" and world_size > 1:  # ranks sharing a GPU despite distinct LOCAL_RANKs
+            launch.check_unique_device(dist.distributed_c10d._get_default_store(), rank,
+                                       launch.gpu_identity(torch.cuda.current_device()))
     elif world_size == 1:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1, timeout=timeout)

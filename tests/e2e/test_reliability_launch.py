@@ -213,3 +213,38 @@ def test_sigterm_to_the_agent_as_on_preemption_still_saves(setup):
     assert run.history(0)["iteration"][-1] == last and 3 <= last < 200
     assert f"exiting program at iteration {last} after receiving SIGTERM" in run.log()
     assert open(os.path.join(save, ckpt.TRACKER_FILENAME)).read() == str(last)
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
+    except FileNotFoundError:
+        return False
+
+
+def _published(save):
+    tracker = os.path.join(save, ckpt.TRACKER_FILENAME)
+    return open(tracker).read(), ckpt.complete_checkpoints(save)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_workers_die_with_a_sigkilled_agent_and_save_nothing_more(setup):
+    root, argv, _ = setup
+    save = str(root / "orphan_ckpt")
+    run = Run(root / "orphan", argv("--save", save, "--save-interval", "2", iters=200),
+              env={"RELIABILITY_STEP_DELAY": "0.2"})
+    run.wait_for(r"iteration\s+5/")
+    pids = [run.pid(rank) for rank in range(2)]
+    before = _published(save)
+    os.kill(run.proc.pid, signal.SIGKILL)  # the agent only: the workers live in their own sessions
+    run.proc.wait()
+    killed = time.time()
+    while any(map(_running, pids)) and time.time() - killed < 10:
+        time.sleep(0.05)
+    alive = [pid for pid in pids if _running(pid)]
+    for pid in alive:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their agent:\n{run.log()[-2000:]}"
+    time.sleep(2)  # a worker that lived on would have saved iteration 6 or 8 by now
+    assert _published(save) == before

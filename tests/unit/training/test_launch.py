@@ -1,0 +1,128 @@
+"""megatron/training/launch.py: a rank without a GPU of its own is refused (device count faked on
+the CPU), ranks sharing one physical GPU are named through the store, a taken MASTER_PORT is
+named, and a worker dies with its torchrun agent (both the prctl and the polling guard)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.training import initialize, launch
+from tests.helpers.paths import ROOT
+
+
+def test_local_rank_beyond_the_gpus_or_too_many_processes_is_refused():
+    assert launch.check_local_device(3, 4, 4) == 3
+    with pytest.raises(ValueError, match=r"^LOCAL_RANK=4 but this process sees 4 GPU\(s\)"):
+        launch.check_local_device(4, 4, None)
+    with pytest.raises(ValueError, match=r"^LOCAL_WORLD_SIZE=8 processes on this node but it has "
+                                         r"4 GPU\(s\): ranks would share a GPU"):
+        launch.check_local_device(0, 4, 8)  # refused on every rank, not only the ones above 3
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """torch.cuda as on a machine with two GPUs; set_device calls recorded."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: chosen[-1])
+    return chosen
+
+
+def test_select_device_maps_local_rank_and_refuses_sharing(fake_gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert initialize.select_device("nccl") == torch.device("cuda", 1) and fake_gpus == [1]
+    monkeypatch.setenv("LOCAL_RANK", "2")  # was cuda:(2 % 2) = cuda:0, shared with rank 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=4 processes on this node"):
+        initialize.select_device(None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 but this process sees 2 GPU"):
+        initialize.select_device(None)
+    assert fake_gpus == [1]  # nothing was set for the refused ranks
+    assert initialize.select_device("gloo") == torch.device("cpu")
+
+
+def test_two_ranks_on_one_physical_gpu_are_named():
+    store = dist.HashStore()
+    launch.check_unique_device(store, 0, "GPU-aaaa", host="node1")
+    launch.check_unique_device(store, 1, "GPU-bbbb", host="node1")
+    launch.check_unique_device(store, 2, "GPU-aaaa", host="node2")  # same model, other machine
+    with pytest.raises(ValueError, match="^rank 3 and rank 0 both compute on GPU GPU-aaaa of node1"):
+        launch.check_unique_device(store, 3, "GPU-aaaa", host="node1")
+
+
+def test_taken_master_port_is_named(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        with pytest.raises(RuntimeError) as err:
+            initialize.initialize_distributed("gloo", 0.1)
+    assert str(err.value).startswith(f"MASTER_PORT={port} is already in use on 127.0.0.1")
+    assert not dist.is_initialized()
+
+
+_CHILD = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from megatron.training import launch
+print(launch.die_with_agent(poll_seconds=0.1, use_prctl={prctl}), os.getpid(), flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+# The stand-in agent: starts the worker, reports its pid, then waits to be SIGKILLed.
+_AGENT = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(worker.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("prctl", [True, False])
+def test_worker_dies_with_its_agent(prctl):
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test")
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, _CHILD.format(root=ROOT, prctl=prctl)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    how, pid = agent.stdout.readline().split()
+    assert how == ("prctl" if prctl else "poll") and _running(int(pid))
+    agent.kill()
+    agent.wait()
+    deadline = time.time() + 10
+    while _running(int(pid)) and time.time() < deadline:
+        time.sleep(0.05)
+    alive = _running(int(pid))
+    if alive:  # do not leave it behind
+        os.kill(int(pid), signal.SIGKILL)
+    assert not alive, "the worker outlived its agent"
+
+
+def test_no_guard_outside_torchrun(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert launch.die_with_agent() is None

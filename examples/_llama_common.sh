@@ -8,11 +8,19 @@
 #   CHECKPOINT_DIR   checkpoints are saved here and resumed from here (default ./checkpoints/$NAME)
 #   TENSORBOARD_DIR  TensorBoard events (default ./tensorboard/$NAME)
 #   GPUS_PER_NODE    processes per node (default 8)
-#   NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID
-#                    plain multi-node torchrun: run the same command on every node with the same
-#                    MASTER_ADDR (any one node); torchrun's c10d rendezvous assigns the node ranks.
+#   NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID, NODE_RANK
+#                    plain multi-node torchrun (NNODES > 1): run the same command on every node
+#                    with the same MASTER_ADDR (any one node) and a MASTER_PORT (default 29500)
+#                    and RDZV_ID (default $NAME) no other job on that node uses; torchrun's c10d
+#                    rendezvous assigns the node ranks. NODE_RANK=0 on MASTER_ADDR's node (others
+#                    any other number) makes that node host the rendezvous or fail, naming
+#                    MASTER_PORT, when the port is taken, instead of joining whatever job holds it.
+#                    One node (NNODES unset or 1): torchrun --standalone, on a free port and a
+#                    rendezvous of its own, so two jobs on one machine never join each other.
 #   LAUNCHER         torchrun (default) or slurm (set by the *_slurm.sh scripts: one srun task per
-#                    node, each starting torchrun with the c10d rendezvous on the first node).
+#                    node, each starting torchrun with the c10d rendezvous on the first node, on a
+#                    MASTER_PORT derived from SLURM_JOB_ID, 10000 + SLURM_JOB_ID % 20000, unless
+#                    given: jobs sharing a node keep apart).
 
 set -euo pipefail
 
@@ -21,7 +29,7 @@ REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$NAME}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-tensorboard/$NAME}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-MASTER_PORT=${MASTER_PORT:-29500}
+NNODES=${NNODES:-1}
 
 # LLaMA's architecture, in Megatron-LM's and Megatron-LLaMA's words.
 LLAMA_ARGS=(
@@ -50,6 +58,15 @@ OUTPUT_ARGS=(
     --distributed-backend nccl --distributed-timeout-minutes 30
 )
 
+# Exit 2 naming MASTER_PORT when something on this machine already listens on it (pure bash:
+# a connection to it succeeds).
+check_master_port_free() {
+    if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then
+        echo "MASTER_PORT=$1 is already in use on this machine (another job?): choose another MASTER_PORT" >&2
+        exit 2
+    fi
+}
+
 launch_llama() {
     local args=("${LLAMA_ARGS[@]}" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
                 "${OPTIMIZER_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@")
@@ -58,14 +75,26 @@ launch_llama() {
         local hosts
         mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
         local master=${hosts[0]}
+        # below Linux's ephemeral ports (32768-60999), so no connection of the node holds it
+        local port=${MASTER_PORT:-$(( 10000 + SLURM_JOB_ID % 20000 ))}
         srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
             torchrun --nnodes "$SLURM_JOB_NUM_NODES" --nproc_per_node "$GPUS_PER_NODE" \
-            --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$master:$MASTER_PORT" \
+            --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$master:$port" \
+            "$REPO/pretrain_llama.py" "${args[@]}"
+    elif [ "$NNODES" -gt 1 ]; then
+        : "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node, on every node (NNODES=$NNODES)}"
+        local port=${MASTER_PORT:-29500} host=()
+        if [ "${NODE_RANK:-}" = 0 ]; then
+            check_master_port_free "$port"
+            host=(--rdzv_conf is_host=1)
+        elif [ -n "${NODE_RANK:-}" ]; then
+            host=(--rdzv_conf is_host=0)
+        fi
+        torchrun --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" \
+            --rdzv_id "${RDZV_ID:-$NAME}" --rdzv_backend c10d \
+            --rdzv_endpoint "$MASTER_ADDR:$port" ${host[@]+"${host[@]}"} \
             "$REPO/pretrain_llama.py" "${args[@]}"
     else
-        torchrun --nnodes "${NNODES:-1}" --nproc_per_node "$GPUS_PER_NODE" \
-            --rdzv_id "${RDZV_ID:-$NAME}" --rdzv_backend c10d \
-            --rdzv_endpoint "${MASTER_ADDR:-localhost}:$MASTER_PORT" \
-            "$REPO/pretrain_llama.py" "${args[@]}"
+        torchrun --standalone --nproc_per_node "$GPUS_PER_NODE" "$REPO/pretrain_llama.py" "${args[@]}"
     fi
 }

@@ -21,8 +21,10 @@
 #
 # Environment: ITERS (default 300; CI runs ITERS=40), EVAL_INTERVAL (default ITERS/6),
 # CACHE_DIR (default ./cache), OUT_DIR (default ./runs/llama_cpu_demo), NPROC (default 4),
-# PYTHON (an interpreter to use instead of creating .venv), MASTER_PORT (default 29517; the
-# sample uses MASTER_PORT + 1).
+# PYTHON (an interpreter to use instead of creating .venv), MASTER_PORT (default: none, torchrun
+# --standalone picks a free port, so two demos on one machine never join each other; given, the
+# training uses it and the sample MASTER_PORT + 1, and a port already in use stops the script
+# with exit status 2 naming MASTER_PORT).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -85,9 +87,24 @@ if [[ ! -f "$PREFIX.idx" ]]; then
         --append-eod --workers 2
 fi
 
+# torchrun's rendezvous: a free port of its own, or MASTER_PORT (+ OFFSET) checked to be free.
+rendezvous() {
+    if [[ -z "${MASTER_PORT:-}" ]]; then
+        echo --standalone
+        return
+    fi
+    local port=$(( MASTER_PORT + $1 ))
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        echo "MASTER_PORT=$MASTER_PORT: port $port is already in use on this machine (another job?): choose another MASTER_PORT, or unset it to let torchrun pick a free one" >&2
+        return 2
+    fi
+    echo "--master-port=$port"
+}
+
 # 3. Train ----------------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
-"$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29517}" \
+TRAIN_RDZV=$(rendezvous 0) || exit 2
+"$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$TRAIN_RDZV" \
     pretrain_llama.py \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 \
@@ -113,6 +130,7 @@ echo "TensorBoard: tensorboard --logdir $OUT_DIR/tensorboard"
 
 # 4. Sample ---------------------------------------------------------------------------------------
 echo "greedy sample from the checkpoint:"
-"$PYTHON" -m torch.distributed.run --nproc-per-node 4 --master-port "$(( ${MASTER_PORT:-29517} + 1 ))" \
+SAMPLE_RDZV=$(rendezvous 1) || exit 2
+"$PYTHON" -m torch.distributed.run --nproc-per-node 4 "$SAMPLE_RDZV" \
     tools/generate.py --load "$OUT_DIR/checkpoints" --prompt "ROMEO:" --max-new-tokens 40 \
     --greedy --distributed-backend gloo

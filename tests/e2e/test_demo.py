@@ -13,8 +13,8 @@ from tests.helpers.paths import ROOT
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_cpu_demo_short_variant(tmp_path):
-    env = dict(os.environ, ITERS="40", OUT_DIR=str(tmp_path / "run"), PYTHON=sys.executable,
-               MASTER_PORT="29533")
+    env = dict(os.environ, ITERS="40", OUT_DIR=str(tmp_path / "run"), PYTHON=sys.executable)
+    env.pop("MASTER_PORT", None)  # torchrun --standalone: a free port of its own
     proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "pretrain_llama_cpu_demo.sh")],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     log = proc.stdout + proc.stderr

@@ -10,6 +10,7 @@ at placeholder files, so the file checks run too.
 import glob
 import os
 import re
+import socket
 import stat
 import subprocess
 
@@ -67,6 +68,8 @@ def _env(sandbox, script, capture):
                CACHE_DIR=sandbox["root"], OUT_DIR=os.path.join(sandbox["root"], "out"),
                PYTHON=os.path.join(sandbox["bin"], "python"))
     text = open(script).read()
+    if re.search(r"^NNODES=\$\{NNODES:-([2-9]|\d\d+)\}", text, re.M):  # multi-node by default
+        env.update(MASTER_ADDR="node001")
     nodes = re.search(r"^#SBATCH --nodes=(\d+)", text, re.M)
     if nodes:  # what sbatch would set inside the allocation
         env.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES=nodes.group(1),
@@ -85,10 +88,10 @@ def _option(argv, *names, default):
     return default
 
 
-def _launches(sandbox, script, tmp_path):
+def _launches(sandbox, script, tmp_path, **env):
     capture = str(tmp_path / "capture.jsonl")
-    proc = subprocess.run(["bash", script], env=_env(sandbox, script, capture), cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", script], env=dict(_env(sandbox, script, capture), **env),
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     with open(capture, "rb") as f:
         words = [w.decode() for w in f.read().split(b"\0")[:-1]]
@@ -117,10 +120,58 @@ def test_example_flags_parse_and_validate(sandbox, script, tmp_path):
     assert args.data_parallel_size >= 1
     if os.path.basename(script) != "pretrain_llama_cpu_demo.sh":
         assert args.bf16 and args.untie_embeddings_and_output_weights
-        assert "--rdzv_backend" in launcher and _option(launcher, "--rdzv_backend",
-                                                        default="") == "c10d"
         # Megatron-LLaMA's --data-impl mmap is accepted and reported once as having no effect.
         assert any(m.startswith("--data-impl") for m in report_ignored_flags(args))
+    if script.endswith("_slurm.sh"):  # c10d on the first node, on a port derived from the job id
+        assert _option(launcher, "--rdzv_backend", default="") == "c10d"
+        assert _option(launcher, "--rdzv_endpoint", default="") == f"node001:{10000 + 4242}"
+    elif nnodes > 1:  # plain multi-node: the c10d rendezvous on MASTER_ADDR
+        assert _option(launcher, "--rdzv_endpoint", default="") == "node001:29500"
+    else:  # one node: a free port and a rendezvous of its own, never another job's
+        assert "--standalone" in launcher and "--rdzv_endpoint" not in launcher
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _run_script(sandbox, script, tmp_path, **env):
+    capture = str(tmp_path / "capture.jsonl")
+    full = dict(_env(sandbox, script, capture), **env)
+    proc = subprocess.run(["bash", script], env=full, cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=60)
+    return proc, open(capture).read() if os.path.exists(capture) else ""
+
+
+def test_multi_node_first_node_hosts_the_rendezvous_or_names_master_port(sandbox, tmp_path,
+                                                                         taken_port):
+    script = os.path.join(ROOT, "examples", "pretrain_llama2_7b.sh")
+    common = dict(NNODES="2", MASTER_ADDR="127.0.0.1")
+    proc, launched = _run_script(sandbox, script, tmp_path, NODE_RANK="0",
+                                 MASTER_PORT=str(taken_port), **common)
+    assert proc.returncode == 2 and not launched, proc.stderr
+    assert f"MASTER_PORT={taken_port} is already in use on this machine" in proc.stderr
+    for rank, is_host in (("0", "1"), ("1", "0")):
+        launches = _launches(sandbox, script, tmp_path, NODE_RANK=rank, **common)
+        launcher = launches[0][:next(i for i, a in enumerate(launches[0])
+                                     if a.endswith("pretrain_llama.py"))]
+        assert _option(launcher, "--rdzv_conf", default="") == f"is_host={is_host}"
+        assert _option(launcher, "--rdzv_endpoint", default="") == "127.0.0.1:29500"
+        os.remove(tmp_path / "capture.jsonl")
+
+
+def test_demo_with_a_taken_master_port_stops_naming_it(sandbox, tmp_path, taken_port):
+    script = os.path.join(ROOT, "examples", "pretrain_llama_cpu_demo.sh")
+    proc, launched = _run_script(sandbox, script, tmp_path, MASTER_PORT=str(taken_port))
+    assert proc.returncode == 2 and "pretrain_llama.py" not in launched, proc.stderr
+    assert f"MASTER_PORT={taken_port}: port {taken_port} is already in use" in proc.stderr
+    # without MASTER_PORT both of its launches (training, sample) are --standalone
+    launches = _launches(sandbox, script, tmp_path)
+    assert len(launches) == 2 and all("--standalone" in argv for argv in launches)
 
 
 def test_slurm_and_torchrun_variants_exist():

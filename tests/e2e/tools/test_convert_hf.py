@@ -65,7 +65,7 @@ def test_round_trip_through_reshard_is_bitwise(hf_dir, tmp_path):
     assert config["vocab_size"] == VOCAB
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == b"stand-in tokenizer bytes"
     reloaded = transformers.LlamaForCausalLM.from_pretrained(
-        str(tmp_path / "hf"), attn_implementation="eager").eval()
+        str(tmp_path / "hf"), attn_implementation="eager", trust_remote_code=False).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(tokens_batch()).logits, expected)
 

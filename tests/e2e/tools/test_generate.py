@@ -49,7 +49,8 @@ def generated(checkpoints):
 
 def test_greedy_equals_transformers_generate(checkpoints, generated):
     hf = transformers.LlamaForCausalLM.from_pretrained(str(checkpoints / "export"),
-                                                       attn_implementation="eager").eval()
+                                                       attn_implementation="eager",
+                                                       trust_remote_code=False).eval()
     with torch.no_grad():
         expected = hf.generate(torch.tensor(PROMPTS), max_new_tokens=NEW, do_sample=False,
                                min_new_tokens=NEW, pad_token_id=0).tolist()

@@ -92,7 +92,7 @@ def test_huggingface_tokenizer_equals_transformers(tmp_path, kind):
     tok = build_tokenizer(_args(tokenizer_type=kind, tokenizer_name_or_path=folder))
     from transformers import AutoTokenizer
 
-    ref = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    ref = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     assert (tok.bos, tok.eod, tok.pad) == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id) == (1, 2, 3)
     assert tok.vocab_size == len(ref)
     for text in ["the lazy dog", "quick brown fox jumps", ""]:

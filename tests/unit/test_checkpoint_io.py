@@ -49,6 +49,7 @@ def test_files_written_without_crcs_still_load(tmp_path):
     assert torch.equal(load_torch_file(path)["w"], torch.ones(8))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's, for the bare pickle
 @pytest.mark.parametrize("how", ["zip", "legacy", "bare pickle"])
 def test_pickle_naming_code_is_refused_naming_the_global(tmp_path, how):
     path = str(tmp_path / "evil.pt")

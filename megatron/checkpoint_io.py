@@ -10,8 +10,8 @@ converters. It
    loads silently, with or without ``mmap``. ``torch.save`` writes the CRCs (unless
    ``torch.serialization.set_crc32_options(False)`` turned them off; records without one, CRC 0,
    are skipped), so files written by any system's ``torch.save`` are covered without a sidecar.
-   Cost: one pass of ``zlib.crc32`` over the file, about 50 ms per 100 MB here (the load itself
-   takes about 320 ms; measured with ``benchmarks/checkpoint_io.py``);
+   Cost: one pass of ``zlib.crc32`` over the file: 48-99 ms per 100 MB on a shared 2-core
+   machine, beside 84-236 ms for the load itself, page cache warm (``benchmarks/checkpoint_io.py``);
 2. reads it with ``torch.load(weights_only=True)``: torch's restricted unpickler builds tensors,
    containers and plain values only, plus the classes a caller lists in ``extra_globals`` (each a
    class that runs no code when built: ``argparse.Namespace`` for Megatron-LM's ``args``);

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from megatron import checkpointing as ckpt
-from tests.helpers.reliability import tiny_argv, write_dataset
+from tests.helpers.reliability import process_running, tiny_argv, write_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -215,14 +215,6 @@ def test_sigterm_to_the_agent_as_on_preemption_still_saves(setup):
     assert open(os.path.join(save, ckpt.TRACKER_FILENAME)).read() == str(last)
 
 
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
-    except FileNotFoundError:
-        return False
-
-
 def _published(save):
     tracker = os.path.join(save, ckpt.TRACKER_FILENAME)
     return open(tracker).read(), ckpt.complete_checkpoints(save)
@@ -240,9 +232,9 @@ def test_workers_die_with_a_sigkilled_agent_and_save_nothing_more(setup):
     os.kill(run.proc.pid, signal.SIGKILL)  # the agent only: the workers live in their own sessions
     run.proc.wait()
     killed = time.time()
-    while any(map(_running, pids)) and time.time() - killed < 10:
+    while any(map(process_running, pids)) and time.time() - killed < 10:
         time.sleep(0.05)
-    alive = [pid for pid in pids if _running(pid)]
+    alive = [pid for pid in pids if process_running(pid)]
     for pid in alive:  # clean up before failing
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived their agent:\n{run.log()[-2000:]}"

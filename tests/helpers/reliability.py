@@ -95,3 +95,13 @@ def crash_child(folder, function, call):
     setattr(module, name, dying)
     ckpt.save_checkpoint(2, model, opt, None, checkpoint_args(folder), consumed_train_samples=16,
                          consumed_valid_samples=0)
+
+
+def process_running(pid):
+    """Whether process ``pid`` still runs (Linux /proc; a zombie, dead but not yet reaped, does
+    not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.training import initialize, launch
 from tests.helpers.paths import ROOT
+from tests.helpers.reliability import process_running
 
 
 def test_local_rank_beyond_the_gpus_or_too_many_processes_is_refused():
@@ -96,14 +97,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("prctl", [True, False])
 def test_worker_dies_with_its_agent(prctl):
@@ -111,13 +104,13 @@ def test_worker_dies_with_its_agent(prctl):
     agent = subprocess.Popen([sys.executable, "-c", _AGENT, _CHILD.format(root=ROOT, prctl=prctl)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     how, pid = agent.stdout.readline().split()
-    assert how == ("prctl" if prctl else "poll") and _running(int(pid))
+    assert how == ("prctl" if prctl else "poll") and process_running(int(pid))
     agent.kill()
     agent.wait()
     deadline = time.time() + 10
-    while _running(int(pid)) and time.time() < deadline:
+    while process_running(int(pid)) and time.time() < deadline:
         time.sleep(0.05)
-    alive = _running(int(pid))
+    alive = process_running(int(pid))
     if alive:  # do not leave it behind
         os.kill(int(pid), signal.SIGKILL)
     assert not alive, "the worker outlived its agent"

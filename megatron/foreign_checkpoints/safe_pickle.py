@@ -10,8 +10,9 @@ them, and ``weights_only=False`` would let the file name any callable.
 Here the file's globals are listed first without unpickling
 (``torch.serialization.get_unsafe_globals_in_checkpoint``); every one beyond torch's own weights-only
 set must be on :data:`ALLOWED` or be an enum of a Megatron ``enums`` module, else the file is
-refused naming it and the class. Then the file is read by torch's restricted (weights-only)
-unpickler with exactly those globals resolved to inert objects:
+refused naming it and the class. Then the file is read by
+:func:`megatron.checkpoint_io.load_torch_file` (its zip CRCs checked, then torch's restricted
+weights-only unpickler) with exactly those globals resolved to inert objects:
 
 - ``argparse.Namespace`` / ``types.SimpleNamespace``: attribute bags (their real classes: they run
   no code when built);
@@ -31,6 +32,7 @@ import zipfile
 
 import torch
 
+from megatron.checkpoint_io import load_torch_file
 from megatron.checkpointing import CheckpointError
 
 # Pickled enum classes of Megatron-LM / Megatron-LLaMA modules ``megatron[.core][...].enums``.
@@ -141,24 +143,17 @@ def allowed_globals(path: str) -> list:
 
 
 def load_raw(path: str) -> dict:
-    """The contents of the ``torch.save`` file ``path``, read by torch's weights-only unpickler
+    """The contents of the ``torch.save`` file ``path``, read by
+    :func:`megatron.checkpoint_io.load_torch_file` (CRCs checked, torch's weights-only unpickler)
     with only :func:`allowed_globals` added: namespaces as themselves, enums as
     :class:`PeerEnum`, tensors memory-mapped (paged in when used).
 
     Raises:
-        CheckpointError: refused (see :func:`allowed_globals`) or unreadable, naming the file.
+        CheckpointError: refused (see :func:`allowed_globals`), damaged or unreadable, naming the
+            file; nothing in it is executed.
     """
-    extra = allowed_globals(path)
-    try:
-        with torch.serialization.safe_globals(extra):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # refusals come as UnpicklingError, damage as RuntimeError
-        # torch's own text suggests weights_only=False; keep only what went wrong
-        text = str(exc).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
-        detail = text[0] if text and "weights_only" not in text[0] else ""
-        raise CheckpointError(f"{path} cannot be read as tensors and plain data "
-                              f"({type(exc).__name__}{': ' + detail if detail else ''}); "
-                              "nothing in it was executed") from None
+    return load_torch_file(path, what="checkpoint shard", mmap=True,
+                           extra_globals=allowed_globals(path))
 
 
 def to_plain(value):

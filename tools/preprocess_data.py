@@ -8,12 +8,33 @@ written by Megatron-LM). Example::
         --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod --workers 8
 
 Parallelism: the main process reads the input as raw bytes in chunks of whole lines (at most
-``--chunk-size`` documents and about 256 KiB each) and hands them to ``--workers`` processes, which
-decode, parse and tokenize a chunk with the tokenizer's batch path and send back each key's tokens
-as one flat array plus the document lengths. The main process writes the chunks in input order,
-so the output does not depend on ``--workers``, and it never unpickles per document, so it keeps
-up with many workers even for small documents. At most ``4 * workers`` chunks are in flight:
-memory is bounded by the chunk size, not the corpus size. Nothing here imports torch.
+``--chunk-size`` documents and about 256 KiB each; a longer line is a chunk of its own) and hands
+them to ``--workers`` processes, which decode, parse and tokenize a chunk with the tokenizer's
+batch path and send back each key's tokens as one flat array plus the document lengths. The main
+process writes the chunks in input order, so the output does not depend on ``--workers``, and it
+never unpickles per document, so it keeps up with many workers even for small documents.
+
+Memory is bounded by the chunk size, not the corpus size: at most ``4 * workers`` chunks and
+``4 * workers * 256 KiB`` of input are in flight, except that a longer line goes alone and its
+result comes back before the next line is read. Such a line of ``L`` bytes is held about 2-3
+times (bytes per byte measured: 2.0 with one process; 2.4 in the main process and 1.6 in a
+worker with two), never once per worker or per chunk in flight: the raw bytes are released once
+decoded, the decoded line once parsed, the text once tokenized. Add the tokenizer's own working
+set: SentencePiece needs about 45 bytes per input byte in one call (one 51 MB line: 2.35 GB
+peak), so with a BPE model whose pieces never span a space (LLaMA's, checked from the model) a
+text longer than ``PIECE_CHARS`` characters is tokenized in pieces cut at single spaces between
+two non-space characters, which gives the same ids as one call (tested; 0.16 GB peak for that
+line, and 3x faster); other tokenizers take the whole text at once.
+``tests/e2e/tools/test_preprocess_memory.py`` measures it.
+
+Empty documents (texts that tokenize to nothing) are recorded as Megatron-LM records them, an
+entry of the document index without a sequence (``add_document([], [])``, no EOD either), so the
+``.idx`` is byte-identical to Megatron-LM's; the summary counts them.
+
+Output is written to temporary names and renamed at the end, older ``.idx`` files of the outputs
+first deleted, so a run killed at any point leaves no loadable partial dataset; the next run
+deletes the temporaries it left (see ``megatron/data/indexed_dataset.py``). Nothing here imports
+torch.
 """
 
 from __future__ import annotations
@@ -23,9 +44,11 @@ import collections
 import gc
 import glob
 import gzip
+import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from itertools import repeat
@@ -41,6 +64,8 @@ from megatron.data.indexed_dataset import (  # noqa: E402
 from megatron.tokenizer import add_tokenizer_args, build_tokenizer  # noqa: E402
 
 CHUNK_BYTES = 256 * 1024  # small enough to balance 77 play-sized documents over the workers
+PIECE_CHARS = 1 << 16     # longer texts are tokenized in pieces where that gives the same ids
+PIECES_PER_CALL = 16      # pieces of one text per tokenizer call (about 1 M characters)
 INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 
 
@@ -78,6 +103,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for flag in ("workers", "chunk_size", "log_interval"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
+    repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
+    if repeated:
+        parser.error(f"--json-keys ({' '.join(args.json_keys)}): {', '.join(repeated)} given more than "
+                     "once, and each key writes its own output file; give every key once")
     return args
 
 
@@ -98,8 +127,29 @@ def input_files(pattern: str) -> List[str]:
     return files
 
 
-def read_chunks(files: List[str], chunk_size: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Tuple[str, int, bytes]]:
-    """Yields ``(path, number of the chunk's first line, whole lines as bytes)`` in input order."""
+def _groups(lines: List[bytes], chunk_size: int, chunk_bytes: int) -> Iterator[Tuple[int, int]]:
+    """Index ranges of at most ``chunk_size`` lines; a line longer than ``chunk_bytes`` alone."""
+    if len(lines) == 1 or max(map(len, lines)) <= chunk_bytes:
+        for start in range(0, len(lines), chunk_size):
+            yield start, min(start + chunk_size, len(lines))
+        return
+    start = 0
+    for i, raw in enumerate(lines + [b""]):
+        if i == len(lines) or len(raw) > chunk_bytes:
+            for s in range(start, i, chunk_size):
+                yield s, min(s + chunk_size, i)
+            if i < len(lines):
+                yield i, i + 1
+            start = i + 1
+
+
+def read_chunks(files: List[str], chunk_size: int,
+                chunk_bytes: int = CHUNK_BYTES) -> Iterator[Tuple[str, int, List[bytes]]]:
+    """Yields ``(path, number of the chunk's first line, [whole lines as one bytes])`` in input order.
+
+    The bytes come in a one-item list that nothing else refers to: :func:`encode_chunk` takes
+    them out, so a huge line is freed as soon as it is decoded.
+    """
     for path in files:
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rb") as f:
@@ -108,26 +158,100 @@ def read_chunks(files: List[str], chunk_size: int, chunk_bytes: int = CHUNK_BYTE
                 lines = f.readlines(chunk_bytes)
                 if not lines:
                     break
-                for start in range(0, len(lines), chunk_size):
-                    part = lines[start:start + chunk_size]
-                    yield path, line, b"".join(part)
-                    line += len(part)
+                for start, stop in _groups(lines, chunk_size, chunk_bytes):
+                    if stop - start == 1:
+                        box, lines[start] = [lines[start]], None
+                    else:
+                        box = [b"".join(lines[start:stop])]
+                    yield path, line, box
+                    line += stop - start
 
 
 # State of a worker process (or of the main process with --workers 1), set by _init_worker.
 _W: Dict = {}
 
 
-def _init_worker(args: argparse.Namespace, tokenizer=None) -> None:
+def _init_worker(args: argparse.Namespace, tokenizer=None, in_pool: bool = False) -> None:
+    if in_pool:  # the main process handles Ctrl-C and SIGTERM and ends the pool itself
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     tokenizer = tokenizer or build_tokenizer(args)
     _W.update(tokenizer=tokenizer, keys=list(args.json_keys), skip=args.skip_invalid,
               eod=tokenizer.eod if args.append_eod else None,
-              dtype=best_fitting_dtype(tokenizer.vocab_size), scan=json.JSONDecoder().scan_once)
+              dtype=best_fitting_dtype(tokenizer.vocab_size), scan=json.JSONDecoder().scan_once,
+              piece_chars=PIECE_CHARS if splits_at_spaces(tokenizer) else 0)
+
+
+def splits_at_spaces(tokenizer) -> bool:
+    """Whether ``ids(t) == ids(t[:i]) + ids(t[i + 1:])`` wherever ``t[i]`` is a space between two
+    characters that are neither a space nor U+2581 (SentencePiece's space symbol).
+
+    True for a SentencePiece BPE model whose normalizer is the identity, which adds the dummy
+    prefix, marks spaces as prefixes, has no user-defined pieces and no piece holding U+2581
+    after another character (LLaMA's, Mistral's): the right part's dummy prefix then stands for
+    the space cut out, and no merge can join the last symbol before a space to the symbols from
+    it on, so both sides are merged alone. Anything else (or no protobuf to read the model): False.
+    """
+    from megatron.tokenizer.sp_tokenizer import SentencePieceTokenizer
+
+    if not isinstance(tokenizer, SentencePieceTokenizer):
+        return False
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = sentencepiece_model_pb2.ModelProto()
+        with open(tokenizer.model_file, "rb") as f:
+            model.ParseFromString(f.read())
+    except Exception:  # noqa: BLE001 - no protobuf, or an unreadable model: do not split
+        return False
+    spec, norm = model.trainer_spec, model.normalizer_spec
+    if (spec.model_type != spec.BPE or spec.treat_whitespace_as_suffix or norm.precompiled_charsmap
+            or not norm.add_dummy_prefix or not norm.escape_whitespaces):
+        return False
+    user_defined = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    return not any(p.type == user_defined or "\u2581" in p.piece.lstrip("\u2581") for p in model.pieces)
+
+
+def _pieces(text: str, limit: int) -> Iterator[str]:
+    """``text`` cut at spaces between two characters other than a space and U+2581, each piece
+    at most about ``limit`` characters where such spaces allow (see :func:`splits_at_spaces`)."""
+    start = 0
+    while len(text) - start > limit:
+        cut = _cut_point(text, start + limit // 2, start + limit)
+        if cut < 0:
+            break
+        yield text[start:cut]
+        start = cut + 1
+    yield text[start:] if start else text
+
+
+def _cut_point(text: str, lo: int, hi: int) -> int:
+    """A space in ``[lo, hi)`` (the last one), else the first after ``hi``, with both neighbours
+    other than a space and U+2581; -1 when there is none."""
+    def ok(i):
+        return 0 < i < len(text) - 1 and text[i - 1] not in " \u2581" and text[i + 1] not in " \u2581"
+
+    i = text.rfind(" ", lo, hi)
+    while i >= lo:
+        if ok(i):
+            return i
+        i = text.rfind(" ", lo, i)
+    i = text.find(" ", hi)
+    while i >= 0:
+        if ok(i):
+            return i
+        i = text.find(" ", i + 1)
+    return -1
 
 
 def _decode(chunk: bytes) -> Tuple[List[str], int]:
     """Lines of the chunk and how many of them held invalid UTF-8 (replaced by U+FFFD)."""
     try:
+        newlines = chunk.count(b"\n")
+        if newlines == 0 or (newlines == 1 and chunk.endswith(b"\n")):
+            # One line, maybe huge: decoded in place, without the copy a split makes.
+            view = memoryview(chunk)
+            return [str(view[:-1] if newlines else view, "utf-8")], 0
         return chunk.decode("utf-8").split("\n"), 0
     except UnicodeDecodeError:
         lines, bad = [], 0
@@ -198,51 +322,104 @@ def _parse_slow(lines: List[str], path: str, first_line: int) -> Tuple[List[List
     return per_key, invalid
 
 
+def _tokenize_texts(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(flat ids, int64 lengths)``; texts longer than the piece limit go piece by piece."""
+    tokenizer, dtype, limit = _W["tokenizer"], _W["dtype"], _W["piece_chars"]
+    if not limit or all(len(t) <= limit for t in texts):
+        return tokenizer.tokenize_batch_flat(texts, dtype=dtype)
+    flats, lengths, i = [], [], 0
+    while i < len(texts):
+        j = i
+        while j < len(texts) and len(texts[j]) <= limit:
+            j += 1
+        if j > i:
+            flat, n = tokenizer.tokenize_batch_flat(texts[i:j], dtype=dtype)
+            flats.append(flat)
+            lengths.append(n)
+        if j < len(texts):
+            pieces, total = _pieces(texts[j], limit), 0
+            while True:
+                batch = list(itertools.islice(pieces, PIECES_PER_CALL))
+                if not batch:
+                    break
+                flat = tokenizer.tokenize_batch_flat(batch, dtype=dtype)[0]
+                flats.append(flat)
+                total += flat.size
+            lengths.append(np.array([total], dtype=np.int64))
+            j += 1
+        i = j
+    return np.concatenate(flats), np.concatenate(lengths)
+
+
 def _tokenize(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
-    """``(flat tokens, int32 lengths)`` of the documents that tokenize to something, EOD appended."""
-    flat, lengths = _W["tokenizer"].tokenize_batch_flat(texts, dtype=_W["dtype"])
-    if not lengths.all():
-        lengths = lengths[lengths > 0]  # empty documents add no tokens to flat
-    if _W["eod"] is not None:
-        flat = np.insert(flat, np.cumsum(lengths), np.asarray(_W["eod"], dtype=flat.dtype))
-        lengths = lengths + 1
+    """``(flat tokens, int32 lengths)``, EOD appended to every document that tokenizes to
+    something; an empty one keeps length 0 and gets no EOD (Megatron-LM's ``encode``)."""
+    flat, lengths = _tokenize_texts(texts)
+    if _W["eod"] is not None and len(lengths):
+        nonempty = lengths > 0
+        flat = np.insert(flat, np.cumsum(lengths)[nonempty], np.asarray(_W["eod"], dtype=flat.dtype))
+        lengths = lengths + nonempty
     return flat, lengths.astype(np.int32)
 
 
-def encode_chunk(path: str, first_line: int, chunk: bytes) -> dict:
+def encode_chunk(path: str, first_line: int, chunk) -> dict:
     """Tokenizes one chunk of lines (runs in a worker).
 
+    Args:
+        chunk: the lines as bytes, or a one-item list holding them (taken out of it, so that a
+            huge line is freed once decoded; :func:`read_chunks` yields that).
+
     Returns:
-        ``{"keys": [(flat token bytes, int32 document lengths bytes) per key], "lines", "invalid",
-        "bad_utf8", "empty": [per key], "bytes"}``; documents that tokenize to nothing are left out.
+        ``{"keys": [(flat token array, int32 document lengths) per key], "lines", "invalid",
+        "bad_utf8", "empty": [per key], "bytes"}``; a document that tokenizes to nothing has
+        length 0.
 
     Raises:
         InputError: a malformed line without ``--skip-invalid``.
     """
+    if isinstance(chunk, list):
+        chunk = chunk.pop()
+    nbytes = len(chunk)
     lines, bad_utf8 = _decode(chunk)
+    del chunk
     if lines and lines[-1] == "":
         lines.pop()
     per_key, invalid = _parse_fast(lines, _W["keys"], _W["scan"]), 0
     if per_key is None:
         per_key, invalid = _parse_slow(lines, path, first_line)
+    del lines  # the texts are their own strings now
     out = {"keys": [], "empty": [], "lines": len(per_key[0]), "invalid": invalid, "bad_utf8": bad_utf8,
-           "bytes": len(chunk)}
-    for texts in per_key:
+           "bytes": nbytes}
+    for k in range(len(per_key)):
+        texts, per_key[k] = per_key[k], None
         flat, lengths = _tokenize(texts)
-        out["keys"].append((flat.tobytes(), lengths.tobytes()))
-        out["empty"].append(len(texts) - len(lengths))
+        del texts
+        out["keys"].append((flat, lengths))
+        out["empty"].append(int(np.count_nonzero(lengths == 0)))
     return out
 
 
-def _in_order(pool, chunks, window: int):
-    """Results of ``encode_chunk`` over ``chunks`` in input order, at most ``window`` in flight."""
-    pending = collections.deque()
-    for chunk in chunks:
-        pending.append(pool.apply_async(encode_chunk, chunk))
-        if len(pending) >= window:
-            yield pending.popleft().get()
+def _in_order(pool, chunks, window: int, budget: int):
+    """Results of ``encode_chunk`` over ``chunks`` in input order, at most ``window`` chunks and
+    ``budget`` input bytes in flight; a larger chunk goes alone, and its result comes back before
+    the next chunk is read (reading is far faster than tokenizing such a line)."""
+    pending, in_flight = collections.deque(), 0
+    for path, line, box in chunks:
+        size = len(box[0])
+        while pending and (len(pending) >= window or in_flight + size > budget):
+            result, n = pending.popleft()
+            in_flight -= n
+            yield result.get()
+        # A fresh box, the yielded one emptied: once the task is sent, no one here holds the bytes.
+        pending.append((pool.apply_async(encode_chunk, (path, line, [box.pop()])), size))
+        in_flight += size
+        if size > budget:  # a huge line: its result before the next read, so they never overlap
+            while pending:
+                result, n = pending.popleft()
+                in_flight -= n
+                yield result.get()
     while pending:
-        yield pending.popleft().get()
+        yield pending.popleft()[0].get()
 
 
 class _Progress:
@@ -295,7 +472,6 @@ def run(args: argparse.Namespace) -> dict:
     builders, pool, progress = [], None, _Progress(total, args.log_interval)
     start = time.time()
     try:
-        builders = [MMapIndexedDatasetBuilder(data_file_path(p), dtype) for p in prefixes]
         chunks = read_chunks(files, args.chunk_size)
         if args.workers == 1:
             _init_worker(args, tokenizer)
@@ -303,26 +479,34 @@ def run(args: argparse.Namespace) -> dict:
         else:
             # Forked workers inherit the tokenizer (spawned ones rebuild it from its file); the
             # frozen heap keeps their garbage collector off the parent's pages (no copy-on-write).
+            # Started before the output files are opened, so no worker holds their locks.
             gc.freeze()
             try:
-                pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args, tokenizer))
+                pool = multiprocessing.Pool(args.workers, initializer=_init_worker,
+                                            initargs=(args, tokenizer, True))
             finally:
                 gc.unfreeze()
-            results = _in_order(pool, chunks, window=4 * args.workers)
+            results = _in_order(pool, chunks, window=4 * args.workers, budget=4 * args.workers * CHUNK_BYTES)
+        builders = [MMapIndexedDatasetBuilder(data_file_path(p), dtype) for p in prefixes]
         for res in results:
             for k, (builder, (flat, lengths)) in enumerate(zip(builders, res["keys"])):
-                lengths = np.frombuffer(lengths, dtype=np.int32)
-                builder.add_documents(np.frombuffer(flat, dtype=dtype), lengths)
+                builder.add_documents(flat, lengths)
                 stats["documents"][k] += len(lengths)
-                stats["tokens"][k] += len(flat) // np.dtype(dtype).itemsize
+                stats["tokens"][k] += flat.size
                 stats["empty"][k] += res["empty"][k]
             for name in ("invalid", "bad_utf8", "bytes"):
                 stats[name] += res[name]
-            progress.update(res["lines"], len(res["keys"][0][0]) // np.dtype(dtype).itemsize, res["bytes"])
+            progress.update(res["lines"], res["keys"][0][0].size, res["bytes"])
+            del res
         if pool is not None:  # let workers exit normally (their CPU time then shows in rusage)
             pool.close()
             pool.join()
             pool = None
+        # Every older index goes before any new file takes its name: an interrupted commit
+        # leaves no output of this run paired with one of an earlier run.
+        for prefix in prefixes:
+            if os.path.lexists(index_file_path(prefix)):
+                os.remove(index_file_path(prefix))
         for builder, prefix in zip(builders, prefixes):
             builder.finalize(index_file_path(prefix))
     except BaseException:
@@ -344,8 +528,9 @@ def _print_summary(stats: dict, args: argparse.Namespace, n_files: int) -> None:
     dt = max(stats["seconds"], 1e-9)
     for k, prefix in enumerate(stats["outputs"]):
         print(f"Wrote {prefix}.bin/.idx: {stats['documents'][k]:,} documents, {stats['tokens'][k]:,} tokens "
-              f"({stats['dtype']}), {os.path.getsize(data_file_path(prefix)):,} bytes; skipped "
-              f"{stats['empty'][k]:,} documents that tokenize to nothing")
+              f"({stats['dtype']}), {os.path.getsize(data_file_path(prefix)):,} bytes; "
+              f"{stats['empty'][k]:,} of the documents tokenize to nothing (recorded empty, as "
+              "Megatron-LM does)")
     if stats["invalid"]:
         print(f"Skipped {stats['invalid']:,} invalid lines (--skip-invalid)")
     if stats["bad_utf8"]:
@@ -355,13 +540,20 @@ def _print_summary(stats: dict, args: argparse.Namespace, n_files: int) -> None:
           f"worker(s): {docs / dt:,.0f} docs/s, {stats['bytes'] / dt / 1e6:.2f} MB/s, {tokens / dt:,.0f} tokens/s")
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run(), which removes the temporaries
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         run(args)
-    except (InputError, FileNotFoundError, IndexedDatasetError, ValueError) as e:
+    except (InputError, FileNotFoundError, FileExistsError, IndexedDatasetError, ValueError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -18,13 +18,30 @@ here load in Megatron-LM unchanged and the other way round.
             document_indices  int64[D] sequence index where each document starts, then S
 
 The ``.bin`` holds the token ids of all sequences back to back in the dtype of the header. A
-"document" is one or more consecutive sequences (the preprocessor writes one sequence per document
-unless sentences are split). No torch import: the preprocessor and the datasets start fast.
+"document" is zero or more consecutive sequences: the preprocessor writes one sequence per
+document unless sentences are split, and none for a document that tokenizes to nothing (its entry
+in ``document_indices`` repeats the previous one, as Megatron-LM's ``add_document([], [])``
+writes). No torch import: the preprocessor and the datasets start fast.
+
+Opening a pair validates it from the ``.idx`` alone, never by reading the ``.bin``: magic,
+version, an integer dtype code, the ``.idx`` length against its header, document indices rising
+from 0 to ``S``, pointers equal to the running sum of ``sizes x item size`` (what every writer
+writes; int32 data behind a uint16 header fails it) and the ``.bin`` length equal to their end.
+The check reads the index in blocks (bounded memory, about 1 s per 10^8 sequences).
+
+Writers put both files under temporary names ``{final}.tmp-{pid}``, each held under an exclusive
+``flock`` while it is written, and rename them at the end (see
+:class:`MMapIndexedDatasetBuilder`); a later writer of the same names deletes temporaries whose
+lock is free (their writer is gone) and refuses to start while one is held.
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
+import logging
 import os
+import re
 import shutil
 import struct
 from array import array
@@ -46,6 +63,11 @@ DTYPES = {
     7: np.float32,
     8: np.uint16,
 }
+# Token ids are integers: the float codes of the format are refused for reading and writing.
+TOKEN_DTYPES = {code: dt for code, dt in DTYPES.items() if np.issubdtype(dt, np.integer)}
+_CHECK_BLOCK = 1 << 20  # sequences per block of the layout check
+
+logger = logging.getLogger(__name__)
 
 
 def dtype_code(dtype) -> int:
@@ -55,11 +77,11 @@ def dtype_code(dtype) -> int:
         ValueError: the dtype has no code in the format.
     """
     dtype = np.dtype(dtype)
-    for code, candidate in DTYPES.items():
+    for code, candidate in TOKEN_DTYPES.items():
         if np.dtype(candidate) == dtype:
             return code
-    raise ValueError(f"dtype {dtype} cannot be stored in an MMIDIDX dataset; use one of "
-                     f"{sorted(np.dtype(d).name for d in DTYPES.values())}")
+    raise ValueError(f"dtype {dtype} cannot hold token ids in an MMIDIDX dataset; use one of "
+                     f"{sorted(np.dtype(d).name for d in TOKEN_DTYPES.values())}")
 
 
 def best_fitting_dtype(vocab_size: Optional[int]) -> type:
@@ -83,6 +105,47 @@ def _tmp_path(path: str) -> str:
     return f"{path}.tmp-{os.getpid()}"
 
 
+class _LockedFile:
+    """A file opened for writing under an exclusive ``flock``, held until ``close``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.file = open(path, "wb")
+        fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.close()  # releases the lock
+
+
+def remove_stale_temporaries(path: str) -> int:
+    """Deletes ``{path}.tmp-{pid}`` files of writers that are gone; returns how many.
+
+    A temporary is provably a leftover of this module when its name has that exact form and its
+    ``flock`` can be taken (the lock dies with its writer, whatever the kill).
+
+    Raises:
+        FileExistsError: another live process is writing ``path`` (its lock is held).
+    """
+    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.tmp-\d+")
+    removed = 0
+    for leftover in glob.glob(glob.escape(path) + ".tmp-*"):
+        if not pattern.fullmatch(os.path.basename(leftover)):
+            continue
+        try:
+            with open(leftover, "rb") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.remove(leftover)  # under our lock: no writer can be starting on it
+        except BlockingIOError:
+            raise FileExistsError(f"{leftover}: another process is writing {path} right now; "
+                                  "wait for it to finish, or write to another output") from None
+        except FileNotFoundError:
+            continue
+        removed += 1
+        logger.warning("removed %s, left by an interrupted run", leftover)
+    return removed
+
+
 class IndexedDatasetError(ValueError):
     """A ``.bin``/``.idx`` pair is missing, truncated, corrupted or mismatched."""
 
@@ -102,11 +165,14 @@ class MMapIndexedDataset:
         document_indices: int64 ``[D]``, first sequence of each document, then ``S``.
         dtype: numpy dtype of the token ids.
 
+        num_tokens: tokens in the whole dataset (from the index).
+
     Raises:
-        IndexedDatasetError: a file is missing, the magic, version or dtype code is wrong, the
-            ``.idx`` length does not match its header, the document indices are not an increasing
-            walk from 0 to ``S``, or a sequence lies beyond the end of the ``.bin``; the message
-            names the file and the problem.
+        IndexedDatasetError: a file is missing, the magic, version or dtype code is wrong (or
+            not an integer type), the ``.idx`` length does not match its header, the document
+            indices are not a non-decreasing walk from 0 to ``S``, the pointers are not the
+            running sum of the sizes in bytes, or the ``.bin`` length differs from their end;
+            the message names the file and the problem.
     """
 
     def __init__(self, path_prefix: str):
@@ -120,7 +186,8 @@ class MMapIndexedDataset:
         self._index = _read_index(idx_path)
         self.dtype, self.sizes, self.pointers, self.document_indices = self._index
         self._bin_size = os.path.getsize(bin_path)
-        _check_fits(bin_path, idx_path, self._bin_size, self.sizes, self.pointers, self.dtype.itemsize)
+        self.num_tokens = _check_layout(bin_path, idx_path, self._bin_size, self.sizes, self.pointers,
+                                        self.dtype)
         # np.memmap refuses empty files; an empty dataset needs no map.
         self._bin = (np.memmap(bin_path, dtype=np.uint8, mode="r") if self._bin_size
                      else np.zeros(0, dtype=np.uint8))
@@ -189,6 +256,10 @@ def _read_index(idx_path: str):
         raise IndexedDatasetError(f"{idx_path}: unsupported MMIDIDX version {version} (expected 1)")
     if code not in DTYPES:
         raise IndexedDatasetError(f"{idx_path}: unknown dtype code {code} (valid: 1-8)")
+    if code not in TOKEN_DTYPES:
+        raise IndexedDatasetError(f"{idx_path}: dtype code {code} ({np.dtype(DTYPES[code]).name}) is "
+                                  "not an integer type, so the .bin cannot hold token ids; the index "
+                                  "is corrupted or not a token dataset (re-run tools/preprocess_data.py)")
     expected = _HEADER.size + 4 * n_seq + 8 * n_seq + 8 * n_doc
     if file_size != expected:
         raise IndexedDatasetError(
@@ -212,39 +283,87 @@ def _read_index(idx_path: str):
     return np.dtype(DTYPES[code]), sizes, pointers, doc_indices
 
 
-def _check_fits(bin_path: str, idx_path: str, bin_size: int, sizes, pointers, itemsize: int) -> None:
-    if len(sizes) == 0:
-        return
-    if sizes.min() < 0 or pointers.min() < 0:
-        raise IndexedDatasetError(f"{idx_path}: negative sizes or pointers; the index is corrupted")
-    ends = pointers + sizes.astype(np.int64) * itemsize
-    last = int(ends.max())
-    if last > bin_size:
-        bad = int(np.argmax(ends > bin_size))
+def _check_layout(bin_path: str, idx_path: str, bin_size: int, sizes: np.ndarray,
+                  pointers: np.ndarray, dtype: np.dtype) -> int:
+    """Pointers are the running sum of ``sizes x itemsize`` from 0 and the ``.bin`` ends there;
+    returns the number of tokens. Reads the index in blocks of ``_CHECK_BLOCK`` sequences."""
+    itemsize, end = dtype.itemsize, 0
+    for start in range(0, len(sizes), _CHECK_BLOCK):
+        block = sizes[start:start + _CHECK_BLOCK].astype(np.int64)
+        if block.min() < 0:
+            bad = start + int(np.argmax(block < 0))
+            raise IndexedDatasetError(f"{idx_path}: sequence {bad} has negative size {int(sizes[bad])}; "
+                                      "the index is corrupted")
+        # int64; each block adds < 2**55 bytes to an end <= the .bin size: no overflow.
+        expected = np.cumsum(block * itemsize) + end
+        expected -= block * itemsize  # start offsets
+        got = pointers[start:start + len(block)]
+        if not np.array_equal(got, expected):
+            bad = start + int(np.argmax(got != expected))
+            raise IndexedDatasetError(
+                f"{idx_path}: sequence {bad} starts at byte {int(pointers[bad])} of the .bin, but "
+                f"the sizes before it ({dtype.name}, {itemsize} bytes per token) put it at byte "
+                f"{int(expected[bad - start])}; the index is corrupted or its dtype does not match "
+                "the data (re-run tools/preprocess_data.py)")
+        end = int(expected[-1] + block[-1] * itemsize)
+        if end > bin_size:  # already too long; stopping here also keeps the sums far from 2**63
+            break
+    if end != bin_size:
         raise IndexedDatasetError(
-            f"{bin_path}: {bin_size} bytes, but sequence {bad} of {idx_path} ends at byte {int(ends[bad])} "
-            f"(the index needs {last} bytes); the .bin is truncated or the pair does not belong together")
+            f"{bin_path}: {bin_size} bytes, but {idx_path} describes {end // itemsize} tokens of "
+            f"{dtype.name} ({end} bytes); the .bin is {'truncated' if bin_size < end else 'longer'}, "
+            "or the pair does not belong together")
+    return end // itemsize
+
+
+def write_index(file, dtype, sizes: np.ndarray, document_indices: np.ndarray) -> None:
+    """Writes an ``.idx`` for sequences of ``sizes`` tokens stored back to back in the ``.bin``.
+
+    Args:
+        file: a binary file open for writing.
+        dtype: token dtype of the ``.bin`` (an integer type).
+        sizes: int32 ``[S]``, tokens per sequence.
+        document_indices: int64 ``[D]``, the first sequence of each document, then ``S``.
+    """
+    dtype = np.dtype(dtype)
+    sizes = np.ascontiguousarray(sizes, dtype=np.int32)
+    document_indices = np.ascontiguousarray(document_indices, dtype=np.int64)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    # int64 byte offsets: a merged dataset beyond 2**31 tokens stays correct.
+    np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    file.write(_HEADER.pack(_MAGIC, _VERSION, dtype_code(dtype), len(sizes), len(document_indices)))
+    file.write(sizes.tobytes(order="C"))
+    file.write(pointers.tobytes(order="C"))
+    file.write(document_indices.tobytes(order="C"))
 
 
 class MMapIndexedDatasetBuilder:
     """Writes an MMIDIDX pair; both files appear under their final names only in ``finalize``.
 
-    Tokens go to ``{bin_path}.tmp-{pid}`` as they come; ``finalize`` writes the index the same way
-    and renames the ``.bin`` and then the ``.idx`` (the index is the commit point), so an
-    interrupted run leaves no half-written dataset under the final names. ``abort()`` (or leaving a
-    ``with`` block by an exception) removes the temporary files.
+    Tokens go to ``{bin_path}.tmp-{pid}`` as they come, under an exclusive ``flock``; ``finalize``
+    writes the index the same way, deletes an older ``.idx`` of that name (so an older ``.bin``
+    never pairs with the new index or the other way round), then renames the ``.bin`` and last the
+    ``.idx`` (the commit point). A run killed at any point therefore leaves either the complete
+    new pair or no loadable pair under the final names, plus temporaries that the next writer of
+    the same names deletes (:func:`remove_stale_temporaries`). ``abort()`` (or leaving a ``with``
+    block by an exception) removes the temporary files at once.
 
     Args:
         bin_path: final path of the ``.bin`` file.
         dtype: numpy dtype of the token ids (``best_fitting_dtype(vocab_size)``).
+
+    Raises:
+        ValueError: ``dtype`` is not an integer type of the format.
+        FileExistsError: another live process is writing ``bin_path``.
     """
 
     def __init__(self, bin_path: str, dtype=np.int32):
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
         self.bin_path = bin_path
-        self._tmp_bin = _tmp_path(bin_path)
-        self._file = open(self._tmp_bin, "wb")
+        remove_stale_temporaries(bin_path)
+        self._bin = _LockedFile(_tmp_path(bin_path))
+        self._file = self._bin.file
         self.sizes = array("i")
         self.document_indices = array("q", [0])
 
@@ -259,7 +378,8 @@ class MMapIndexedDatasetBuilder:
         self.document_indices.append(len(self.sizes))
 
     def add_document(self, tokens: Iterable[int], lengths: Sequence[int]) -> None:
-        """Appends one document made of ``len(lengths)`` sequences laid out back to back in ``tokens``."""
+        """Appends one document made of ``len(lengths)`` sequences laid out back to back in
+        ``tokens``; ``([], [])`` is an empty document (no sequence), as in Megatron-LM."""
         arr = np.asarray(tokens, dtype=self.dtype).reshape(-1)
         if sum(int(n) for n in lengths) != arr.size:
             raise ValueError(f"add_document: lengths {list(lengths)} do not sum to the {arr.size} tokens given")
@@ -268,38 +388,36 @@ class MMapIndexedDatasetBuilder:
         self.document_indices.append(len(self.sizes))
 
     def add_documents(self, flat_tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Appends many one-sequence documents at once (the preprocessor's fast path).
+        """Appends many documents of at most one sequence each (the preprocessor's fast path).
+
+        Equal to ``add_document(tokens, [n])`` per document of ``n > 0`` tokens and
+        ``add_document([], [])`` per document of 0 tokens.
 
         Args:
             flat_tokens: 1-D array, the documents' tokens back to back (cast to ``dtype``).
-            lengths: 1-D integer array, tokens of each document.
+            lengths: 1-D integer array, tokens of each document (0 for an empty one).
         """
         flat = np.ascontiguousarray(flat_tokens, dtype=self.dtype).reshape(-1)
         lengths = np.asarray(lengths, dtype=np.int64)
-        if int(lengths.sum()) != flat.size:
+        if int(lengths.sum()) != flat.size or (lengths.size and lengths.min() < 0):
             raise ValueError(f"add_documents: lengths sum to {int(lengths.sum())}, tokens given {flat.size}")
         self._file.write(memoryview(flat).cast("B"))
         start = len(self.sizes)
-        self.sizes.frombytes(lengths.astype(np.int32).tobytes())
-        self.document_indices.frombytes(np.arange(start + 1, start + 1 + lengths.size, dtype=np.int64).tobytes())
+        nonempty = lengths > 0
+        self.sizes.frombytes(lengths[nonempty].astype(np.int32).tobytes())
+        self.document_indices.frombytes((start + np.cumsum(nonempty, dtype=np.int64)).tobytes())
 
     def add_index(self, path_prefix: str) -> None:
         """Appends a whole existing dataset (its tokens, sequences and document boundaries).
 
         Raises:
-            ValueError: its dtype differs from this builder's, or its ``.bin`` is not laid out back
-                to back (as every MMIDIDX writer does).
+            IndexedDatasetError: the pair is damaged (see :class:`MMapIndexedDataset`).
+            ValueError: its dtype differs from this builder's.
         """
-        other = MMapIndexedDataset(path_prefix)
+        other = MMapIndexedDataset(path_prefix)  # validated: back to back, .bin length exact
         if other.dtype != self.dtype:
             raise ValueError(f"{path_prefix}: token dtype {other.dtype} differs from the merged "
                              f"dataset's {self.dtype}; all inputs of a merge need the same dtype")
-        nbytes = int(other.sizes.sum(dtype=np.int64)) * self.dtype.itemsize
-        contiguous = np.zeros(len(other), dtype=np.int64)
-        np.cumsum(other.sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=contiguous[1:])
-        if other._bin_size != nbytes or not np.array_equal(other.pointers, contiguous):
-            raise ValueError(f"{path_prefix}: its sequences are not stored back to back in the .bin "
-                             f"({other._bin_size} bytes for {nbytes} bytes of tokens); cannot append it")
         offset = len(self.sizes)
         self.sizes.frombytes(np.ascontiguousarray(other.sizes).tobytes())
         self.document_indices.frombytes((other.document_indices[1:] + offset).astype(np.int64).tobytes())
@@ -307,28 +425,37 @@ class MMapIndexedDatasetBuilder:
             shutil.copyfileobj(f, self._file, length=16 << 20)
 
     def finalize(self, idx_path: str) -> None:
-        """Writes the index and moves both files to their final names."""
-        self._file.close()
-        sizes = np.frombuffer(self.sizes, dtype=np.int32) if len(self.sizes) else np.zeros(0, np.int32)
-        pointers = np.zeros(len(sizes), dtype=np.int64)
-        # int64 byte offsets: a merged dataset beyond 2**31 tokens stays correct.
-        np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_indices = np.frombuffer(self.document_indices, dtype=np.int64)
-        tmp_idx = _tmp_path(idx_path)
-        with open(tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, len(sizes), len(doc_indices)))
-            f.write(sizes.tobytes(order="C"))
-            f.write(pointers.tobytes(order="C"))
-            f.write(doc_indices.tobytes(order="C"))
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
+        """Writes the index and moves both files to their final names (the ``.idx`` last).
+
+        Raises:
+            FileExistsError: another live process is writing ``idx_path``.
+        """
+        self._file.flush()
+        remove_stale_temporaries(idx_path)
+        tmp_idx = _LockedFile(_tmp_path(idx_path))
+        try:
+            sizes = np.frombuffer(self.sizes, dtype=np.int32) if len(self.sizes) else np.zeros(0, np.int32)
+            write_index(tmp_idx.file, self.dtype, sizes, np.frombuffer(self.document_indices, dtype=np.int64))
+            tmp_idx.file.flush()
+            if os.path.lexists(idx_path):
+                os.remove(idx_path)
+            # Renamed while still open and locked: no other writer's clean-up can take them.
+            os.replace(self._bin.path, self.bin_path)
+            os.replace(tmp_idx.path, idx_path)
+        except BaseException:
+            tmp_idx.close()
+            if os.path.exists(tmp_idx.path):
+                os.remove(tmp_idx.path)
+            raise
+        finally:
+            tmp_idx.close()
+            self._bin.close()
 
     def abort(self) -> None:
         """Closes and deletes the temporary ``.bin``; the final names are left untouched."""
-        if not self._file.closed:
-            self._file.close()
-        if os.path.exists(self._tmp_bin):
-            os.remove(self._tmp_bin)
+        self._bin.close()
+        if os.path.exists(self._bin.path):
+            os.remove(self._bin.path)
 
     def __enter__(self):
         return self

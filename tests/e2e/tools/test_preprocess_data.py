@@ -1,8 +1,12 @@
-"""tools/preprocess_data.py: byte-identical to Megatron-LM's output, worker-count independence,
-input forms, every bad-input error, atomic output and start-up without torch."""
+"""tools/preprocess_data.py: byte-identical to Megatron-LM's output (empty documents included),
+worker-count independence, input forms, every bad-input error, atomic output, clean-up after a
+kill, long texts in pieces and start-up without torch."""
+import glob
 import gzip
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -10,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import MMapIndexedDataset
-from tools.preprocess_data import main, run, get_args
+from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+from tools.preprocess_data import _pieces, get_args, main, run, splits_at_spaces
 
 from tests.helpers.paths import ROOT
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
@@ -56,7 +60,47 @@ def test_workers_1_and_2_identical_and_ids_right(tmp_path):
     ds = MMapIndexedDataset(str(tmp_path / "w2_text_document"))
     expected = [[int(x) for x in d["text"].split()] + [1000] for d in docs if d["text"]]
     assert [a.tolist() for a in ds] == expected and ds.dtype == np.uint16
-    assert stats["empty"] == [len(docs) - len(expected)] and stats["documents"] == [len(expected)]
+    # Every document has its entry, the empty ones without a sequence (Megatron-LM's layout).
+    empty = [not d["text"] for d in docs]
+    assert ds.document_indices.tolist() == [0] + np.cumsum(np.logical_not(empty)).tolist()
+    assert stats["empty"] == [sum(empty)] > [0] and stats["documents"] == [len(docs)]
+
+
+# Written by Megatron-LM's own tools/preprocess_data.py (commit d98e8a64, the one of
+# ../shared/data/megatron-lm-reference) from EMPTY_DOCS with the shared SentencePiece model,
+# --json-keys text --tokenizer-type SentencePieceTokenizer --workers 1, with and without
+# --append-eod. (To run it without its training package, only its tokenizer-argument parser was
+# replaced; Encoder.encode and IndexedDatasetBuilder ran unchanged.) Its code path: an empty text
+# gives doc_ids = [] and sentence_lens = [], no EOD (appended only to non-empty documents), and
+# add_document([], []) adds a document-index entry equal to the previous one and no sequence;
+# " " tokenizes to [259], a document like any other.
+EMPTY_DOCS = [{"text": "To be or not"}, {"text": ""}, {"text": "that is"}, {"text": ""}, {"text": " "},
+              {"text": "the question"}]
+MEGATRON_EMPTY = {  # --append-eod: (.idx, .bin) as hex
+    True: ("4d4d49444944580000010000000000000008040000000000000007000000000000000500000003000000020000"
+           "000300000000000000000000000a00000000000000100000000000000014000000000000000000000000000000"
+           "010000000000000001000000000000000200000000000000020000000000000003000000000000000400000000"
+           "000000", "ff065b01ba01cb01020071015d010200030102001001b40b0200"),
+    False: ("4d4d49444944580000010000000000000008040000000000000007000000000000000400000002000000010000"
+            "0002000000000000000000000008000000000000000c000000000000000e000000000000000000000000000000"
+            "010000000000000001000000000000000200000000000000020000000000000003000000000000000400000000"
+            "000000", "ff065b01ba01cb0171015d0103011001b40b"),
+}
+
+
+@pytest.mark.parametrize("eod", [True, False])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_empty_documents_byte_identical_to_megatron_lm(shared_data, tmp_path, capsys, eod, workers):
+    src = _jsonl(tmp_path / "empty.jsonl", EMPTY_DOCS)
+    stats = _run("--input", src, "--output-prefix", tmp_path / "o", "--tokenizer-type", "SentencePieceTokenizer",
+                 "--tokenizer-model", os.path.join(shared_data, "sentencepiece-llama-32k.model"),
+                 "--workers", workers, "--chunk-size", 2, *(["--append-eod"] if eod else []))
+    idx, bin_ = MEGATRON_EMPTY[eod]
+    assert _files(str(tmp_path / "o_text_document")) == (bytes.fromhex(bin_), bytes.fromhex(idx))
+    assert stats["documents"] == [6] and stats["empty"] == [2]
+    assert "6 documents" in capsys.readouterr().out
+    ds = MMapIndexedDataset(str(tmp_path / "o_text_document"))
+    assert ds.document_indices.tolist() == [0, 1, 1, 2, 2, 3, 4] and len(ds) == 4
 
 
 def test_multiple_keys_gz_folder_glob_and_no_eod(tmp_path):
@@ -124,6 +168,14 @@ def _gpt2_files(tmp_path):
     return str(vocab), str(merges)
 
 
+def test_duplicate_json_keys_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        get_args(["--input", "x.jsonl", "--output-prefix", str(tmp_path / "o"), *NULL,
+                  "--json-keys", "text", "title", "text"])
+    assert exit_.value.code == 2
+    assert "--json-keys (text title text): text given more than once" in capsys.readouterr().err
+
+
 def test_missing_input_is_an_error(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "nope*.jsonl"), "--output-prefix", str(tmp_path / "o"), *NULL]) == 1
     assert "--input" in capsys.readouterr().err
@@ -159,6 +211,14 @@ def test_fast_json_path_falls_back_for_unusual_lines(tmp_path, capsys):
     assert f"{split}:2: malformed JSON" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("chunk_size", [1, 5])
+def test_last_line_without_newline(tmp_path, chunk_size):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"text": "1 2"}\n{"text": "3"}')  # one chunk "a\nb", or two
+    _run("--input", path, "--output-prefix", tmp_path / "o", *NULL, "--chunk-size", chunk_size)
+    assert [a.tolist() for a in MMapIndexedDataset(str(tmp_path / "o_text_document"))] == [[1, 2], [3]]
+
+
 def test_tokenize_batch_flat_equals_tokenize(shared_data):
     from megatron.tokenizer.null_tokenizer import NullTokenizer
     from megatron.tokenizer.sp_tokenizer import SentencePieceTokenizer
@@ -181,3 +241,144 @@ def test_tokenize_batch_flat_equals_tokenize(shared_data):
     public = sp.tokenize_batch_flat(texts)
     assert all(np.array_equal(a, b) for a, b in zip(fast, public))
     assert sp.tokenize_batch_flat([])[0].size == 0
+
+
+# ---------------------------------------------------------------- interrupted runs
+_KILLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import tools.preprocess_data as pp
+from megatron.data import indexed_dataset as ix
+point, n, sig = sys.argv[2], int(sys.argv[3]), getattr(signal, sys.argv[4])
+calls = [0]
+def trap(orig):
+    def call(*a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), sig)
+        return orig(*a, **k)
+    return call
+if point == "write":
+    ix.MMapIndexedDatasetBuilder.add_documents = trap(ix.MMapIndexedDatasetBuilder.add_documents)
+else:
+    setattr(os, point, trap(getattr(os, point)))
+sys.exit(pp.main(sys.argv[5:]))
+"""
+
+# (where the kill lands, at which call, workers). Two keys: os.remove 1/2 delete the older
+# .idx of text/title; os.replace 1..4 rename text .bin, text .idx, title .bin, title .idx.
+KILL_POINTS = [("write", 2, 1), ("write", 3, 2), ("remove", 1, 1), ("remove", 2, 1),
+               ("replace", 1, 1), ("replace", 2, 1), ("replace", 3, 1), ("replace", 4, 1)]
+
+
+def _outputs(folder, name):
+    return {key: _files(os.path.join(folder, f"{name}_{key}_document")) for key in ("text", "title")}
+
+
+@pytest.fixture(scope="module")
+def old_and_new(tmp_path_factory):
+    """A complete older output and the complete output of the new input, for comparison."""
+    root = tmp_path_factory.mktemp("interrupted")
+    new = _jsonl(root / "new.jsonl", [{"text": f"{i} {i + 1}", "title": str(i % 7)} for i in range(300)])
+    old = _jsonl(root / "old.jsonl", [{"text": "5 5 5", "title": "9"}] * 40)
+    for name, src in (("old", old), ("new", new)):
+        _run("--input", src, "--output-prefix", root / name, *NULL, "--json-keys", "text", "title")
+    return root, new, _outputs(root, "old"), _outputs(root, "new")
+
+
+@pytest.mark.parametrize("point, n, workers", KILL_POINTS)
+def test_kill_at_any_point_leaves_no_partial_output_and_next_run_cleans_up(old_and_new, tmp_path, point, n, workers):
+    root, new, old_files, new_files = old_and_new
+    for key, (bin_, idx) in old_files.items():  # an older run's complete output under the same names
+        (tmp_path / f"o_{key}_document.bin").write_bytes(bin_)
+        (tmp_path / f"o_{key}_document.idx").write_bytes(idx)
+    argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--json-keys", "text", "title",
+            "--chunk-size", "16", "--workers", str(workers)]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, ROOT, point, str(n), "SIGKILL", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    for key in ("text", "title"):
+        prefix = str(tmp_path / f"o_{key}_document")
+        try:
+            MMapIndexedDataset(prefix)
+        except IndexedDatasetError:
+            continue  # not loadable: nothing that looks like a dataset
+        # Loadable only as one run's complete pair, never an old file paired with a new one.
+        assert _files(prefix) in (old_files[key], new_files[key]), (key, os.listdir(tmp_path))
+    assert glob.glob(str(tmp_path / "*.tmp-*")), "a SIGKILL leaves its temporaries behind"
+    assert main(argv) == 0
+    assert sorted(os.listdir(tmp_path)) == sorted(f"o_{k}_document.{e}" for k in ("text", "title")
+                                                  for e in ("bin", "idx"))
+    assert _outputs(tmp_path, "o") == new_files
+
+
+def test_sigterm_removes_temporaries_at_once_and_keeps_the_older_output(old_and_new, tmp_path):
+    root, new, old_files, _ = old_and_new
+    for key, (bin_, idx) in old_files.items():
+        (tmp_path / f"o_{key}_document.bin").write_bytes(bin_)
+        (tmp_path / f"o_{key}_document.idx").write_bytes(idx)
+    argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--json-keys", "text", "title",
+            "--chunk-size", "16", "--workers", "2"]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, ROOT, "write", "3", "SIGTERM", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert not glob.glob(str(tmp_path / "*.tmp-*"))
+    assert _outputs(tmp_path, "o") == old_files
+
+
+def test_a_second_run_on_the_same_outputs_is_refused_while_the_first_runs(tmp_path, capsys):
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    src = _jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])
+    first = MMapIndexedDatasetBuilder(str(tmp_path / "o_text_document.bin"), np.uint16)  # a live writer
+    try:
+        assert main(["--input", src, "--output-prefix", str(tmp_path / "o"), *NULL]) == 1
+        assert "another process is writing" in capsys.readouterr().err
+    finally:
+        first.abort()
+
+
+# ---------------------------------------------------------------- long texts in pieces
+def test_long_texts_in_pieces_give_the_same_ids(shared_data):
+    """SentencePiece ids of a text cut at the preprocessor's points equal those of one call:
+    Shakespeare, and random strings full of the characters that could break it (runs of spaces,
+    U+2581, tabs, newlines, accents, CJK, emoji, digits)."""
+    from megatron.tokenizer.sp_tokenizer import SentencePieceTokenizer
+
+    sp = SentencePieceTokenizer(os.path.join(shared_data, "sentencepiece-llama-32k.model"))
+    assert splits_at_spaces(sp)
+    encode = sp._sp.encode
+    with open(os.path.join(shared_data, "megatron-lm-reference", "sample.jsonl")) as f:
+        corpus = "\n".join(json.loads(line)["text"] for line in f)
+    for limit in (7, 50, 4096):
+        pieces = list(_pieces(corpus, limit))
+        assert len(pieces) > 1 and " ".join(pieces) == corpus
+        assert [i for p in pieces for i in encode(p)] == encode(corpus)
+    rng = random.Random(0)
+    alphabet = list("ab  \u2581\n\t.é日😀1")
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        for limit in (1, 3, 8):
+            assert [i for p in _pieces(text, limit) for i in encode(p)] == encode(text), (text, limit)
+
+
+def test_pieces_only_where_the_model_allows(shared_data, tmp_path):
+    from sentencepiece import sentencepiece_model_pb2
+
+    from megatron.tokenizer.null_tokenizer import NullTokenizer
+    from megatron.tokenizer.sp_tokenizer import SentencePieceTokenizer
+
+    assert not splits_at_spaces(NullTokenizer(10))
+    source = os.path.join(shared_data, "sentencepiece-llama-32k.model")
+    for change in ("no dummy prefix", "unigram", "piece with inner space"):
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString(open(source, "rb").read())
+        if change == "no dummy prefix":
+            model.normalizer_spec.add_dummy_prefix = False
+        elif change == "unigram":
+            model.trainer_spec.model_type = model.trainer_spec.UNIGRAM
+        else:
+            model.pieces[300].piece = "a\u2581b"
+        path = tmp_path / f"{change}.model"
+        path.write_bytes(model.SerializeToString())
+        assert not splits_at_spaces(SentencePieceTokenizer(str(path))), change

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import (
-    DTYPES, IndexedDataset, IndexedDatasetError, MMapIndexedDataset, MMapIndexedDatasetBuilder,
-    best_fitting_dtype, data_file_path, index_file_path)
+    TOKEN_DTYPES, IndexedDataset, IndexedDatasetError, MMapIndexedDataset, MMapIndexedDatasetBuilder,
+    best_fitting_dtype, data_file_path, index_file_path, remove_stale_temporaries)
 
 from tests.helpers.paths import ROOT
 
@@ -28,7 +28,7 @@ def _write(prefix, docs, dtype=np.uint16):
 DOCS = [[[5, 6, 7]], [[1], [2, 3], []], [[9] * 10]]
 
 
-@pytest.mark.parametrize("dtype", [np.dtype(d) for d in DTYPES.values()])
+@pytest.mark.parametrize("dtype", [np.dtype(d) for d in TOKEN_DTYPES.values()])
 def test_round_trip_every_dtype(tmp_path, dtype):
     prefix = _write(str(tmp_path / "d"), DOCS, dtype)
     ds = MMapIndexedDataset(prefix)
@@ -94,6 +94,26 @@ def test_add_index_concatenates(tmp_path):
     assert ds.pointers.tolist() == [0, 6, 8, 12, 12, 32]
 
 
+def test_empty_documents_as_megatron_writes_them(tmp_path):
+    """An empty document is an entry of document_indices without a sequence (Megatron-LM's
+    add_document([], [])); add_documents with length 0 writes exactly that."""
+    a = str(tmp_path / "a")
+    builder = MMapIndexedDatasetBuilder(data_file_path(a), np.uint16)
+    for tokens in ([1, 2], [], [3], [], []):
+        builder.add_document(tokens, [len(tokens)] if tokens else [])
+    builder.finalize(index_file_path(a))
+    b = str(tmp_path / "b")
+    builder = MMapIndexedDatasetBuilder(data_file_path(b), np.uint16)
+    builder.add_documents(np.array([1, 2]), np.array([2, 0]))
+    builder.add_documents(np.array([3]), np.array([1, 0, 0]))
+    builder.finalize(index_file_path(b))
+    for ext in (".bin", ".idx"):
+        assert open(a + ext, "rb").read() == open(b + ext, "rb").read()
+    ds = MMapIndexedDataset(b)
+    assert ds.sizes.tolist() == [2, 1] and ds.document_indices.tolist() == [0, 1, 1, 2, 2, 2]
+    assert ds.num_tokens == 3
+
+
 def test_temporary_names_until_finalize(tmp_path):
     prefix = str(tmp_path / "t")
     builder = MMapIndexedDatasetBuilder(data_file_path(prefix), np.uint16)
@@ -109,8 +129,11 @@ def test_temporary_names_until_finalize(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _corrupt(prefix, path, offset=None, data=None, truncate=None):
-    if truncate is not None:
+def _corrupt(prefix, path, offset=None, data=None, truncate=None, append=None):
+    if append is not None:
+        with open(path, "ab") as f:
+            f.write(append)
+    elif truncate is not None:
         with open(path, "r+b") as f:
             f.truncate(truncate)
     else:
@@ -126,8 +149,15 @@ def _corrupt(prefix, path, offset=None, data=None, truncate=None):
     ("idx", dict(truncate=40), "truncated"),
     ("idx", dict(truncate=10), "truncated"),
     ("idx", dict(offset=34 + 20 + 40, data=struct.pack("<q", 1)), "document indices"),
-    ("idx", dict(offset=34 + 20, data=struct.pack("<q", 10 ** 6)), "ends at byte"),
+    ("idx", dict(offset=34 + 20, data=struct.pack("<q", 10 ** 6)), "sequence 0 starts at byte 1000000"),
+    ("idx", dict(offset=34 + 20 + 8, data=struct.pack("<q", 13)), "sequence 1 starts at byte 13 .* put it at byte 12"),
+    ("idx", dict(offset=34, data=struct.pack("<i", -3)), "sequence 0 has negative size -3"),
+    ("idx", dict(offset=17, data=bytes([6])), r"dtype code 6 \(float64\) is not an integer type"),
+    ("idx", dict(offset=17, data=bytes([7])), r"dtype code 7 \(float32\) is not an integer type"),
+    # int32 data behind a uint16 header: pointers advance 4 bytes per token, the header says 2.
+    ("idx", dict(offset=17, data=bytes([8])), r"sequence 1 starts at byte 12 .*uint16, 2 bytes per token.* byte 6"),
     ("bin", dict(truncate=10), "truncated"),
+    ("bin", dict(append=b"\0\0\0\0"), "68 bytes, but .* describes 16 tokens of int32 \\(64 bytes\\); the .bin is longer"),
 ])
 def test_bad_files_name_file_and_problem(tmp_path, what, kwargs, message):
     prefix = _write(str(tmp_path / "d"), DOCS, np.int32)
@@ -136,6 +166,25 @@ def test_bad_files_name_file_and_problem(tmp_path, what, kwargs, message):
     with pytest.raises(IndexedDatasetError, match=message) as err:
         MMapIndexedDataset(prefix)
     assert path in str(err.value)
+
+
+def test_leftovers_of_a_killed_writer_are_removed_and_live_writers_respected(tmp_path):
+    """A temporary is removed only when it has our exact name form and its writer's lock is free;
+    a live writer makes a second one refuse to start."""
+    prefix = str(tmp_path / "d")
+    bin_path = data_file_path(prefix)
+    dead = bin_path + ".tmp-999999"           # a writer killed by SIGKILL leaves this, unlocked
+    open(dead, "wb").write(b"partial")
+    foreign = bin_path + ".tmp-notours"       # not our name form: never touched
+    open(foreign, "wb").write(b"x")
+    live = MMapIndexedDatasetBuilder(bin_path, np.uint16)  # cleans up, then writes under its lock
+    assert not os.path.exists(dead) and os.path.exists(foreign)
+    with pytest.raises(FileExistsError, match=r"another process is writing .*d\.bin"):
+        remove_stale_temporaries(bin_path)
+    live.add_item([1, 2])
+    live.end_document()
+    live.finalize(index_file_path(prefix))
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.bin.tmp-notours", "d.idx"]
 
 
 def test_missing_file(tmp_path):

@@ -3,7 +3,7 @@
 Each ``_validate_*`` function checks one concern and raises ``ValueError`` naming the flag, its
 value and the fix, e.g. ``--num-attention-heads (32) must be divisible by
 --tensor-model-parallel-size (3)``. Nothing here creates a process group or writes a file; the only
-file-system access is checking that input files exist.
+file-system access is checking that input files exist and reading each dataset's ``.idx``.
 
 Flag policy (issue 3, item 8): a flag is implemented, or listed in :data:`IGNORED_FLAGS` (accepted,
 no effect here, reported once), or listed in :data:`NOT_YET_SUPPORTED` (refused until the issue
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import List, Optional, Tuple
+from typing import List
 
 # dest -> (flag as users write it, the feature and issue that will build it).
 NOT_YET_SUPPORTED = {
@@ -83,48 +83,6 @@ def ignored_flag_messages(args, defaults: dict) -> List[str]:
     return [f"{flag} has no effect here: {why}"
             for dest, (flag, why) in IGNORED_FLAGS.items()
             if getattr(args, dest, None) != defaults.get(dest)]
-
-
-def get_blend_from_list(paths: List[str]) -> Tuple[List[str], Optional[List[float]]]:
-    """Split a ``--data-path`` list into prefixes and weights (Megatron's blend syntax).
-
-    ``["p"]`` or ``["p1", "p2"]`` give unweighted prefixes; ``["0.3", "p1", "0.7", "p2"]`` gives
-    prefixes with weights (not normalised).
-
-    Raises:
-        ValueError: if the list mixes weights and prefixes inconsistently.
-    """
-    def _is_number(s):
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if len(paths) % 2 == 0 and all(_is_number(w) for w in paths[0::2]):
-        return list(paths[1::2]), [float(w) for w in paths[0::2]]
-    if any(_is_number(p) for p in paths):
-        raise ValueError(f"--data-path ({' '.join(paths)}) mixes weights and prefixes: write "
-                         f"either PREFIX ... or WEIGHT PREFIX WEIGHT PREFIX ...")
-    return list(paths), None
-
-
-def parse_split(split: str) -> List[float]:
-    """``"969, 30, 1"`` -> ``[969.0, 30.0, 1.0]`` (missing parts are 0, as in Megatron).
-
-    Raises:
-        ValueError: for more than 3 parts, a negative or non-numeric part, or an all-zero split.
-    """
-    sep = "," if "," in split else "/"
-    try:
-        parts = [float(p) for p in split.split(sep)]
-    except ValueError:
-        raise ValueError(f"--split ({split}) must be up to 3 comma-separated numbers, "
-                         f"e.g. 969,30,1") from None
-    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split ({split}) must be up to 3 non-negative numbers with a positive "
-                         f"sum, e.g. 969,30,1")
-    return parts + [0.0] * (3 - len(parts))
 
 
 def _require_positive(args, names):
@@ -437,39 +395,38 @@ def _validate_checkpointing(args):
             raise ValueError(f"--{flag.replace('_', '-')}{shown} needs --{needs} DIR")
 
 
-def _check_prefixes(flag, prefixes, check_files):
-    if not check_files:
-        return
-    for prefix in prefixes:
-        for path in (prefix + ".bin", prefix + ".idx"):
-            if not os.path.isfile(path):
-                raise ValueError(f"{flag}: data file {path} does not exist; give the prefix of a "
-                                 f"dataset written by tools/preprocess_data.py (PREFIX.bin and "
-                                 f"PREFIX.idx)")
-
-
 def _validate_data(args, check_files):
+    """``--data-path``/``--split`` and the per-split paths through the dataset builder's own
+    parser and checks (``megatron.data.blend_config``, ``check_train_valid_test_data``): what
+    passes here is built exactly so. With ``check_files`` every dataset's ``.idx`` is read (not
+    its ``.bin``): damaged, empty or too small datasets and splits are refused before anything is
+    built. With ``--train-samples`` the number of evaluations is counted without a batch-size
+    ramp-up (a lower bound), so a ramp-up's extra evaluations are not checked here."""
+    from megatron.data.blend_config import split_sources
+    from megatron.data.dataset_builder import (check_train_valid_test_data,
+                                               get_train_valid_test_num_samples)
+
     if args.data_impl not in (None, "mmap", "infer"):
         raise ValueError(f"--data-impl ({args.data_impl}) is not supported: only mmap")
-    split_paths = {"--train-data-path": args.train_data_path,
-                   "--valid-data-path": args.valid_data_path,
-                   "--test-data-path": args.test_data_path}
-    given = {k: v for k, v in split_paths.items() if v is not None}
-    if args.data_path is not None and given:
-        raise ValueError(f"--data-path and {', '.join(given)} are mutually exclusive: use "
-                         f"--data-path with --split, or separate train/valid/test paths")
-    if args.data_path is None and "--train-data-path" not in given:
-        raise ValueError("no training data: give --data-path PREFIX (with --split) or "
-                         "--train-data-path PREFIX")
-    parse_split(args.split)
-    sources = {"--data-path": args.data_path} if args.data_path is not None else given
-    for flag, paths in sources.items():
-        if not paths:
-            raise ValueError(f"{flag} is empty: give at least one dataset prefix")
-        prefixes, _ = get_blend_from_list(paths)
-        _check_prefixes(flag, prefixes, check_files)
     if args.num_workers < 0:
         raise ValueError(f"--num-workers ({args.num_workers}) must be >= 0")
+    sources = split_sources(data_path=args.data_path, split=args.split,
+                            train_data_path=args.train_data_path,
+                            valid_data_path=args.valid_data_path,
+                            test_data_path=args.test_data_path)
+    evaluating = args.eval_iters > 0 and bool(args.eval_interval)
+    if args.data_path is not None and sources[1] is None and evaluating:
+        raise ValueError(f"--split ({args.split}): the validation share is 0, but --eval-iters "
+                         f"({args.eval_iters}) and --eval-interval ({args.eval_interval}) ask for "
+                         "evaluation; give validation a share (e.g. --split 98,2,0), or pass "
+                         "--eval-iters 0")
+    if check_files:
+        samples = get_train_valid_test_num_samples(
+            global_batch_size=args.global_batch_size, train_iters=args.train_iters,
+            train_samples=args.train_samples, eval_interval=args.eval_interval,
+            eval_iters=args.eval_iters)
+        check_train_valid_test_data(sources, seq_length=args.seq_length, num_samples=samples,
+                                    dataloader_type=args.dataloader_type)
 
 
 def _validate_tokenizer(args, check_files):

@@ -194,7 +194,7 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Datasets and loading. ``--data-path`` blends and ``--split`` are parsed by
-    ``megatron.arguments_validation.get_blend_from_list`` / ``parse_split``."""
+    ``megatron.data.blend_config`` (``split_sources``), for validation and the builder alike."""
 
     seq_length: int
     data_path: Optional[list] = None

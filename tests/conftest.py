@@ -47,11 +47,11 @@ def data_prefix(tmp_path_factory):
 
 @pytest.fixture
 def files(tmp_path):
-    """A dataset prefix with empty .bin/.idx and a tokenizer file: validation only checks they
-    exist."""
-    prefix = str(tmp_path / "corpus_text_document")
-    for ext in (".bin", ".idx"):
-        open(prefix + ext, "wb").close()
+    """A dataset prefix (1000 documents of 300 zero tokens: validation reads only its .idx) and a
+    tokenizer file (validation only checks it exists)."""
+    from tests.helpers.data import placeholder_dataset
+
+    prefix = placeholder_dataset(str(tmp_path / "corpus_text_document"))
     model = tmp_path / "tokenizer.model"
     model.write_bytes(b"")
     return {"prefix": prefix, "model": str(model), "dir": str(tmp_path)}

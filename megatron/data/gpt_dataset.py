@@ -41,10 +41,13 @@ _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 _INDEX_FORMAT = 1
 
 
-def get_num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs giving ``num_samples * seq_length + 1`` tokens (Megatron's ``_get_num_epochs``)."""
+def get_num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int]) -> int:
+    """Fewest epochs giving ``num_samples * seq_length + 1`` tokens (Megatron's ``_get_num_epochs``);
+    one epoch when ``num_samples`` is None (Megatron's "one epoch" datasets of unweighted blends)."""
     if tokens_per_epoch <= 0:
         raise ValueError("the documents of this split hold no tokens")
+    if num_samples is None:
+        return 1
     tokens_requested = num_samples * seq_length + 1
     return max(1, -(-tokens_requested // tokens_per_epoch))
 
@@ -120,15 +123,16 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
-def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
-                  seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
+                  num_samples: Optional[int], seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Megatron's ``(document_index, sample_index, shuffle_index)`` for a GPT dataset.
 
     Args:
         sizes: int32 ``[S]``, tokens per sequence of the indexed dataset.
         documents: int ``[D]``, the sequence ids of this split (Megatron's ``indices``).
         seq_length: tokens per sample, without the extra label token.
-        num_samples: samples requested; the result holds at least this many (whole epochs).
+        num_samples: samples requested; the result holds at least this many (whole epochs). None:
+            exactly one epoch, ``(tokens - 1) // seq_length`` samples.
         seed: seed of ``numpy.random.RandomState`` (``--seed``).
     """
     tokens_per_epoch = int(np.sum(np.asarray(sizes)[documents], dtype=np.int64))
@@ -149,7 +153,8 @@ class GPTDataset:
         indexed_dataset: a ``MMapIndexedDataset`` (anything with ``sizes`` and ``get``).
         dataset_path: the dataset's path prefix; recorded in the cache description.
         documents: int ``[D]``, the sequence ids of this split.
-        num_samples: samples requested (>= 1); ``len(self)`` may be larger (whole epochs).
+        num_samples: samples requested (>= 1); ``len(self)`` may be larger (whole epochs). None:
+            one epoch (Megatron-Core's ``num_samples=None``, used for unweighted blends).
         seq_length: tokens per sample without the extra label token (``--seq-length``).
         seed: ``--seed``.
         index_split: ``"train"``, ``"valid"`` or ``"test"``; part of the cache file names.
@@ -162,12 +167,12 @@ class GPTDataset:
             fewer than ``seq_length + 1``.
     """
 
-    def __init__(self, indexed_dataset, dataset_path: str, documents: np.ndarray, num_samples: int,
-                 seq_length: int, seed: int, *, index_split: str = "train",
-                 cache_dir: Optional[str] = None):
+    def __init__(self, indexed_dataset, dataset_path: str, documents: np.ndarray,
+                 num_samples: Optional[int], seq_length: int, seed: int, *,
+                 index_split: str = "train", cache_dir: Optional[str] = None):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1:
             raise ValueError(f"GPTDataset needs at least 1 sample, got {num_samples}")
         self.indexed_dataset = indexed_dataset
         self.dataset_path = dataset_path

@@ -4,7 +4,7 @@ Each script runs for real under bash, with fake ``torchrun``, ``srun``, ``scontr
 on PATH that record the command line instead of starting anything; the recorded
 ``pretrain_llama.py`` arguments then go through ``parse_args`` and ``validate_args`` with the world
 size the launcher would create (``--nnodes`` x ``--nproc_per_node``). Data and tokenizer paths point
-at placeholder files, so the file checks run too.
+at placeholder files (a dataset whose .idx is real and .bin sparse), so the file checks run too.
 """
 
 import glob
@@ -18,6 +18,7 @@ import pytest
 
 from megatron.arguments import parse_args, report_ignored_flags, validate_args
 
+from tests.helpers.data import placeholder_dataset
 from tests.helpers.paths import ROOT
 SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "*.sh"))
                  if not os.path.basename(p).startswith("_"))  # _*.sh are sourced helpers
@@ -48,8 +49,8 @@ def sandbox(tmp_path_factory):
     data.mkdir()
     files = {}
     for prefix in ("corpus_text_document", "shakespeare_text_document"):
-        for ext in (".bin", ".idx"):
-            (data / (prefix + ext)).write_bytes(b"")
+        # Enough tokens for every split of --split 969,30,1 at --seq-length 8192.
+        placeholder_dataset(str(data / prefix), num_docs=1000, tokens_per_doc=9000)
     for name in ("tokenizer.model", "tokenizer.model.v1", "shakespeare_plays.jsonl"):
         (data / name).write_bytes(b"")
     (root / "llama3_tokenizer").mkdir()

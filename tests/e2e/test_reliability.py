@@ -5,6 +5,7 @@ elastic restarts, multi-node, hangs) are in test_reliability_launch.py (slow).""
 
 import contextlib
 import io
+import math
 import os
 import re
 import subprocess
@@ -183,7 +184,14 @@ def runs(tmp_path_factory):
     good = write_dataset(str(root / "good_text_document"))
     bad = write_dataset(str(root / "bad_text_document"), max_id=200)
     tiny = write_dataset(str(root / "tiny_text_document"), num_docs=1)
+    other = write_dataset(str(root / "other_text_document"), seed=1)
+    empty = write_dataset(str(root / "empty_text_document"), num_docs=0)
+    damaged = write_dataset(str(root / "damaged_text_document"), seed=2)
+    with open(damaged + ".idx", "r+b") as f:  # uint16 data behind an int32 header
+        f.seek(17)
+        f.write(bytes([4]))
     cache = str(root / "cache")
+    per_split = [a for a in tiny_argv(good, cache, 2) if a not in ("--data-path", good)]
     folders = {k: str(root / k) for k in ("empty", "finetune", "bad_save", "timed")}
     os.makedirs(folders["empty"])
     os.makedirs(folders["finetune"])
@@ -196,6 +204,10 @@ def runs(tmp_path_factory):
         ("empty load finetune", tiny_argv(good, cache, 2, "--load", folders["finetune"],
                                           "--finetune")),
         ("tiny data", tiny_argv(tiny, cache, 2)),
+        ("unweighted blend", tiny_argv(good, cache, 2, "--data-path", good, other)),
+        ("empty data", tiny_argv(empty, cache, 2)),
+        ("no validation share", tiny_argv(good, cache, 2, "--split", "100,0,0")),
+        ("damaged validation data", per_split + ["--train-data-path", good, "--valid-data-path", damaged]),
         # 0.0005 minutes = 30 ms: over after the first iteration; saves and stops there.
         ("timed", tiny_argv(good, cache, 50, "--exit-duration-in-mins", "0.0005", "--save",
                             folders["timed"])),
@@ -239,11 +251,37 @@ def test_exit_duration_in_fractional_minutes_saves_and_stops(runs):
     assert open(tracker).read() == str(last)
 
 
+def _refused_before_anything_is_built(run):
+    assert "error" in run, run
+    assert "building" not in run["log"] and "training from iteration" not in run["log"], run["log"]
+    return run["error"]
+
+
 def test_dataset_smaller_than_one_sample_is_refused(runs):
-    error = runs[0]["tiny data"].get("error")
-    assert error is not None and re.search(
-        r"the train split of .*tiny_text_document holds \d+ tokens, fewer than one sample of "
-        r"--seq-length 16.*--split", error), error
+    error = _refused_before_anything_is_built(runs[0]["tiny data"])
+    assert re.search(r"the train split of .*tiny_text_document holds \d+ tokens \(sequences \[0, 1\) of 1\), "
+                     r"fewer than one sample of --seq-length 16.*--split", error), error
+
+
+def test_unweighted_data_path_list_trains_as_megatron_reads_it(runs):
+    """--data-path A B (no weights) passed validation and then failed after the model was built."""
+    run = runs[0]["unweighted blend"]
+    assert "error" not in run, run
+    assert run["iteration"] == [1, 2] and all(math.isfinite(x) for x in run["lm loss"])
+    assert run["valid"] and all(it == 2 and math.isfinite(loss) for it, loss in run["valid"])
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty data", r"^ValueError: --data-path \(.*empty_text_document\) with --split 90,10,0, training data: "
+                   r"dataset .*empty_text_document holds no tokens \(0 sequences\)"),
+    ("no validation share", r"^ValueError: --split \(100,0,0\): the validation share is 0, but --eval-iters "
+                            r"\(1\) and --eval-interval \(2\) ask for evaluation"),
+    ("damaged validation data", r"^ValueError: --valid-data-path \(.*damaged_text_document\), validation data: "
+                                r".*damaged_text_document\.idx: sequence 1 starts at byte"),
+])
+def test_bad_data_is_refused_before_anything_is_built(runs, case, message):
+    error = _refused_before_anything_is_built(runs[0][case])
+    assert re.search(message, error), error
 
 
 @pytest.mark.parametrize("kind, flag", [("SentencePieceTokenizer", "tokenizer_model"),

@@ -8,8 +8,8 @@ import torch
 from megatron import config as cfg
 from megatron.arguments import (NOT_YET_SUPPORTED, parse_args, parser_defaults,
                                 report_ignored_flags, validate_args)
-from megatron.arguments_validation import get_blend_from_list, parse_split
 from tests.helpers.arguments import base_argv, check
+from tests.helpers.data import placeholder_dataset
 
 
 def test_valid_demo_layout_and_derived_values(files):
@@ -100,15 +100,25 @@ ERRORS = [
      r"--tokenizer-name-or-path \(.*tokenizer.model\) is not a folder"),
     (["--tokenizer-type", "GPT2BPETokenizer"], 1, r"GPT2BPETokenizer needs --vocab-file"),
     (["--data-path", "/nonexistent/prefix"], 1,
-     r"--data-path: data file /nonexistent/prefix.bin does not exist"),
+     r"^--data-path \(/nonexistent/prefix\) with --split 969, 30, 1, training data: "
+     r"/nonexistent/prefix.idx: file not found"),
     (["--data-path", "0.3", "{prefix}", "0.7", "/nonexistent/b"], 1,
-     r"data file /nonexistent/b.bin does not exist"),
+     r"/nonexistent/b.idx: file not found"),
+    (["--data-path", "0.3", "{prefix}", "nan", "{prefix}"], 1, r"^--data-path \(0.3 .* nan .*\): weight nan"),
+    (["--data-path", "0.3", "{prefix}", "{prefix}"], 1, r"'0.3' reads as a weight"),
+    (["--split", "nan,1,1"], 1, r"^--split \(nan,1,1\): every share must be a finite number"),
+    (["--split", "100,0,0"], 1, r"^--split \(100,0,0\): the validation share is 0, but --eval-iters "
+                                r"\(100\) and --eval-interval \(1000\) ask for evaluation; give validation a "
+                                r"share \(e.g. --split 98,2,0\), or pass --eval-iters 0"),
+    (["--split", "9999,1,0"], 1,
+     r"^--data-path .* with --split 9999,1,0: the valid split of .*corpus_text_document holds 0 tokens "
+     r"\(sequences \[1000, 1000\) of 1000\), fewer than one sample of --seq-length 256"),
     (["--min-lr", "1.0"], 1, r"--min-lr \(1.0\) must be <= --lr \(0.002\)"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, r"mutually exclusive"),
     (["--lr-decay-samples", "100"], 1, r"--lr-decay-samples / --lr-warmup-samples go with"),
     (["--save-interval", "5"], 1, r"--save-interval \(5\) needs --save DIR"),
     (["--finetune"], 1, r"--finetune needs --load DIR"),
-    (["--split", "90,x"], 1, r"--split \(90,x\) must be"),
+    (["--split", "90,x"], 1, r"--split \(90,x\): expected up to three numbers"),
     (["--hidden-dropout", "1.5"], 1, r"--hidden-dropout \(1.5\) must be in \[0, 1\)"),
     (["--num-layers", "0"], 1, r"--num-layers \(0\) must be positive"),
     (["--data-impl", "lazy"], 1, r"--data-impl \(lazy\) is not supported"),
@@ -135,8 +145,41 @@ def test_query_groups_without_gqa_flag(files):
 
 def test_missing_idx_is_named(files):
     os.remove(files["prefix"] + ".idx")
-    with pytest.raises(ValueError, match=r"corpus_text_document\.idx does not exist"):
+    with pytest.raises(ValueError, match=r"corpus_text_document\.idx: file not found"):
         check(base_argv(files))
+
+
+def test_data_is_checked_from_its_index_before_anything_is_built(files, tmp_path):
+    """What validation accepts is built as read (one parser); damaged and empty datasets and
+    splits without data are refused here, naming the flag that gave them."""
+    other = placeholder_dataset(str(tmp_path / "other_text_document"), num_docs=500)
+    prefix = files["prefix"]
+    # An unweighted list of two datasets, as Megatron-LM reads it (it used to pass validation
+    # and fail in the builder after the model was built).
+    args = check(base_argv(files) + ["--data-path", prefix, other, "--split", "98,2,0", "--eval-iters", "2"])
+    assert args.data_path == [prefix, other]
+    # ... whose one epoch is all it gives (Megatron-Core's rule): (20 + 10) x 300 tokens of
+    # validation data, 23 + 11 samples, not the 100 x 8 of the default --eval-iters.
+    with pytest.raises(ValueError, match=r"one epoch .* 34 samples of --seq-length 256 for the validation "
+                                         r"split, which needs 800"):
+        check(base_argv(files) + ["--data-path", prefix, other, "--split", "98,2,0"])
+    with open(other + ".idx", "r+b") as f:  # int32 behind a uint16 header: pointers disagree
+        f.seek(17)
+        f.write(bytes([4]))
+    with pytest.raises(ValueError, match=r"^--data-path \(.*\) with --split 969, 30, 1, training data: "
+                                         r".*other_text_document\.idx: sequence 1 starts at byte 600"):
+        check(base_argv(files) + ["--data-path", "1", prefix, "1", other])
+    empty = placeholder_dataset(str(tmp_path / "empty_text_document"), num_docs=0)
+    with pytest.raises(ValueError, match=r"^--valid-data-path \(.*empty_text_document\), validation "
+                                         r"data: dataset .*empty_text_document holds no tokens"):
+        check(base_argv(files)[:-2] + ["--train-data-path", prefix, "--valid-data-path", empty])
+    # Without evaluation a zero validation share is fine.
+    check(base_argv(files) + ["--split", "100,0,0", "--eval-iters", "0"])
+    # Nor enough training samples for --train-iters 10**6, unless the loader cycles.
+    with pytest.raises(ValueError, match=r"without weights each dataset is used for one epoch"):
+        check(base_argv(files) + ["--data-path", prefix, prefix, "--train-iters", "1000000"])
+    check(base_argv(files) + ["--data-path", prefix, prefix, "--train-iters", "1000000",
+                              "--dataloader-type", "cyclic"])
 
 
 def test_missing_required_flag(files):
@@ -175,17 +218,6 @@ def test_not_yet_supported_flags_are_refused(files, dest):
 def test_bf16_forces_fp32_grad_accumulation(files):
     args = check(base_argv(files) + ["--bf16"])
     assert args.accumulate_allreduce_grads_in_fp32
-
-
-def test_blend_and_split_parsing():
-    assert get_blend_from_list(["a"]) == (["a"], None)
-    assert get_blend_from_list(["a", "b"]) == (["a", "b"], None)
-    assert get_blend_from_list(["0.2", "a", "0.8", "b"]) == (["a", "b"], [0.2, 0.8])
-    with pytest.raises(ValueError, match="mixes weights and prefixes"):
-        get_blend_from_list(["0.2", "a", "b"])
-    assert parse_split("969, 30, 1") == [969.0, 30.0, 1.0]
-    assert parse_split("98,2") == [98.0, 2.0, 0.0]
-    assert parse_split("90/5/5") == [90.0, 5.0, 5.0]
 
 
 def test_configs_from_args(files):

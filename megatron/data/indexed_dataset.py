@@ -27,7 +27,7 @@ Opening a pair validates it from the ``.idx`` alone, never by reading the ``.bin
 version, an integer dtype code, the ``.idx`` length against its header, document indices rising
 from 0 to ``S``, pointers equal to the running sum of ``sizes x item size`` (what every writer
 writes; int32 data behind a uint16 header fails it) and the ``.bin`` length equal to their end.
-The check reads the index in blocks (bounded memory, about 1 s per 10^8 sequences).
+The check reads the index in blocks (bounded memory; 0.2 s for 10^7 sequences here).
 
 Writers put both files under temporary names ``{final}.tmp-{pid}``, each held under an exclusive
 ``flock`` while it is written, and rename them at the end (see
@@ -286,26 +286,30 @@ def _read_index(idx_path: str):
 def _check_layout(bin_path: str, idx_path: str, bin_size: int, sizes: np.ndarray,
                   pointers: np.ndarray, dtype: np.dtype) -> int:
     """Pointers are the running sum of ``sizes x itemsize`` from 0 and the ``.bin`` ends there;
-    returns the number of tokens. Reads the index in blocks of ``_CHECK_BLOCK`` sequences."""
+    returns the number of tokens. Reads the index in blocks of ``_CHECK_BLOCK`` sequences.
+
+    Each block's first pointer must equal the end so far (at most the ``.bin`` size) and its
+    differences the sizes in bytes; a block adds under 2**55 bytes, so no sum reaches 2**63.
+    """
     itemsize, end = dtype.itemsize, 0
     for start in range(0, len(sizes), _CHECK_BLOCK):
-        block = sizes[start:start + _CHECK_BLOCK].astype(np.int64)
+        block = sizes[start:start + _CHECK_BLOCK]
         if block.min() < 0:
             bad = start + int(np.argmax(block < 0))
             raise IndexedDatasetError(f"{idx_path}: sequence {bad} has negative size {int(sizes[bad])}; "
                                       "the index is corrupted")
-        # int64; each block adds < 2**55 bytes to an end <= the .bin size: no overflow.
-        expected = np.cumsum(block * itemsize) + end
-        expected -= block * itemsize  # start offsets
+        nbytes = np.multiply(block, itemsize, dtype=np.int64)
         got = pointers[start:start + len(block)]
-        if not np.array_equal(got, expected):
-            bad = start + int(np.argmax(got != expected))
+        steps = np.diff(got)
+        if got[0] != end or not np.array_equal(steps, nbytes[:-1]):
+            i = 0 if got[0] != end else 1 + int(np.argmax(steps != nbytes[:-1]))
+            expected = end if i == 0 else int(got[i - 1]) + int(nbytes[i - 1])
             raise IndexedDatasetError(
-                f"{idx_path}: sequence {bad} starts at byte {int(pointers[bad])} of the .bin, but "
+                f"{idx_path}: sequence {start + i} starts at byte {int(got[i])} of the .bin, but "
                 f"the sizes before it ({dtype.name}, {itemsize} bytes per token) put it at byte "
-                f"{int(expected[bad - start])}; the index is corrupted or its dtype does not match "
-                "the data (re-run tools/preprocess_data.py)")
-        end = int(expected[-1] + block[-1] * itemsize)
+                f"{expected}; the index is corrupted or its dtype does not match the data (re-run "
+                "tools/preprocess_data.py)")
+        end = int(got[-1]) + int(nbytes[-1])
         if end > bin_size:  # already too long; stopping here also keeps the sums far from 2**63
             break
     if end != bin_size:

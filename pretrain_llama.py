@@ -18,20 +18,20 @@ from megatron.core import parallel_state as ps
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
 
-def model_provider(args, device, pre_process=True, post_process=True):
+def model_provider(args, device, pre_process=True, post_process=True, vp_stage=None):
     """This pipeline stage of the LLaMA model (its share of layers, on ``device``); with virtual
-    pipeline stages, the chunk of the registry's current virtual rank (Megatron's provider)."""
+    pipeline stages, model chunk ``vp_stage`` (Megatron-Core's provider)."""
     from megatron.config import build_model_config
     from megatron.model import LlamaModel, get_layer_numbers, get_virtual_layer_numbers
 
     config = build_model_config(args)
-    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    vp = ps.get_virtual_pipeline_model_parallel_world_size()
+    groups = ps.get_process_groups()
+    pp, rank = groups.pp.size, groups.pp.rank
+    vp = groups.virtual_pipeline_model_parallel_size
     layers = (get_layer_numbers(args.num_layers, pp, rank) if vp is None else
-              get_virtual_layer_numbers(args.num_layers, pp, rank, vp,
-                                        ps.get_virtual_pipeline_model_parallel_rank()))
-    return LlamaModel(config, pre_process=pre_process, post_process=post_process,
-                      layer_numbers=layers, device=device)
+              get_virtual_layer_numbers(args.num_layers, pp, rank, vp, vp_stage))
+    return LlamaModel(config, pg_collection=groups, pre_process=pre_process,
+                      post_process=post_process, layer_numbers=layers, device=device)
 
 
 def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask,
@@ -134,8 +134,8 @@ def forward_step(args, eod, data_iterator, model, vocab_size=None):
     device = next(model.parameters()).device
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, args, eod, device, vocab_size)
-    output = model(tokens, position_ids, attention_mask,
-                   labels=labels if ps.is_pipeline_last_stage() else None)
+    # Stages without the output layer ignore the labels (the model knows its post_process).
+    output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)
 
 

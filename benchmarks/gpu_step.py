@@ -94,7 +94,8 @@ def ours_step_time(config: ModelConfig, mbs: int, seq: int, device, dtype, warmu
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.model.llama import LlamaModel
-    model = LlamaModel(config.replace(params_dtype=dtype), device=device)
+    model = LlamaModel(config.replace(params_dtype=dtype), device=device,
+                       pg_collection=parallel_state.get_process_groups())
     ddp = DistributedDataParallel(model, data_parallel_group=parallel_state.get_data_parallel_group())
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-5, bf16=dtype == torch.bfloat16,
                                                  params_dtype=dtype), [ddp])

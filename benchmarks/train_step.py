@@ -95,7 +95,8 @@ def ours_runner(config: ModelConfig, dtype: torch.dtype, tokens, labels, clip_gr
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
     torch.manual_seed(0)
-    model = LlamaModel(config.replace(params_dtype=dtype)).train()
+    model = LlamaModel(config.replace(params_dtype=dtype),
+                       pg_collection=parallel_state.get_process_groups()).train()
     ddp = DistributedDataParallel(model, data_parallel_group=parallel_state.get_data_parallel_group())
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=clip_grad, bf16=dtype == torch.bfloat16,
                                                  params_dtype=dtype), [ddp])

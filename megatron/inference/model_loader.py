@@ -76,7 +76,8 @@ def load_model_for_inference(load_dir: str, device=None):
                               f"megatron --saver megatron --target-tensor-parallel-size {tp} "
                               f"--target-pipeline-parallel-size {pp}")
     config = model_config_from_args(saved)
-    model = LlamaModel(config, pre_process=ps.is_pipeline_first_stage(),
+    model = LlamaModel(config, pg_collection=ps.get_process_groups(),
+                       pre_process=ps.is_pipeline_first_stage(),
                        post_process=ps.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(config.num_layers, pp,
                                                        ps.get_pipeline_model_parallel_rank()),

@@ -50,10 +50,11 @@ class SelfAttention(torch.nn.Module):
     Args:
         config: the model configuration.
         layer_number: global 1-based layer number (seeds the initialisation).
+        pg_collection: the process groups (the linears use ``pg_collection.tp``).
         device: device of the parameters.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, device=None):
+    def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None):
         super().__init__()
         check_attention_config(config)
         tp = config.tensor_model_parallel_size
@@ -64,7 +65,7 @@ class SelfAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.attention_dropout = config.attention_dropout
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, device=device,
+                      params_dtype=config.params_dtype, device=device, tp_group=pg_collection.tp.group,
                       gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         blocks = [config.num_attention_heads * d, config.num_query_groups * d,
                   config.num_query_groups * d]

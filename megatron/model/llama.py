@@ -10,10 +10,10 @@ from typing import Optional, Sequence
 import torch
 
 from megatron.config import ModelConfig
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.fused_cross_entropy import linear_cross_entropy
-from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
+from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, TensorParallelGroupMixin,
+                                                  VocabParallelEmbedding,
                                                   linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.model.attention import check_attention_config
@@ -24,7 +24,7 @@ from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import TransformerLayer, hidden_dropout
 
 
-def _check_config(config: ModelConfig, layer_numbers: Sequence[int]) -> None:
+def _check_config(config: ModelConfig, layer_numbers: Sequence[int], pg_collection) -> None:
     check_attention_config(config)
     if config.padded_vocab_size % config.tensor_model_parallel_size:
         raise ValueError(f"padded vocabulary size ({config.padded_vocab_size}) must be divisible by "
@@ -33,18 +33,14 @@ def _check_config(config: ModelConfig, layer_numbers: Sequence[int]) -> None:
     bad = [n for n in layer_numbers if not 1 <= n <= config.num_layers]
     if bad:
         raise ValueError(f"layer numbers {bad} outside 1..--num-layers ({config.num_layers})")
-    if parallel_state.model_parallel_is_initialized():
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        if tp != config.tensor_model_parallel_size:
-            raise ValueError(f"config.tensor_model_parallel_size ({config.tensor_model_parallel_size}) "
-                             f"differs from the initialized tensor-parallel group size ({tp})")
-    elif config.tensor_model_parallel_size != 1:
-        raise RuntimeError(f"config.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
-                           "but no tensor-parallel group exists: call "
-                           "parallel_state.initialize_model_parallel first")
+    tp = pg_collection.tp.size
+    if tp != config.tensor_model_parallel_size:
+        raise ValueError(f"config.tensor_model_parallel_size ({config.tensor_model_parallel_size}) "
+                         f"differs from the size of the tensor-parallel group it is given ({tp}): "
+                         "pass the groups of initialize_model_parallel")
 
 
-class LlamaModel(torch.nn.Module):
+class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
     """LLaMA (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), tensor-parallel, one
     pipeline stage.
 
@@ -59,8 +55,11 @@ class LlamaModel(torch.nn.Module):
     are ``[s/T, b, h]``: this rank's contiguous sequence chunk; s must be divisible by T.
 
     Args:
-        config: the model configuration (its ``tensor_model_parallel_size`` must equal the
-            tensor-parallel group's size when the registry is initialized).
+        config: the model configuration (its ``tensor_model_parallel_size`` must equal the size
+            of ``pg_collection.tp``).
+        pg_collection: the process groups
+            (:class:`~megatron.core.process_groups.ProcessGroupCollection`; the layers use its
+            ``tp``; ``ProcessGroupCollection.world_of_one()`` in a single process).
         pre_process: this stage embeds tokens (first pipeline stage).
         post_process: this stage computes logits / loss (last pipeline stage).
         layer_numbers: global 1-based numbers of the stage's layers (default: all);
@@ -72,12 +71,14 @@ class LlamaModel(torch.nn.Module):
             range; a config TP size that disagrees with the process groups.
     """
 
-    def __init__(self, config: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: Optional[Sequence[int]] = None, device=None):
+    def __init__(self, config: ModelConfig, *, pg_collection, pre_process: bool = True,
+                 post_process: bool = True, layer_numbers: Optional[Sequence[int]] = None,
+                 device=None):
         super().__init__()
         layer_numbers = list(range(1, config.num_layers + 1)) if layer_numbers is None else list(layer_numbers)
-        _check_config(config, layer_numbers)
+        _check_config(config, layer_numbers, pg_collection)
         self.config = config
+        self._set_group(pg_collection.tp.group)
         self.pre_process = pre_process
         self.post_process = post_process
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
@@ -88,7 +89,9 @@ class LlamaModel(torch.nn.Module):
 
         if pre_process:
             self.word_embeddings = self._make_word_embeddings(device)
-        self.layers = torch.nn.ModuleList(TransformerLayer(config, n, device=device) for n in layer_numbers)
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(config, n, pg_collection=pg_collection, device=device)
+            for n in layer_numbers)
         if post_process:
             self.final_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon,
                                            sequence_parallel=self.sequence_parallel,
@@ -99,7 +102,7 @@ class LlamaModel(torch.nn.Module):
                         config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
                         sequence_parallel=self.sequence_parallel,
                         init_method=init_method_normal(config.init_method_std),
-                        params_dtype=config.params_dtype, device=device,
+                        params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
                         gradient_accumulation_fusion=config.gradient_accumulation_fusion)
             elif not pre_process:
                 self.word_embeddings_for_head = self._make_word_embeddings(device)
@@ -115,6 +118,7 @@ class LlamaModel(torch.nn.Module):
             return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
                                           init_method=init_method_normal(c.init_method_std),
                                           params_dtype=c.params_dtype, device=device,
+                                          tp_group=self.tp_group,
                                           reduce_scatter_embeddings=self.sequence_parallel,
                                           gradient_accumulation_fusion=c.gradient_accumulation_fusion)
 
@@ -147,11 +151,12 @@ class LlamaModel(torch.nn.Module):
             return self.output_layer(hidden)[0]
         if not self.sequence_parallel:
             # forward: identity; backward: all-reduce over the tensor-parallel group.
-            hidden = copy_to_tensor_model_parallel_region(hidden)
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
         # With sequence parallelism: all-gather of the sequence forward, reduce-scatter backward.
         return linear_with_grad_accumulation(
             hidden, self.shared_embedding_or_output_weight(), sequence_parallel=self.sequence_parallel,
-            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+            tp_group=self.tp_group)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -202,7 +207,7 @@ class LlamaModel(torch.nn.Module):
             position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, s)
         rotary = self.rotary(position_ids)
         hidden = forward_layers(self.layers, hidden, rotary, attention_mask, inference_params,
-                                self.config)
+                                self.config, tp_group=self.tp_group)
         if not self.post_process:
             return hidden
 
@@ -210,11 +215,13 @@ class LlamaModel(torch.nn.Module):
         if labels is not None and not self.sequence_parallel:
             # Output layer and loss fused: one fp32 [s*b, v/T] buffer instead of four.
             loss = linear_cross_entropy(
-                copy_to_tensor_model_parallel_region(hidden), self._output_weight(), labels.t(),
+                copy_to_tensor_model_parallel_region(hidden, self.tp_group), self._output_weight(),
+                labels.t(), tp_group=self.tp_group,
                 gradient_accumulation_fusion=self.config.gradient_accumulation_fusion)
             return loss.t().contiguous()
         logits = self._logits(hidden)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
+        loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous(),
+                                            tp_group=self.tp_group)
         return loss.t().contiguous()

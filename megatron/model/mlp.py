@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                  TensorParallelGroupMixin)
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
                                            scaled_init_method_normal)
@@ -53,7 +54,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return _SwiGLUFunction.apply(gate_up)
 
 
-class SwiGLUMLP(torch.nn.Module):
+class SwiGLUMLP(TensorParallelGroupMixin, torch.nn.Module):
     """``down(silu(gate(x)) * up(x))``, tensor-parallel over f (Megatron-LM's ``ParallelMLP``).
 
     ``dense_h_to_4h`` fuses gate and up: a ColumnParallelLinear ``h -> 2f`` whose rows on each
@@ -68,20 +69,22 @@ class SwiGLUMLP(torch.nn.Module):
     Args:
         config: the model configuration.
         layer_number: global 1-based layer number (seeds the initialisation).
+        pg_collection: the process groups (the linears use ``pg_collection.tp``).
         device: device of the parameters.
 
     Raises:
         ValueError: if ``--ffn-hidden-size`` is not divisible by the tensor-parallel size.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, device=None):
+    def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None):
         super().__init__()
         tp, f = config.tensor_model_parallel_size, config.ffn_hidden_size
         if f % tp:
             raise ValueError(f"--ffn-hidden-size ({f}) must be divisible by "
                              f"--tensor-model-parallel-size ({tp})")
+        self._set_group(pg_collection.tp.group)
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, device=device,
+                      params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
                       gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         with init_seed(config.seed, layer_number, "mlp.dense_h_to_4h"):
             self.dense_h_to_4h = ColumnParallelLinear(
@@ -115,5 +118,5 @@ class SwiGLUMLP(torch.nn.Module):
         """``[s, b, h] -> [s, b, h]`` (all-reduced over the tensor-parallel group), or
         ``[s/T, b, h] -> [s/T, b, h]`` with sequence parallelism."""
         if self.recompute_mlp and recompute_active(self):
-            return checkpoint(self._forward, False, hidden)
+            return checkpoint(self._forward, False, hidden, tp_group=self.tp_group)
         return self._forward(hidden)

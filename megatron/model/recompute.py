@@ -97,7 +97,8 @@ def _layers_function(layers, attention_mask):
 
 
 def forward_layers(layers: Sequence[torch.nn.Module], hidden: torch.Tensor, rotary,
-                   attention_mask: Optional[torch.Tensor], inference_params, config) -> torch.Tensor:
+                   attention_mask: Optional[torch.Tensor], inference_params, config, *,
+                   tp_group) -> torch.Tensor:
     """Run a stage's transformer layers, with full recompute where ``config`` asks for it.
 
     Args:
@@ -107,6 +108,8 @@ def forward_layers(layers: Sequence[torch.nn.Module], hidden: torch.Tensor, rota
         attention_mask: None (causal) or bool ``[b, 1, s, s]``.
         inference_params: KV cache of generation (no recompute then), or None.
         config: the :class:`megatron.config.ModelConfig`.
+        tp_group: the tensor-parallel group (of the recompute's RNG bookkeeping; None: a world
+            of one).
 
     Returns:
         The last layer's output, shaped as ``hidden``.
@@ -121,11 +124,12 @@ def forward_layers(layers: Sequence[torch.nn.Module], hidden: torch.Tensor, rota
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
             run = _layers_function(layers[start:start + n], attention_mask)
-            hidden = checkpoint(run, False, hidden, cos, sin)
+            hidden = checkpoint(run, False, hidden, cos, sin, tp_group=tp_group)
         return hidden
     for i, layer in enumerate(layers):  # block
         if i < n:
-            hidden = checkpoint(_layers_function([layer], attention_mask), False, hidden, cos, sin)
+            hidden = checkpoint(_layers_function([layer], attention_mask), False, hidden, cos, sin,
+                                tp_group=tp_group)
         else:
             hidden = layer(hidden, rotary, attention_mask)
     return hidden

@@ -41,10 +41,11 @@ class TransformerLayer(torch.nn.Module):
     Args:
         config: the model configuration.
         layer_number: global 1-based layer number (kept as ``self.layer_number``; seeds init).
+        pg_collection: the process groups of the attention and MLP blocks.
         device: device of the parameters.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, device=None):
+    def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
@@ -52,9 +53,10 @@ class TransformerLayer(torch.nn.Module):
         norm = dict(eps=config.norm_epsilon, sequence_parallel=self.sequence_parallel,
                     params_dtype=config.params_dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attention = SelfAttention(config, layer_number, device=device)
+        self.self_attention = SelfAttention(config, layer_number, pg_collection=pg_collection,
+                                            device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = SwiGLUMLP(config, layer_number, device=device)
+        self.mlp = SwiGLUMLP(config, layer_number, pg_collection=pg_collection, device=device)
         self.recompute_norms = "layernorm" in selective_modules(config)
 
     def _norm_then(self, norm, block, hidden, *args):

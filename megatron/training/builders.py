@@ -40,21 +40,16 @@ def num_microbatches(args) -> int:
 
 def build_model_chunks(args, model_provider, device) -> list:
     """This rank's model chunks, unwrapped: one, or with virtual pipeline stages one per virtual
-    rank (Megatron-LM's ``get_model``): chunk ``v`` is built with the registry's virtual rank set
-    to ``v``, so the provider picks the layers of virtual stage ``v * PP + rank``; only chunk 0 of
+    rank (Megatron-Core's ``get_model``): chunk ``v`` is built by the provider with
+    ``vp_stage=v``, so it picks the layers of virtual stage ``v * PP + rank``; only chunk 0 of
     the first stage embeds (``pre_process``) and only the last chunk of the last stage computes
     the loss (``post_process``)."""
-    vp = ps.get_virtual_pipeline_model_parallel_world_size()
-    if vp is None:
-        return [model_provider(args, device, pre_process=ps.is_pipeline_first_stage(),
-                               post_process=ps.is_pipeline_last_stage())]
-    chunks = []
-    for v in range(vp):
-        ps.set_virtual_pipeline_model_parallel_rank(v)
-        chunks.append(model_provider(args, device, pre_process=ps.is_pipeline_first_stage(),
-                                     post_process=ps.is_pipeline_last_stage()))
-    ps.set_virtual_pipeline_model_parallel_rank(0)
-    return chunks
+    groups = ps.get_process_groups()
+    vp = groups.virtual_pipeline_model_parallel_size
+    stages = [None] if vp is None else range(vp)
+    return [model_provider(args, device, pre_process=groups.is_pipeline_first_stage(v),
+                           post_process=groups.is_pipeline_last_stage(v), vp_stage=v)
+            for v in stages]
 
 
 def setup_model_and_optimizer(args, model_provider, device):

@@ -136,7 +136,7 @@ def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> int:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_manual_seed(seed)
+    model_parallel_manual_seed(seed, parallel_state.get_tensor_model_parallel_rank())
     return seed
 
 

@@ -97,7 +97,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False, config=schedule_config)
-    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    last_stage = ps.is_pipeline_last_stage()
     # Only the last stage sees the loss: the optimizer folds this flag into its found-inf
     # all-reduce, so an inf/NaN loss skips the step on every rank alike. A device tensor, and the
     # losses are read on the host only after the step: on CUDA nothing waits for the GPU before

@@ -20,7 +20,7 @@ def checkpoint_parts(seed, out_features=3):
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, torch.distributed.get_world_size())
-    model_parallel_manual_seed(1234)
+    model_parallel_manual_seed(1234, 0)
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, out_features)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -73,3 +73,4 @@ def batch(config, b=2, s=32, seed=1):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.padded_vocab_size, (b, s + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
+

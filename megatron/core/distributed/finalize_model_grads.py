@@ -62,7 +62,7 @@ def _allreduce_embedding_grads(model_chunks) -> None:
     Both stages must mark their copy of the tied weight with ``shared_embedding=True``.
     """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1 or \
-            not parallel_state.is_rank_in_embedding_group():
+            not parallel_state.get_process_groups().in_embedding_group:
         return
     grads = [_grad(p) for p in _unique_params(model_chunks)
              if getattr(p, "shared_embedding", False) and _grad(p) is not None]

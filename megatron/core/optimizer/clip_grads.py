@@ -34,7 +34,8 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter]) -> List[torch.Tensor]:
         the first (the first stage's word embedding counts).
     """
     initialized = parallel_state.model_parallel_is_initialized()
-    first_stage = not initialized or parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    first_stage = not initialized or parallel_state.is_pipeline_first_stage()
+    tp_group = parallel_state.get_tensor_model_parallel_group() if initialized else None
     out = []
     for p in params:
         g = param_grad(p)
@@ -42,7 +43,7 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter]) -> List[torch.Tensor]:
             continue
         if getattr(p, "shared_embedding", False) and not first_stage:
             continue
-        if initialized and not param_is_not_tensor_parallel_duplicate(p):
+        if not param_is_not_tensor_parallel_duplicate(p, tp_group):
             continue
         out.append(g)
     return out

@@ -119,7 +119,7 @@ def get_param_groups(model_chunks: List[torch.nn.Module], weight_decay: float) -
 def _model_parallel_group():
     if not parallel_state.model_parallel_is_initialized():
         return None
-    if len(parallel_state.get_model_parallel_ranks()) == 1:
+    if parallel_state.get_process_groups().model.size == 1:
         return None
     return parallel_state.get_model_parallel_group()
 

@@ -120,8 +120,8 @@ def forward_backward_pipelining_with_interleaving(
     _check(model, data_iterator, num_microbatches, pp)
     v = len(model)
     rank = ps.get_pipeline_model_parallel_rank()
-    first_rank = ps.is_pipeline_first_stage(ignore_virtual=True)
-    last_rank = ps.is_pipeline_last_stage(ignore_virtual=True)
+    first_rank = ps.is_pipeline_first_stage()
+    last_rank = ps.is_pipeline_last_stage()
     shape = get_tensor_shape(seq_length, micro_batch_size, config)
     total = num_microbatches * v
     num_warmup, all_warmup = get_interleaved_warmup(num_microbatches, pp, rank, v, forward_only)
@@ -145,11 +145,6 @@ def forward_backward_pipelining_with_interleaving(
     def is_last(c):
         return last_rank and c == v - 1
 
-    def set_virtual_rank(c):
-        # Models may consult the registry's virtual rank (is_pipeline_first_stage() and friends).
-        if ps.get_virtual_pipeline_model_parallel_world_size() is not None:
-            ps.set_virtual_pipeline_model_parallel_rank(c)
-
     def communicate(send_next, send_prev, recv_prev, recv_next):
         received = p2p.communicate(tensor_send_next=send_next, tensor_send_prev=send_prev,
                                    recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape,
@@ -160,7 +155,6 @@ def forward_backward_pipelining_with_interleaving(
 
     def forward_helper(k):
         c = chunk_id(k, True)
-        set_virtual_rank(c)
         if is_first(c) and len(input_tensors[c]) == len(output_tensors[c]):
             input_tensors[c].append(None)
         output = runner.forward(model[c], input_tensors[c][-1], is_last(c), data_iterator[c])
@@ -172,7 +166,6 @@ def forward_backward_pipelining_with_interleaving(
 
     def backward_helper(k):
         c = chunk_id(k, False)
-        set_virtual_rank(c)
         chunk_done = get_microbatch_id(k, pp, v) == num_microbatches - 1
         if chunk_done and grad_sync[c] is None:
             enable_grad_sync()  # the chunk's last backward may launch its reduction
@@ -189,7 +182,6 @@ def forward_backward_pipelining_with_interleaving(
         return None if is_first(c) else grad
 
     # Warmup: forwards only; the last one also fetches the first gradient.
-    set_virtual_rank(0)
     input_tensors[0].append(p2p.recv_forward(shape, config, requires_grad=not forward_only))
     for k in range(num_warmup):
         output = forward_helper(k)
@@ -241,6 +233,5 @@ def forward_backward_pipelining_with_interleaving(
             if grad_sync[c] is not None and c not in synchronized:
                 grad_sync[c](model[c].parameters())
     enable_grad_sync()
-    set_virtual_rank(0)
     runner.finalize(list(model))
     return runner.store

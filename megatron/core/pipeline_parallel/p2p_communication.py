@@ -114,11 +114,11 @@ def communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: O
 
 
 def _first() -> bool:
-    return ps.is_pipeline_first_stage(ignore_virtual=True)
+    return ps.is_pipeline_first_stage()
 
 
 def _last() -> bool:
-    return ps.is_pipeline_last_stage(ignore_virtual=True)
+    return ps.is_pipeline_last_stage()
 
 
 def recv_forward(tensor_shape, config, requires_grad: bool = True) -> Optional[torch.Tensor]:

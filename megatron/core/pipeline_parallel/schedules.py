@@ -300,8 +300,8 @@ def forward_backward_pipelining_without_interleaving(
     model, data_iterator = _single_chunk(model, data_iterator)
     shape = get_tensor_shape(seq_length, micro_batch_size, config)
     rank = ps.get_pipeline_model_parallel_rank()
-    is_first = ps.is_pipeline_first_stage(ignore_virtual=True)
-    is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    is_first = ps.is_pipeline_first_stage()
+    is_last = ps.is_pipeline_last_stage()
     num_warmup = get_num_warmup_microbatches(num_microbatches,
                                              ps.get_pipeline_model_parallel_world_size(), rank)
     num_remaining = num_microbatches - num_warmup

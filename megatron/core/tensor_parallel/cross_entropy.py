@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.process_groups import group_rank, group_size
 from megatron.core.tensor_parallel.mappings import all_reduce
-from megatron.core.tensor_parallel.utils import (VocabUtility, group_rank, group_world_size,
-                                                 resolve_tensor_parallel_group)
-
+from megatron.core.tensor_parallel.utils import VocabUtility
 
 
 def local_target(target: torch.Tensor, partition_vocab_size: int, rank: int, world: int):
@@ -35,11 +34,12 @@ def local_target(target: torch.Tensor, partition_vocab_size: int, rank: int, wor
     target_mask = (target < start) | (target >= end)
     return target_mask, (target - start).masked_fill(target_mask, 0)
 
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing, group):
-        world, rank = group_world_size(group), group_rank(group)
+        world, rank = group_size(group), group_rank(group)
         logits = vocab_parallel_logits.float()
         # Subtracting the global max keeps exp() in range (numerical stability); out of place,
         # so the caller's logits are untouched.
@@ -87,7 +87,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0, group=None) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, *, tp_group) -> torch.Tensor:
     """Per-token cross entropy of vocabulary-parallel logits (unreduced).
 
     Args:
@@ -95,7 +95,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
             vocabulary partition. Not modified.
         target: ``[s, b]`` int64 token ids in ``[0, v)`` (the full vocabulary).
         label_smoothing: Megatron's smoothing ``alpha`` in ``[0, 1)`` (see the module docstring).
-        group: tensor-parallel group (None: the registry's).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: a world of one).
 
     Returns:
         loss ``[s, b]`` fp32. Backward gives the logits' gradient in fp32 (autograd casts it to
@@ -110,4 +110,4 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         raise ValueError(f"logits {tuple(vocab_parallel_logits.shape)} and target "
                          f"{tuple(target.shape)} must agree on all but the last dimension")
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, float(label_smoothing),
-                                            resolve_tensor_parallel_group(group))
+                                            tp_group)

@@ -26,11 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.process_groups import group_rank, group_size
 from megatron.core.tensor_parallel.cross_entropy import local_target
 from megatron.core.tensor_parallel.grad_accumulation import accumulator_of, linear_weight_grad
 from megatron.core.tensor_parallel.mappings import all_reduce
-from megatron.core.tensor_parallel.utils import (group_rank, group_world_size,
-                                                 resolve_tensor_parallel_group)
 
 # Row chunks of at most this many bytes. Cache-sized chunks (about 1 MiB) were measured slower on
 # a loaded 2-core machine: each small op pays the thread pool's synchronisation, which dominates
@@ -83,7 +82,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, label_smoothing, group, gradient_accumulation_fusion):
-        world, rank = group_world_size(group), group_rank(group)
+        world, rank = group_size(group), group_rank(group)
         buf = _POOL.acquire(hidden.size(0), weight.size(0), hidden.device)
         if hidden.dtype == torch.float32:
             torch.mm(hidden, weight.t(), out=buf)
@@ -179,7 +178,7 @@ def _softmax_in_place(buf, hidden, weight, target, label_smoothing):
 def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, vocab_size, group):
     """Turn the logits ``buf`` into ``exp(z - max)`` (the max over the whole vocabulary) in row
     chunks; return the per-token loss and the sums of the exponentials (both all-reduced)."""
-    world = group_world_size(group)
+    world = group_size(group)
     rows = buf.size(0)
     predicted = buf.new_empty(rows)
     sum_exp = buf.new_empty(rows)
@@ -209,7 +208,7 @@ def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, voca
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         label_smoothing: float = 0.0, group=None,
+                         label_smoothing: float = 0.0, *, tp_group,
                          gradient_accumulation_fusion: bool = True) -> torch.Tensor:
     """Per-token cross entropy of ``hidden @ weight.T`` over a vocabulary-parallel output layer.
 
@@ -223,7 +222,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         weight: ``[v/T, h]``, this rank's vocabulary rows, the dtype of ``hidden``.
         target: ``[...]`` int64 token ids in ``[0, v)`` (the full vocabulary).
         label_smoothing: Megatron's smoothing ``alpha`` in ``[0, 1)``.
-        group: tensor-parallel group (None: the registry's).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: a world of one).
         gradient_accumulation_fusion: accumulate the weight gradient straight into
             ``weight.main_grad`` when it has one (see
             :mod:`megatron.core.tensor_parallel.grad_accumulation`).
@@ -243,5 +242,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     lead = target.shape
     loss = _LinearVocabParallelCrossEntropy.apply(
         hidden.reshape(-1, hidden.size(-1)), weight, target.reshape(-1), float(label_smoothing),
-        resolve_tensor_parallel_group(group), gradient_accumulation_fusion)
+        tp_group, gradient_accumulation_fusion)
     return loss.view(lead)

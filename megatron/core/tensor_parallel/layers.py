@@ -28,13 +28,14 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_first_dim, reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region)
+from megatron.core.process_groups import group_rank, group_size
 from megatron.core.tensor_parallel.utils import (
-    VocabUtility, divide, group_rank, group_world_size, partition_rows,
-    param_is_not_tensor_parallel_duplicate, resolve_tensor_parallel_group,
+    VocabUtility, divide, partition_rows, param_is_not_tensor_parallel_duplicate,
     set_tensor_model_parallel_attributes)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "param_is_not_tensor_parallel_duplicate", "linear_with_grad_accumulation"]
+           "TensorParallelGroupMixin", "param_is_not_tensor_parallel_duplicate",
+           "linear_with_grad_accumulation"]
 
 
 def _master_partition(full_shape, partition_dim: int, init_method: Callable, world: int, rank: int,
@@ -50,15 +51,16 @@ def _master_partition(full_shape, partition_dim: int, init_method: Callable, wor
     return param
 
 
-class _GroupMixin:
-    """Keeps the layer's process group out of ``copy.deepcopy`` (a ProcessGroup cannot be copied;
-    a copied layer shares its group, like Megatron's layers sharing the global one)."""
+class TensorParallelGroupMixin:
+    """Holds a module's tensor-parallel group as ``tp_group``, out of ``copy.deepcopy`` (a
+    ProcessGroup cannot be copied; a copied module shares its group)."""
 
     def _set_group(self, group) -> None:
         self._group_ref = _SharedRef(group)
 
     @property
-    def group(self):
+    def tp_group(self):
+        """The tensor-parallel group the layer communicates over (None: a world of one)."""
         return self._group_ref.value
 
 
@@ -121,7 +123,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 def linear_with_grad_accumulation(input_: torch.Tensor, weight: torch.Tensor,
                                   bias: Optional[torch.Tensor] = None, *,
                                   gradient_accumulation_fusion: bool = True,
-                                  sequence_parallel: bool = False, group=None) -> torch.Tensor:
+                                  sequence_parallel: bool = False, tp_group) -> torch.Tensor:
     """``F.linear(x, W, b)`` whose weight gradient goes straight into ``W.main_grad`` when the
     weight has one (see :mod:`megatron.core.tensor_parallel.grad_accumulation`).
 
@@ -132,18 +134,17 @@ def linear_with_grad_accumulation(input_: torch.Tensor, weight: torch.Tensor,
         sequence_parallel: all-gather ``input_`` along its first dim over the tensor-parallel
             group in forward (only the local shard is saved); reduce-scatter the input gradient in
             backward. Ignored in a group of one.
-        group: tensor-parallel group (None: the registry's).
+        tp_group: the tensor-parallel group of ``sequence_parallel`` (None: a world of one).
 
     Returns:
         ``[..., out]`` (``[s, b, out]`` with ``sequence_parallel``).
     """
-    group = resolve_tensor_parallel_group(group)
-    sequence_parallel = sequence_parallel and group_world_size(group) > 1
+    sequence_parallel = sequence_parallel and group_size(tp_group) > 1
     return _LinearWithGradAccumulation.apply(input_, weight, bias, gradient_accumulation_fusion,
-                                             sequence_parallel, group)
+                                             sequence_parallel, tp_group)
 
 
-class ColumnParallelLinear(_GroupMixin, nn.Module):
+class ColumnParallelLinear(TensorParallelGroupMixin, nn.Module):
     """``Y = X A + b`` with ``A`` partitioned along its output columns: ``A = [A_1, ..., A_TP]``.
 
     Args:
@@ -157,7 +158,8 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
             in forward and the input gradient reduce-scattered in backward.
         params_dtype: dtype of the weight and bias.
         device: device of the weight and bias (default CPU).
-        group: tensor-parallel group (None: the registry's).
+        tp_group: the tensor-parallel group (a ``torch.distributed`` group, or None for a world
+            of one; required: a layer never looks its group up).
         gradient_accumulation_fusion: accumulate the weight gradient straight into
             ``weight.main_grad`` when it has one (``--no-gradient-accumulation-fusion`` turns it
             off; see :mod:`megatron.core.tensor_parallel.grad_accumulation`).
@@ -173,13 +175,13 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
     def __init__(self, input_size: int, output_size: int, *, init_method: Callable, bias: bool = True,
                  gather_output: bool = False, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device=None, group=None, gradient_accumulation_fusion: bool = True):
+                 device=None, tp_group, gradient_accumulation_fusion: bool = True):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (Megatron forbids it too)")
-        self._set_group(resolve_tensor_parallel_group(group))
-        world, rank = group_world_size(self.group), group_rank(self.group)
+        self._set_group(tp_group)
+        world, rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, world, "ColumnParallelLinear output_size")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -196,12 +198,12 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         bias = None if self.skip_bias_add else self.bias
         if not self.sequence_parallel:
-            input_ = copy_to_tensor_model_parallel_region(input_, self.group)
+            input_ = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         output = linear_with_grad_accumulation(
-            input_, self.weight, bias, sequence_parallel=self.sequence_parallel, group=self.group,
+            input_, self.weight, bias, sequence_parallel=self.sequence_parallel, tp_group=self.tp_group,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion)
         if self.gather_output:
-            output = gather_from_tensor_model_parallel_region(output, self.group)
+            output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
@@ -210,7 +212,7 @@ class ColumnParallelLinear(_GroupMixin, nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(_GroupMixin, nn.Module):
+class RowParallelLinear(TensorParallelGroupMixin, nn.Module):
     """``Y = X A + b`` with ``A`` partitioned along its input rows and ``X`` along its last dim.
 
     Args:
@@ -223,7 +225,7 @@ class RowParallelLinear(_GroupMixin, nn.Module):
         sequence_parallel: reduce-scatter the output along the sequence (``[s/TP, b, out]``)
             instead of all-reducing it; the bias then carries ``sequence_parallel=True`` (its
             gradient must be all-reduced over the tensor-parallel group, as for norm weights).
-        params_dtype, device, group, gradient_accumulation_fusion: as :class:`ColumnParallelLinear`.
+        params_dtype, device, tp_group, gradient_accumulation_fusion: as :class:`ColumnParallelLinear`.
 
     Weight ``[out, in/TP]``; ``forward(x [s, b, in/TP]) -> (out [s, b, out], bias or None)``
     (``[s/TP, b, out]`` with ``sequence_parallel``).
@@ -236,12 +238,12 @@ class RowParallelLinear(_GroupMixin, nn.Module):
     def __init__(self, input_size: int, output_size: int, *, init_method: Callable, bias: bool = True,
                  input_is_parallel: bool = True, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device=None, group=None, gradient_accumulation_fusion: bool = True):
+                 device=None, tp_group, gradient_accumulation_fusion: bool = True):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        self._set_group(resolve_tensor_parallel_group(group))
-        world, rank = group_world_size(self.group), group_rank(self.group)
+        self._set_group(tp_group)
+        world, rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, world, "RowParallelLinear input_size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -258,13 +260,14 @@ class RowParallelLinear(_GroupMixin, nn.Module):
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel:
-            input_ = scatter_to_tensor_model_parallel_region(input_, self.group)
+            input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         output_parallel = linear_with_grad_accumulation(
-            input_, self.weight, gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+            input_, self.weight, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            tp_group=self.tp_group)
         if self.sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.group)
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:
-            output = reduce_from_tensor_model_parallel_region(output_parallel, self.group)
+            output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
         if self.skip_bias_add:
             return output, self.bias
         if self.bias is not None:
@@ -298,7 +301,7 @@ class _Embedding(torch.autograd.Function):
         return None, grad_weight, None
 
 
-class VocabParallelEmbedding(_GroupMixin, nn.Module):
+class VocabParallelEmbedding(TensorParallelGroupMixin, nn.Module):
     """Embedding table partitioned along the vocabulary: rank r holds rows
     ``[r * v/TP, (r+1) * v/TP)``.
 
@@ -312,7 +315,7 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
         num_embeddings: v, the padded vocabulary size (divisible by TP).
         embedding_dim: h.
         init_method: called on the full fp32 master weight ``[v, h]``.
-        params_dtype, device, group, gradient_accumulation_fusion: as :class:`ColumnParallelLinear`
+        params_dtype, device, tp_group, gradient_accumulation_fusion: as :class:`ColumnParallelLinear`
             (the embedding's backward then adds its rows into ``main_grad`` with ``index_add_``).
         reduce_scatter_embeddings: return ``[s/TP, b, h]`` (see above); ids must be ``[b, s]``
             with s divisible by TP.
@@ -325,11 +328,11 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
-                 params_dtype: torch.dtype = torch.float32, device=None, group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None, tp_group,
                  reduce_scatter_embeddings: bool = False, gradient_accumulation_fusion: bool = True):
         super().__init__()
-        self._set_group(resolve_tensor_parallel_group(group))
-        world, rank = group_world_size(self.group), group_rank(self.group)
+        self._set_group(tp_group)
+        world, rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
         self.tensor_model_parallel_size = world
@@ -351,8 +354,8 @@ class VocabParallelEmbedding(_GroupMixin, nn.Module):
         output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             output_parallel = output_parallel.transpose(0, 1).contiguous()
-            return reduce_scatter_to_sequence_parallel_region(output_parallel, self.group)
-        return reduce_from_tensor_model_parallel_region(output_parallel, self.group)
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "

@@ -5,9 +5,9 @@ et al., "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2
 section 4.2.2, operators g and g-bar of sequence parallelism. Names follow Megatron-LM's
 ``megatron/core/tensor_parallel/mappings.py``.
 
-Every collective of tensor parallelism lives in this file. Each public function takes
-``group=None`` (None: the registry's tensor-parallel group; see ``utils.resolve_tensor_parallel_group``)
-and is the identity in a world of one. Tensor-parallel dimensions: the *last* dimension for the
+Every collective of tensor parallelism lives in this file. Each public function takes the
+tensor-parallel ``group`` it communicates over (a ``torch.distributed`` group, or None for a world
+of one; see :mod:`megatron.core.process_groups`) and is the identity in a group of one. Tensor-parallel dimensions: the *last* dimension for the
 tensor-parallel region (hidden or vocabulary partitions), the *first* dimension (sequence, of
 ``[s, b, h]`` activations) for the sequence-parallel region.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.utils import (divide, group_rank, group_world_size,
-                                                 resolve_tensor_parallel_group)
+from megatron.core.process_groups import group_rank, group_size
+from megatron.core.tensor_parallel.utils import divide
 
 # torch >= 2.x renamed the flat-tensor collectives; both names take (output, input, ..., group=).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,7 +28,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # Plain collectives (no autograd) --------------------------------------------------------------
 
 def _all_reduce(x: torch.Tensor, group, op=None) -> torch.Tensor:
-    if group_world_size(group) == 1:
+    if group_size(group) == 1:
         return x
     # A copy, so that the caller's tensor is never modified behind autograd's back.
     out = x.contiguous().clone()
@@ -37,7 +37,7 @@ def _all_reduce(x: torch.Tensor, group, op=None) -> torch.Tensor:
 
 
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
     size = divide(x.size(-1), world, "last dimension")
@@ -45,7 +45,7 @@ def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
     # all-gather concatenates along dim 0; gather the last dim moved to the front, then move back.
@@ -57,7 +57,7 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
     size = divide(x.size(0), world, "sequence length (first dimension)")
@@ -65,7 +65,7 @@ def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
     x = x.contiguous()
@@ -75,7 +75,7 @@ def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
     size = divide(x.size(0), world, "sequence length (first dimension)")
@@ -147,13 +147,12 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 # Public API -----------------------------------------------------------------------------------
 
 def _apply(function, input_: torch.Tensor, group, *extra) -> torch.Tensor:
-    group = resolve_tensor_parallel_group(group)
-    if group_world_size(group) == 1:
+    if group_size(group) == 1:
         return input_  # the identity: no autograd node, no Python call in backward
     return function.apply(input_, group, *extra)
 
 
-def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
     """f. Forward: identity; backward: all-reduce (sum) over the tensor-parallel group.
 
     Any shape and dtype; returns the same shape.
@@ -161,7 +160,7 @@ def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> to
     return _apply(_CopyToModelParallelRegion, input_, group)
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
     """g. Forward: all-reduce (sum) over the tensor-parallel group; backward: identity.
 
     Any shape and dtype; returns a new tensor of the same shape (the input is not modified).
@@ -169,7 +168,7 @@ def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -
     return _apply(_ReduceFromModelParallelRegion, input_, group)
 
 
-def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
     """Forward: keep this rank's chunk of the last dim (``[..., n] -> [..., n/TP]``); backward:
     all-gather the last dim over the tensor-parallel group.
 
@@ -179,13 +178,13 @@ def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) ->
     return _apply(_ScatterToModelParallelRegion, input_, group)
 
 
-def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
     """Forward: all-gather the last dim over the tensor-parallel group (``[..., n/TP] ->
     [..., n]``, rank order); backward: keep this rank's chunk."""
     return _apply(_GatherFromModelParallelRegion, input_, group)
 
 
-def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
     """Forward: keep this rank's chunk of the first dim (``[s, b, h] -> [s/TP, b, h]``);
     backward: all-gather the first dim over the tensor-parallel group.
 
@@ -195,17 +194,16 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> tor
     return _apply(_ScatterToSequenceParallelRegion, input_, group)
 
 
-def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_output_grad: bool = True,
-                                         group=None) -> torch.Tensor:
+def gather_from_sequence_parallel_region(input_: torch.Tensor, group,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
     """Forward: all-gather the first dim over the tensor-parallel group (``[s/TP, b, h] ->
     [s, b, h]``); backward: reduce-scatter the first dim when ``tensor_parallel_output_grad``
     (the consumer is a tensor-parallel layer, each rank holds a partial gradient), otherwise keep
     this rank's chunk (the consumer is replicated, gradients are already equal)."""
-    return _apply(_GatherFromSequenceParallelRegion, input_, group,
-                                                   tensor_parallel_output_grad)
+    return _apply(_GatherFromSequenceParallelRegion, input_, group, tensor_parallel_output_grad)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
     """Forward: reduce-scatter (sum) the first dim over the tensor-parallel group (``[s, b, h] ->
     [s/TP, b, h]``); backward: all-gather the first dim.
 
@@ -215,16 +213,22 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None)
     return _apply(_ReduceScatterToSequenceParallelRegion, input_, group)
 
 
-def all_gather_first_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+def all_gather_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     """All-gather the first dim without autograd (used inside other autograd functions)."""
-    return _gather_first_dim(input_, resolve_tensor_parallel_group(group))
+    return _gather_first_dim(input_, group)
 
 
-def reduce_scatter_first_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+def all_gather_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the last dim without autograd (``[..., n/TP] -> [..., n]``, rank order; used by
+    inference to assemble the vocabulary partitions of the logits)."""
+    return _gather_last_dim(input_, group)
+
+
+def reduce_scatter_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     """Reduce-scatter (sum) the first dim without autograd (used inside other autograd functions)."""
-    return _reduce_scatter_first_dim(input_, resolve_tensor_parallel_group(group))
+    return _reduce_scatter_first_dim(input_, group)
 
 
-def all_reduce(input_: torch.Tensor, group=None, op=None) -> torch.Tensor:
+def all_reduce(input_: torch.Tensor, group, op=None) -> torch.Tensor:
     """All-reduce without autograd, out of place (used by cross entropy; ``op`` default SUM)."""
-    return _all_reduce(input_, resolve_tensor_parallel_group(group), op)
+    return _all_reduce(input_, group, op)

@@ -16,9 +16,8 @@ from typing import Dict
 
 import torch
 
+from megatron.core.process_groups import group_rank, group_size
 from megatron.core.tensor_parallel.mappings import all_gather_first_dim
-from megatron.core.tensor_parallel.utils import (group_rank, group_world_size,
-                                                 resolve_tensor_parallel_group)
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 
@@ -129,7 +128,7 @@ def get_rng_tracker() -> RNGStatesTracker:
 get_cuda_rng_tracker = get_rng_tracker  # Megatron's name
 
 
-def model_parallel_manual_seed(seed: int, group=None) -> None:
+def model_parallel_manual_seed(seed: int, tp_rank: int) -> None:
     """Seed the default generators and the tensor-parallel tracker state, as Megatron's
     ``model_parallel_cuda_manual_seed``, on CPU and CUDA.
 
@@ -142,9 +141,8 @@ def model_parallel_manual_seed(seed: int, group=None) -> None:
 
     Args:
         seed: base seed.
-        group: tensor-parallel group (None: the registry's; rank 0 in a single process).
+        tp_rank: this process's tensor-parallel rank (0 in a single process).
     """
-    tp_rank = group_rank(resolve_tensor_parallel_group(group))
     tensor_model_parallel_seed = seed + _TENSOR_MODEL_PARALLEL_SEED_OFFSET + tp_rank
     _RNG_STATE_TRACKER.reset()
     torch.manual_seed(seed)
@@ -158,7 +156,7 @@ model_parallel_cuda_manual_seed = model_parallel_manual_seed  # Megatron's name
 
 def _split_into_1d_chunk(tensor: torch.Tensor, group) -> torch.Tensor:
     """This rank's equal chunk of the flattened tensor (zero-padded to a multiple of TP)."""
-    world = group_world_size(group)
+    world = group_size(group)
     flat = tensor.detach().reshape(-1)
     chunk = -(-flat.numel() // world)
     flat = torch.nn.functional.pad(flat, (0, chunk * world - flat.numel()))
@@ -187,7 +185,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.group = group
         ctx.distribute = distribute_saved_activations and torch.is_tensor(args[0]) \
-            and group_world_size(group) > 1
+            and group_size(group) > 1
         ctx.fwd_rng_states = get_device_rng_states()
         ctx.fwd_tracker_states = get_rng_tracker().get_states()
         with torch.no_grad():
@@ -239,7 +237,7 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None, None) + grads
 
 
-def checkpoint(function, distribute_saved_activations: bool, *args, group=None):
+def checkpoint(function, distribute_saved_activations: bool, *args, tp_group):
     """Recompute ``function(*args)`` in backward instead of storing its activations
     (Megatron's ``tensor_parallel.checkpoint``).
 
@@ -248,11 +246,12 @@ def checkpoint(function, distribute_saved_activations: bool, *args, group=None):
         distribute_saved_activations: keep only a 1/TP chunk of ``args[0]`` between forward and
             backward (it must be identical on all tensor-parallel ranks).
         *args: positional arguments (tensors or other values).
-        group: tensor-parallel group for ``distribute_saved_activations`` (None: the registry's).
+        tp_group: the tensor-parallel group ``distribute_saved_activations`` splits over (None:
+            a world of one; required, keyword-only).
 
     Returns:
         ``function``'s outputs; gradients reach the tensor arguments and the parameters used by
         ``function`` as without recompute, with identical random numbers (dropout masks).
     """
-    group = resolve_tensor_parallel_group(group) if distribute_saved_activations else None
+    group = tp_group if distribute_saved_activations else None
     return CheckpointFunction.apply(function, distribute_saved_activations, group, *args)

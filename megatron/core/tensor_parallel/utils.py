@@ -1,9 +1,10 @@
-"""Small helpers of the tensor-parallel package: group resolution, divisions, splits, vocab ranges.
+"""Small helpers of the tensor-parallel package: group size and rank, divisions, splits, vocab
+ranges.
 
-Group convention (docs/architecture.md): every public function takes ``group=None``; None means
-the registry's tensor-parallel group (``megatron.core.parallel_state``). In a single process
-without ``torch.distributed`` and without a registry, None means "no group": size 1, rank 0, and
-every collective is the identity, so layers can be built and run in plain single-process code.
+Group convention (:mod:`megatron.core.process_groups`): every function that communicates takes the
+tensor-parallel group as an argument, a ``torch.distributed`` group or None for a world of one
+(size 1, rank 0, every collective the identity), so layers can be built and run in plain
+single-process code. Nothing here looks a group up in the registry.
 """
 
 from __future__ import annotations
@@ -11,46 +12,12 @@ from __future__ import annotations
 from typing import Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core.process_groups import group_rank, group_size
 
-
-def resolve_tensor_parallel_group(group=None):
-    """Return ``group``, or the registry's tensor-parallel group when ``group`` is None.
-
-    Returns None (meaning a world of one) when neither ``torch.distributed`` nor the registry is
-    initialized.
-
-    Raises:
-        RuntimeError: if ``torch.distributed`` is initialized but the model-parallel groups are not
-            (silently using the whole world as the tensor-parallel group would be wrong).
-    """
-    if group is not None:
-        return group
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is initialized but the model-parallel groups are not: call "
-            "megatron.core.parallel_state.initialize_model_parallel(...) first, or pass group=")
-    return None
-
-
-def group_world_size(group) -> int:
-    """Size of a resolved group (1 for None, see :func:`resolve_tensor_parallel_group`)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    """This process's rank inside a resolved group (0 for None)."""
-    return 0 if group is None else dist.get_rank(group)
-
-
-def tensor_parallel_size_and_rank(group=None) -> Tuple[int, int]:
-    """(size, rank) of ``group`` after :func:`resolve_tensor_parallel_group`."""
-    group = resolve_tensor_parallel_group(group)
-    return group_world_size(group), group_rank(group)
+def tensor_parallel_size_and_rank(group) -> Tuple[int, int]:
+    """(size, rank) of the tensor-parallel ``group`` (``(1, 0)`` for None)."""
+    return group_size(group), group_rank(group)
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -127,15 +94,16 @@ def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: tor
             setattr(destination, name, getattr(source, name))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, group=None) -> bool:
-    """True if ``param`` is partitioned, or if this is tensor-parallel rank 0.
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group) -> bool:
+    """True if ``param`` is partitioned, or if this is rank 0 of the tensor-parallel group
+    ``tp_group`` (None: a world of one).
 
     Use it to count each element once across the tensor-parallel group (gradient norms,
     parameter counts): a replicated parameter is counted on rank 0 only.
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
-    return tensor_parallel_size_and_rank(group)[1] == 0
+    return group_rank(tp_group) == 0
 
 
 def partition_rows(master: torch.Tensor, dim: int, world_size: int, rank: int,

@@ -12,6 +12,7 @@ from megatron.model import get_layer_numbers
 from megatron.model.initialization import from_fused_layout, to_fused_layout
 from megatron.model.llama import LlamaModel
 from tests.helpers.model import LLAMA3_SCALING, batch, copy_hf_into_ours, hf_model, small_config
+from tests.helpers.groups import current_groups
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 def test_logits_and_loss_equal_transformers(changes):
     config = small_config(**changes)
     hf = hf_model(config)
-    ours = LlamaModel(config).eval()
+    ours = LlamaModel(config, pg_collection=current_groups()).eval()
     copy_hf_into_ours(ours, hf)
     tokens, labels = batch(config, s=48)
     with torch.no_grad():
@@ -45,7 +46,7 @@ def test_a_wrong_fused_layout_is_caught(mistake):
     """The HF comparison can fail: each classic conversion mistake changes the logits."""
     config = small_config()
     hf = hf_model(config)
-    ours = LlamaModel(config).eval()
+    ours = LlamaModel(config, pg_collection=current_groups()).eval()
     copy_hf_into_ours(ours, hf)
     layer = ours.layers[0]
     d, nh, ng, f = config.kv_channels, config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
@@ -71,7 +72,7 @@ def test_document_masks_and_reset_positions_equal_separate_documents():
     """--reset-attention-mask / --reset-position-ids: two packed documents give the logits of
     each document run alone."""
     config = small_config()
-    ours = LlamaModel(config).eval()
+    ours = LlamaModel(config, pg_collection=current_groups()).eval()
     tokens, _ = batch(config, b=1, s=40)
     cut = 17
     s = tokens.shape[1]
@@ -91,8 +92,8 @@ def test_document_masks_and_reset_positions_equal_separate_documents():
 @pytest.mark.parametrize("tied", [False, True])
 def test_pipeline_stages_compose_to_the_whole_model(tied):
     config = small_config(num_layers=4, untie_embeddings_and_output_weights=not tied)
-    whole = LlamaModel(config)
-    stages = [LlamaModel(config, pre_process=r == 0, post_process=r == 1,
+    whole = LlamaModel(config, pg_collection=current_groups())
+    stages = [LlamaModel(config, pg_collection=current_groups(), pre_process=r == 0, post_process=r == 1,
                          layer_numbers=get_layer_numbers(4, 2, r)) for r in range(2)]
     assert [l.layer_number for l in stages[1].layers] == [3, 4]
     tokens, labels = batch(config)
@@ -131,9 +132,9 @@ def test_init_is_seeded_by_layer_and_name_and_leaves_the_rng_alone():
     config = small_config(num_layers=4, init_method_std=0.05)
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    whole = LlamaModel(config)
+    whole = LlamaModel(config, pg_collection=current_groups())
     assert torch.equal(torch.random.get_rng_state(), before)
-    last = LlamaModel(config, pre_process=False, layer_numbers=[4])
+    last = LlamaModel(config, pg_collection=current_groups(), pre_process=False, layer_numbers=[4])
     torch.testing.assert_close(last.layers[0].state_dict(), whole.layers[3].state_dict(), atol=0, rtol=0)
     w = dict(whole.named_parameters())
     assert not torch.equal(w["layers.0.mlp.dense_4h_to_h.weight"], w["layers.1.mlp.dense_4h_to_h.weight"])
@@ -145,22 +146,22 @@ def test_init_is_seeded_by_layer_and_name_and_leaves_the_rng_alone():
                  "word_embeddings.weight", "layers.3.mlp.dense_h_to_4h.weight"]:
         assert abs(w[name].std().item() - 0.05) < 0.1 * 0.05, name
     assert torch.equal(w["layers.1.input_layernorm.weight"], torch.ones(config.hidden_size))
-    assert not torch.equal(LlamaModel(config.replace(seed=8)).word_embeddings.weight,
+    assert not torch.equal(LlamaModel(config.replace(seed=8), pg_collection=current_groups()).word_embeddings.weight,
                            w["word_embeddings.weight"])
 
 
 def test_biases_when_add_bias_linear():
     config = small_config(add_bias_linear=True)
-    names = {n for n, _ in LlamaModel(config).named_parameters()}
+    names = {n for n, _ in LlamaModel(config, pg_collection=current_groups()).named_parameters()}
     assert {"layers.0.self_attention.query_key_value.bias", "layers.0.self_attention.dense.bias",
             "layers.0.mlp.dense_h_to_4h.bias", "layers.0.mlp.dense_4h_to_h.bias"} <= names
     assert "output_layer.bias" not in names
-    assert not any(n.endswith(".bias") for n, _ in LlamaModel(small_config()).named_parameters())
+    assert not any(n.endswith(".bias") for n, _ in LlamaModel(small_config(), pg_collection=current_groups()).named_parameters())
 
 
 def test_bf16_model_keeps_fp32_rotary_angles():
     config = small_config(params_dtype=torch.bfloat16, max_position_embeddings=4096)
-    model = LlamaModel(config).eval()
+    model = LlamaModel(config, pg_collection=current_groups()).eval()
     assert model.layers[0].mlp.dense_h_to_4h.weight.dtype == torch.bfloat16
     model.to(torch.bfloat16)
     assert model.rotary.inv_freq.dtype == torch.float32
@@ -175,7 +176,7 @@ def test_bf16_model_keeps_fp32_rotary_angles():
 
 def test_dropout_is_active_only_in_training():
     config = small_config(hidden_dropout=0.3)
-    model = LlamaModel(config)
+    model = LlamaModel(config, pg_collection=current_groups())
     tokens, _ = batch(config, s=16)
     with torch.no_grad():
         train = model(tokens)
@@ -198,15 +199,15 @@ def test_get_layer_numbers():
 ])
 def test_bad_configs_fail_clearly(changes, match):
     with pytest.raises((ValueError, NotImplementedError, RuntimeError), match=match):
-        LlamaModel(small_config(**changes))
+        LlamaModel(small_config(**changes), pg_collection=current_groups())
 
 
 def test_attention_dropout_draws_from_the_tensor_parallel_rng_state():
     from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
     config = small_config(attention_dropout=0.5)
-    model = LlamaModel(config)
+    model = LlamaModel(config, pg_collection=current_groups())
     tokens, _ = batch(config, s=16)
-    model_parallel_manual_seed(5)
+    model_parallel_manual_seed(5, 0)
     default_state = torch.random.get_rng_state()
     tracker_state = get_rng_tracker().get_states()
     with torch.no_grad():

@@ -7,6 +7,7 @@ import torch
 from megatron.model.initialization import from_fused_layout
 from tests.helpers.dist import run_distributed
 from tests.helpers.model import batch, small_config
+from tests.helpers.groups import current_groups
 
 # Fused weights/biases: logical blocks compared one by one, since the per-rank layout depends on TP.
 _FUSED = {"self_attention.query_key_value": lambda c: [c.num_attention_heads * c.kv_channels,
@@ -29,7 +30,7 @@ def _inputs(config, document_mask):
 def _run(config, document_mask):
     """Forward and backward; returns logits, loss, and {name: (weight, grad, partition_dim)}."""
     from megatron.model.llama import LlamaModel
-    model = LlamaModel(config)
+    model = LlamaModel(config, pg_collection=current_groups())
     tokens, positions, mask, labels = _inputs(config, document_mask)
     with torch.no_grad():
         logits = model(tokens, positions, mask)
@@ -108,8 +109,8 @@ def _stages_rank_main(tp, config):
     parallel_state.initialize_model_parallel(tp, 1)
     config = config.replace(tensor_model_parallel_size=tp)
     tokens, positions, mask, labels = _inputs(config, document_mask=True)
-    whole = LlamaModel(config)
-    first, last = (LlamaModel(config, pre_process=r == 0, post_process=r == 1,
+    whole = LlamaModel(config, pg_collection=current_groups())
+    first, last = (LlamaModel(config, pg_collection=current_groups(), pre_process=r == 0, post_process=r == 1,
                               layer_numbers=get_layer_numbers(config.num_layers, 2, r)) for r in range(2))
     with torch.no_grad():
         hidden = first(tokens, positions, mask)

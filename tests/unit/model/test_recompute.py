@@ -10,6 +10,7 @@ from megatron.model.recompute import check_recompute_config, selective_modules
 from tests.helpers.activation_memory import saved_activation_bytes
 from tests.helpers.dist import run_distributed
 from tests.helpers.model import batch, small_config
+from tests.helpers.groups import current_groups
 
 SETTINGS = {
     "selective": dict(recompute_granularity="selective"),
@@ -30,8 +31,8 @@ SETTINGS = {
 def _loss_and_grads(config, tokens, labels):
     from megatron.model.llama import LlamaModel
 
-    model = LlamaModel(config)
-    model_parallel_manual_seed(123)  # dropout draws from here (default and tracker states)
+    model = LlamaModel(config, pg_collection=current_groups())
+    model_parallel_manual_seed(123, 0)  # dropout draws from here (default and tracker states)
     loss = model(tokens, labels=labels)
     weights = torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)
     (loss * weights).sum().backward()
@@ -108,13 +109,14 @@ def _measure(config, num_layers=2):
     from megatron.model.rotary import RotaryEmbedding
     from megatron.model.transformer import TransformerLayer
 
-    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1) for i in range(num_layers))
+    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=current_groups()) for i in range(num_layers))
     tp = config.tensor_model_parallel_size
     sp = config.sequence_parallel and tp > 1
     x = torch.randn(S // tp if sp else S, B, config.hidden_size, requires_grad=True)
     cos, sin = RotaryEmbedding(config.kv_channels)(torch.arange(S).expand(B, S))
     out, kept = saved_activation_bytes(
-        lambda: forward_layers(layers, x, (cos, sin), None, None, config),
+        lambda: forward_layers(layers, x, (cos, sin), None, None, config,
+                               tp_group=current_groups().tp.group),
         exclude=[cos, sin, *layers.parameters()])
     out.sum().backward()  # the freed outputs come back and backward runs
     assert all(p.grad is not None for p in layers.parameters())
@@ -125,7 +127,7 @@ def _memory_rank(tp, sp):
     from megatron.core import parallel_state
     if tp > 1:
         parallel_state.initialize_model_parallel(tp, 1)
-    model_parallel_manual_seed(5)
+    model_parallel_manual_seed(5, current_groups().tp.rank)
     base = small_config(tensor_model_parallel_size=tp, sequence_parallel=sp)
     return {name: _measure(base.replace(**changes)) // 2 for name, changes in MEMORY_SETTINGS.items()}
 
@@ -154,7 +156,7 @@ def test_activation_bytes_tp2_with_and_without_sequence_parallel():
 
 def test_block_recompute_keeps_only_the_first_layers_inputs():
     config = small_config(num_layers=3)
-    model_parallel_manual_seed(5)
+    model_parallel_manual_seed(5, 0)
     none = _measure(config, 3)
     block = _measure(config.replace(**SETTINGS["full-block-2"]), 3)
     x_bytes = 4 * S * B * config.hidden_size

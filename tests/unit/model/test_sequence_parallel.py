@@ -9,6 +9,7 @@ import torch
 from megatron.arguments import parse_args, validate_args
 from tests.helpers.dist import run_distributed
 from tests.helpers.model import small_config
+from tests.helpers.groups import current_groups
 
 S, B, M = 8, 2, 2  # sequence, micro-batch, micro-batches
 
@@ -28,7 +29,7 @@ def _step(config, tp, pp):
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
     from megatron.model import LlamaModel, get_layer_numbers
 
-    stage = LlamaModel(config, pre_process=ps.is_pipeline_first_stage(),
+    stage = LlamaModel(config, pg_collection=current_groups(), pre_process=ps.is_pipeline_first_stage(),
                        post_process=ps.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(config.num_layers, pp,
                                                        ps.get_pipeline_model_parallel_rank()))
@@ -45,7 +46,8 @@ def _step(config, tp, pp):
 
     pcfg = PipelineConfig(hidden_size=config.hidden_size, sequence_parallel=config.sequence_parallel,
                           tensor_model_parallel_size=tp, finalize_model_grads_func=finalize_model_grads)
-    model_parallel_manual_seed(9 + 100 * ps.get_pipeline_model_parallel_rank())
+    model_parallel_manual_seed(9 + 100 * ps.get_pipeline_model_parallel_rank(),
+                               ps.get_tensor_model_parallel_rank())
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=stage,
         num_microbatches=M, seq_length=S, micro_batch_size=B, config=pcfg)

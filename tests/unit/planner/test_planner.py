@@ -14,6 +14,7 @@ from megatron.planner.memory import (activation_bytes_per_layer, grad_buffer_num
                                      stage_activation_bytes)
 from tests.helpers.activation_memory import saved_activation_bytes
 from tests.helpers.dist import run_distributed
+from tests.helpers.groups import current_groups
 
 TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=88, num_attention_heads=4,
             num_query_groups=2, padded_vocab_size=128, max_position_embeddings=32)
@@ -30,7 +31,7 @@ def _measure_weights(tp, pp, bf16, untie, bucket_size):
     config = ModelConfig(**TINY, params_dtype=dtype, tensor_model_parallel_size=tp,
                          untie_embeddings_and_output_weights=untie)
     rank, size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    model = LlamaModel(config, pre_process=rank == 0, post_process=rank == size - 1,
+    model = LlamaModel(config, pg_collection=current_groups(), pre_process=rank == 0, post_process=rank == size - 1,
                        layer_numbers=get_layer_numbers(config.num_layers, size, rank))
     ddp = DistributedDataParallel(model, data_parallel_group=ps.get_data_parallel_group(),
                                   bucket_size=bucket_size)
@@ -105,12 +106,13 @@ def _measured_and_planned(config, setting, seq, mbs, num_layers=3):
     config = config.replace(**fields)
     tp = config.tensor_model_parallel_size
     sp = config.sequence_parallel and tp > 1
-    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1) for i in range(num_layers))
+    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=current_groups()) for i in range(num_layers))
     x = torch.randn(seq // tp if sp else seq, mbs, config.hidden_size, dtype=config.params_dtype,
                     requires_grad=True)
     cos, sin = RotaryEmbedding(config.kv_channels)(torch.arange(seq).expand(mbs, seq))
     out, measured = saved_activation_bytes(
-        lambda: forward_layers(layers, x, (cos, sin), None, None, config),
+        lambda: forward_layers(layers, x, (cos, sin), None, None, config,
+                               tp_group=current_groups().tp.group),
         exclude=[cos, sin, *layers.parameters()])
     out.float().sum().backward()  # recomputed storages come back; backward must run
     assert all(p.grad is not None for p in layers.parameters())
@@ -140,7 +142,7 @@ def test_activation_bytes_within_10_percent(dtype, heads, groups, seq, mbs):
 
 def _tp_saved_bytes(seq, mbs):
     ps.initialize_model_parallel(2, 1)
-    model_parallel_manual_seed(5)
+    model_parallel_manual_seed(5, ps.get_tensor_model_parallel_rank())
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         for sp in (False, True):

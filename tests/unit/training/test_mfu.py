@@ -15,6 +15,7 @@ from megatron.training.compile import compile_transformer_layers
 from megatron.training.logging import format_iteration_line
 from megatron.training.mfu import (measure_peak_tflops, model_flops_utilization,
                                    resolve_peak_tflops)
+from tests.helpers.groups import current_groups
 
 
 def _hand_flops(h, layers, heads, groups, d, ffn, vocab, s, b):
@@ -74,7 +75,7 @@ def test_log_line_shows_mfu_only_with_a_peak():
 def test_compile_wraps_each_layer_in_place():
     config = ModelConfig(num_layers=3, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                          padded_vocab_size=64, max_position_embeddings=8)
-    model = LlamaModel(config)
+    model = LlamaModel(config, pg_collection=current_groups())
     keys = list(model.state_dict())
     assert compile_transformer_layers([model]) == 3
     assert list(model.state_dict()) == keys  # checkpoints are unchanged
@@ -91,9 +92,9 @@ def test_compiled_layers_train_like_eager():
 
     config = small_config()
     torch.manual_seed(0)
-    eager = LlamaModel(config)
+    eager = LlamaModel(config, pg_collection=current_groups())
     torch.manual_seed(0)
-    compiled = LlamaModel(config)
+    compiled = LlamaModel(config, pg_collection=current_groups())
     compile_transformer_layers([compiled])
     ddp = DistributedDataParallel(compiled, data_parallel_group=None)
     tokens, labels = batch(config)

@@ -10,6 +10,7 @@ from megatron.core.pipeline_parallel.schedules import PipelineConfig
 from tests.helpers.dist import run_distributed
 from tests.helpers.pipeline import (B, H, LAYERS, S, ToyStage, check_losses, loss_func,
                                     make_batches, make_forward_step, make_grad_hooks, reference)
+from tests.helpers.groups import current_groups
 
 
 def expected_order(pp, rank, m):
@@ -168,14 +169,14 @@ def _llama_pipelined(tp, pp, tied, m):
                 torch.distributed.all_reduce(p.grad, group=ps.get_embedding_group())
 
     pcfg = PipelineConfig(hidden_size=32, finalize_model_grads_func=finalize)
-    stage = LlamaModel(config, pre_process=ps.is_pipeline_first_stage(),
+    stage = LlamaModel(config, pg_collection=current_groups(), pre_process=ps.is_pipeline_first_stage(),
                        post_process=ps.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(4, pp, rank))
     losses = schedules.get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=stage,
         num_microbatches=m, seq_length=s, micro_batch_size=b, config=pcfg)
 
-    whole = LlamaModel(config)  # same TP partition, every layer: the no-pipelining reference
+    whole = LlamaModel(config, pg_collection=current_groups())  # same TP partition, every layer: the no-pipelining reference
     ref_losses = schedules.forward_backward_no_pipelining(
         forward_step_func=forward_step, data_iterator=iter(batches), model=whole,
         num_microbatches=m, seq_length=s, micro_batch_size=b, config=PipelineConfig(hidden_size=32))

@@ -34,13 +34,13 @@ def _inputs(scale):
     return logits, target, torch.randn(S, B)
 
 
-def _check(logits, target, dy, label_smoothing, chunk):
+def _check(logits, target, dy, label_smoothing, chunk, tp_group=None):
     ref_logits = logits.clone().requires_grad_(True)
     ref = _dense_loss(ref_logits, target, label_smoothing)
     ref.backward(dy)
     par_logits = chunk(logits).clone().requires_grad_(True)
     before = par_logits.detach().clone()
-    loss = vocab_parallel_cross_entropy(par_logits, target, label_smoothing)
+    loss = vocab_parallel_cross_entropy(par_logits, target, label_smoothing, tp_group=tp_group)
     assert loss.dtype == torch.float32 and loss.shape == target.shape
     assert torch.isfinite(loss).all()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
@@ -50,8 +50,8 @@ def _check(logits, target, dy, label_smoothing, chunk):
 
 
 def _ce_world(tp):
-    ps.initialize_model_parallel(tp, 1)
-    rank = ps.get_tensor_model_parallel_rank()
+    tp_group = ps.initialize_model_parallel(tp, 1).tp
+    rank, group = tp_group.rank, tp_group.group
 
     def chunk(t):
         return t.chunk(tp, dim=-1)[rank]
@@ -59,11 +59,11 @@ def _ce_world(tp):
     for scale in (1.0, 30.0):
         logits, target, dy = _inputs(scale)
         for label_smoothing in (0.0, 0.1):
-            _check(logits, target, dy, label_smoothing, chunk)
+            _check(logits, target, dy, label_smoothing, chunk, group)
     # bf16 logits: fp32 loss equal to the fp32 loss of the same (rounded) values
     logits, target, dy = _inputs(1.0)
     bf16 = chunk(logits.bfloat16()).requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(bf16, target)
+    loss = vocab_parallel_cross_entropy(bf16, target, tp_group=group)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, _dense_loss(logits.bfloat16(), target, 0.0), rtol=1e-5, atol=1e-5)
     loss.sum().backward()
@@ -82,16 +82,17 @@ def test_single_process_matches_torch():
     _check(logits, target, dy, 0.2, lambda t: t)
     # without smoothing this is exactly torch's cross entropy
     torch.testing.assert_close(
-        vocab_parallel_cross_entropy(logits, target),
+        vocab_parallel_cross_entropy(logits, target, tp_group=None),
         F.cross_entropy(logits.view(-1, V), target.view(-1), reduction="none").view(S, B))
     # uniform logits: loss = ln(V) whatever the smoothing
-    flat = vocab_parallel_cross_entropy(torch.zeros(1, 1, V), torch.zeros(1, 1, dtype=torch.long), 0.3)
+    flat = vocab_parallel_cross_entropy(torch.zeros(1, 1, V), torch.zeros(1, 1, dtype=torch.long), 0.3,
+                                        tp_group=None)
     assert math.isclose(flat.item(), math.log(V), rel_tol=1e-6)
 
 
 def test_errors():
     logits, target, _ = _inputs(1.0)
     with pytest.raises(ValueError, match="label_smoothing"):
-        vocab_parallel_cross_entropy(logits, target, 1.0)
+        vocab_parallel_cross_entropy(logits, target, 1.0, tp_group=None)
     with pytest.raises(ValueError, match="agree"):
-        vocab_parallel_cross_entropy(logits, target[:-1])
+        vocab_parallel_cross_entropy(logits, target[:-1], tp_group=None)

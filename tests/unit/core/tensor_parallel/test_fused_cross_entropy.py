@@ -26,7 +26,7 @@ def _inputs():
     return hidden, weight, target, torch.randn(S, B)
 
 
-def _both(hidden, weight, target, dy, smoothing, group=None):
+def _both(hidden, weight, target, dy, smoothing, group):
     """(loss, d hidden, d weight) of the plain and of the fused path."""
     out = []
     for fused in (False, True):
@@ -34,9 +34,10 @@ def _both(hidden, weight, target, dy, smoothing, group=None):
         w = weight.clone().requires_grad_(True)
         x = copy_to_tensor_model_parallel_region(h, group)
         if fused:
-            loss = linear_cross_entropy(x, w, target, smoothing, group)
+            loss = linear_cross_entropy(x, w, target, smoothing, tp_group=group)
         else:
-            loss = vocab_parallel_cross_entropy(F.linear(x, w).float(), target, smoothing, group)
+            loss = vocab_parallel_cross_entropy(F.linear(x, w).float(), target, smoothing,
+                                                tp_group=group)
         loss.backward(dy)
         out.append((loss.detach(), h.grad, w.grad))
     return out
@@ -52,7 +53,7 @@ def _assert_equal(plain, fused, dtype=torch.float32):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_fused_equals_plain_single_process(smoothing):
     hidden, weight, target, dy = _inputs()
-    plain, fused = _both(hidden, weight, target, dy, smoothing)
+    plain, fused = _both(hidden, weight, target, dy, smoothing, None)
     _assert_equal(plain, fused)
     assert plain[0].abs().max() > 1.0  # far from uniform
 
@@ -65,12 +66,12 @@ def test_fused_bf16_and_big_logits(smoothing):
     # A few targets are the most likely token (loss about 0), to mix both kinds of rows.
     weight = weight * 1e3
     target[0] = (hidden[0] @ weight.t()).argmax(-1)
-    plain, fused = _both(hidden, weight, target, dy, smoothing)
+    plain, fused = _both(hidden, weight, target, dy, smoothing, None)
     assert torch.isfinite(fused[0]).all()
     assert (plain[0] > 100).float().mean() > 0.5
     assert smoothing > 0 or (plain[0][0] < 1).all()
     _assert_equal(plain, fused)
-    plain, fused = _both(hidden.bfloat16(), weight.bfloat16(), target, dy, 0.0)
+    plain, fused = _both(hidden.bfloat16(), weight.bfloat16(), target, dy, 0.0, None)
     assert fused[0].dtype == torch.float32 and fused[1].dtype == torch.bfloat16
     _assert_equal(plain, fused, torch.bfloat16)
 
@@ -78,30 +79,31 @@ def test_fused_bf16_and_big_logits(smoothing):
 def test_second_backward_and_bad_input_raise():
     hidden, weight, target, _ = _inputs()
     h = hidden.clone().requires_grad_(True)
-    loss = linear_cross_entropy(h, weight, target).sum()
+    loss = linear_cross_entropy(h, weight, target, tp_group=None).sum()
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         loss.backward()
     with pytest.raises(ValueError, match="label_smoothing"):
-        linear_cross_entropy(hidden, weight, target, 1.0)
+        linear_cross_entropy(hidden, weight, target, 1.0, tp_group=None)
     with pytest.raises(ValueError, match="weight"):
-        linear_cross_entropy(hidden, weight[:, :4], target)
+        linear_cross_entropy(hidden, weight[:, :4], target, tp_group=None)
 
 
 def _tp_world(tp):
-    ps.initialize_model_parallel(tp, 1)
-    rank = ps.get_tensor_model_parallel_rank()
+    tp_group = ps.initialize_model_parallel(tp, 1).tp
+    rank = tp_group.rank
     fused_cross_entropy._CHUNK_BYTES = 3 * (V // tp) * 4  # several chunks per rank
     hidden, weight, target, dy = _inputs()
     for smoothing in (0.0, 0.1):
-        plain, fused = _both(hidden, weight.chunk(tp)[rank].contiguous(), target, dy, smoothing)
+        plain, fused = _both(hidden, weight.chunk(tp)[rank].contiguous(), target, dy, smoothing,
+                             tp_group.group)
         _assert_equal(plain, fused)
     return fused  # smoothing 0.1, compared with one process by the caller
 
 
 def test_fused_tp2_equals_tp1():
     hidden, weight, target, dy = _inputs()
-    ref_loss, ref_dh, ref_dw = _both(hidden, weight, target, dy, 0.1)[0]
+    ref_loss, ref_dh, ref_dw = _both(hidden, weight, target, dy, 0.1, None)[0]
     results = run_distributed(2, _tp_world, 2)
     for rank, (loss, dh, dw) in enumerate(results):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
@@ -110,8 +112,8 @@ def test_fused_tp2_equals_tp1():
 
 
 def _tp2_fp16_big_vocab():
-    ps.initialize_model_parallel(2, 1)
-    rank = ps.get_tensor_model_parallel_rank()
+    tp_group = ps.initialize_model_parallel(2, 1).tp
+    rank = tp_group.rank
     torch.manual_seed(5)
     vocab = 131072  # near-uniform logits: the sum of exponentials exceeds fp16's 65504
     hidden = torch.randn(6, 8) * 0.1
@@ -121,7 +123,8 @@ def _tp2_fp16_big_vocab():
     for dtype in (torch.float32, torch.float16):
         h = hidden.to(dtype).clone().requires_grad_(True)
         w = weight.chunk(2)[rank].to(dtype).clone().requires_grad_(True)
-        loss = linear_cross_entropy(copy_to_tensor_model_parallel_region(h), w, target)
+        loss = linear_cross_entropy(copy_to_tensor_model_parallel_region(h, tp_group.group), w,
+                                    target, tp_group=tp_group.group)
         loss.sum().backward()
         out[dtype] = (loss.detach(), h.grad.float(), w.grad.float())
     return out

@@ -9,6 +9,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation
 from megatron.model.llama import LlamaModel
 from tests.helpers.model import batch, small_config
+from tests.helpers.groups import current_groups
 
 
 def _weight_with_main_grad(shape, dtype=torch.float32, seed=0):
@@ -36,7 +37,7 @@ def _linear_and_embedding(dtype):
 def _forward(w, table, x, ids, fusion=True):
     from megatron.core.tensor_parallel.layers import _Embedding
     hidden = x + _Embedding.apply(ids, table, fusion)  # the table's rows get d hidden = dY W
-    return linear_with_grad_accumulation(hidden, w, gradient_accumulation_fusion=fusion)
+    return linear_with_grad_accumulation(hidden, w, gradient_accumulation_fusion=fusion, tp_group=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,7 +85,7 @@ def test_unfused_cases_get_the_true_gradient_and_leave_main_grad_alone():
     untouched()
     # A parameter without main_grad (no DDP) is plain autograd.
     plain = torch.nn.Parameter(w.detach().clone())
-    linear_with_grad_accumulation(x.detach(), plain).backward(dy)
+    linear_with_grad_accumulation(x.detach(), plain, tp_group=None).backward(dy)
     torch.testing.assert_close(plain.grad, dy.t() @ x.detach())
 
 
@@ -106,7 +107,7 @@ class _CountWeightSizedAdds(TorchDispatchMode):
 
 def _ddp_main_grads(config, micro_batches):
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(LlamaModel(config), data_parallel_group=None)
+    ddp = DistributedDataParallel(LlamaModel(config, pg_collection=current_groups()), data_parallel_group=None)
     counter = _CountWeightSizedAdds((config.padded_vocab_size, config.hidden_size))
     for _ in range(2):  # the second iteration starts from a reset buffer
         ddp.zero_grad_buffer()
@@ -126,7 +127,7 @@ def test_model_main_grads_equal_autograd(tied, dtype):
     config = small_config(untie_embeddings_and_output_weights=not tied, params_dtype=dtype)
     micro_batches = [batch(config, seed=s) for s in (1, 2)]
     torch.manual_seed(0)
-    ref = LlamaModel(config)
+    ref = LlamaModel(config, pg_collection=current_groups())
     for tokens, labels in micro_batches:
         ref(tokens, labels=labels).mean().backward()
 

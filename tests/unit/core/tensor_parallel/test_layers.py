@@ -30,9 +30,9 @@ def _init(w):
 def _pair(cls, seed, *args, single_group, **kwargs):
     """(parallel layer, TP=1 layer) built from the same seed."""
     torch.manual_seed(seed)
-    par = cls(*args, init_method=_init, **kwargs)
+    par = cls(*args, init_method=_init, tp_group=ps.get_tensor_model_parallel_group(), **kwargs)
     torch.manual_seed(seed)
-    ref = cls(*args, init_method=_init, group=single_group,
+    ref = cls(*args, init_method=_init, tp_group=single_group,
               **{k: v for k, v in kwargs.items() if k != "sequence_parallel"})
     if getattr(ref, "bias", None) is not None:  # zero-initialised: give the bias values
         with torch.no_grad():
@@ -143,20 +143,20 @@ def _check_embedding(single):
     y_par.backward(dy)
     _close(_gather(par.weight.grad, 0), ref.weight.grad, "embedding weight grad")
     copied = copy.deepcopy(par)  # a copy shares the process group
-    assert copied.group is par.group
+    assert copied.tp_group is par.tp_group
     _close(copied(ids), y_par.detach(), "deep-copied embedding output")
 
 
 def _check_errors():
-    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
-        ColumnParallelLinear(H, FFN, init_method=_init)  # torch.distributed on, no registry
-    ps.initialize_model_parallel(_world_size(), 1)
+    with pytest.raises(TypeError, match="tp_group"):
+        ColumnParallelLinear(H, FFN, init_method=_init)  # no group given: never looked up
+    tp_group = ps.initialize_model_parallel(_world_size(), 1).tp.group
     with pytest.raises(ValueError, match=r"output_size \(7\) is not divisible"):
-        ColumnParallelLinear(H, 7, init_method=_init)
+        ColumnParallelLinear(H, 7, init_method=_init, tp_group=tp_group)
     with pytest.raises(ValueError, match=r"input_size \(7\) is not divisible"):
-        RowParallelLinear(7, H, init_method=_init)
+        RowParallelLinear(7, H, init_method=_init, tp_group=tp_group)
     with pytest.raises(ValueError, match=r"num_embeddings .*\(7\) is not divisible"):
-        VocabParallelEmbedding(7, H, init_method=_init)
+        VocabParallelEmbedding(7, H, init_method=_init, tp_group=tp_group)
 
 
 def _world_size():
@@ -177,7 +177,7 @@ def _layers_world(tp):
     _check_skip_bias_add(single)
     _check_embedding(single)
     replicated = torch.nn.Parameter(torch.zeros(1))
-    return param_is_not_tensor_parallel_duplicate(replicated)
+    return param_is_not_tensor_parallel_duplicate(replicated, ps.get_tensor_model_parallel_group())
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -188,16 +188,18 @@ def test_layers_equal_dense(tp):
 
 def test_single_process_layers_and_errors():
     torch.manual_seed(0)
-    col = ColumnParallelLinear(H, FFN, init_method=_init, bias=False)
+    col = ColumnParallelLinear(H, FFN, init_method=_init, bias=False, tp_group=None)
     torch.manual_seed(0)
     master = torch.empty(FFN, H)
     _init(master)
     assert torch.equal(col.weight.detach(), master)
     assert col.bias is None and col(torch.ones(1, 1, H))[0].shape == (1, 1, FFN)
     with pytest.raises(ValueError, match="gather_output"):
-        ColumnParallelLinear(H, FFN, init_method=_init, gather_output=True, sequence_parallel=True)
+        ColumnParallelLinear(H, FFN, init_method=_init, gather_output=True, sequence_parallel=True,
+                             tp_group=None)
     with pytest.raises(ValueError, match="input_is_parallel"):
-        RowParallelLinear(FFN, H, init_method=_init, input_is_parallel=False, sequence_parallel=True)
-    layer = RowParallelLinear(FFN, H, init_method=_init, params_dtype=torch.bfloat16)
+        RowParallelLinear(FFN, H, init_method=_init, input_is_parallel=False, sequence_parallel=True,
+                          tp_group=None)
+    layer = RowParallelLinear(FFN, H, init_method=_init, params_dtype=torch.bfloat16, tp_group=None)
     assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
 

@@ -26,8 +26,8 @@ def _run(fn, x, dy_shape, rank):
 
 
 def _mappings_world(tp):
-    ps.initialize_model_parallel(tp, 1)
-    r = ps.get_tensor_model_parallel_rank()
+    tp_group = ps.initialize_model_parallel(tp, 1).tp
+    r, group = tp_group.rank, tp_group.group
     eq = torch.testing.assert_close
     shape = (2 * tp, 3, 2 * tp)  # [s, b, h], both ends divisible by TP
     xs = [_x(i, shape) for i in range(tp)]
@@ -40,41 +40,41 @@ def _mappings_world(tp):
     part_first = (2,) + shape[1:]
 
     # f: identity forward, all-reduce backward
-    y, g = _run(m.copy_to_tensor_model_parallel_region, x, shape, r)
+    y, g = _run(lambda t: m.copy_to_tensor_model_parallel_region(t, group), x, shape, r)
     eq(y, x)
     eq(g, sum(dys(shape)))
     # g: all-reduce forward, identity backward; the input is not modified
     before = x.clone()
-    y, g = _run(m.reduce_from_tensor_model_parallel_region, x, shape, r)
+    y, g = _run(lambda t: m.reduce_from_tensor_model_parallel_region(t, group), x, shape, r)
     eq(y, sum(xs))
     eq(g, _dy(r, shape))
     assert torch.equal(x, before)
     # scatter / gather along the last dim
-    y, g = _run(m.scatter_to_tensor_model_parallel_region, x, part_last, r)
+    y, g = _run(lambda t: m.scatter_to_tensor_model_parallel_region(t, group), x, part_last, r)
     eq(y, x.chunk(tp, -1)[r])
     eq(g, _scattered_grad(r, part_last, tp, -1))
-    y, g = _run(m.gather_from_tensor_model_parallel_region, x, shape[:2] + (shape[2] * tp,), r)
+    y, g = _run(lambda t: m.gather_from_tensor_model_parallel_region(t, group), x, shape[:2] + (shape[2] * tp,), r)
     eq(y, torch.cat(xs, -1))
     eq(g, _dy(r, shape[:2] + (shape[2] * tp,)).chunk(tp, -1)[r])
     # sequence parallel: scatter / gather / reduce-scatter along the first dim
-    y, g = _run(m.scatter_to_sequence_parallel_region, x, part_first, r)
+    y, g = _run(lambda t: m.scatter_to_sequence_parallel_region(t, group), x, part_first, r)
     eq(y, x.chunk(tp, 0)[r])
     eq(g, _scattered_grad(r, part_first, tp, 0))
     full_first = (shape[0] * tp,) + shape[1:]
-    y, g = _run(m.gather_from_sequence_parallel_region, x, full_first, r)
+    y, g = _run(lambda t: m.gather_from_sequence_parallel_region(t, group), x, full_first, r)
     eq(y, torch.cat(xs, 0))
     eq(g, sum(dys(full_first)).chunk(tp, 0)[r])  # reduce-scatter of the partial gradients
-    y, g = _run(lambda t: m.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False),
-                x, full_first, r)
+    y, g = _run(lambda t: m.gather_from_sequence_parallel_region(
+        t, group, tensor_parallel_output_grad=False), x, full_first, r)
     eq(g, _dy(r, full_first).chunk(tp, 0)[r])  # split only
-    y, g = _run(m.reduce_scatter_to_sequence_parallel_region, x, part_first, r)
+    y, g = _run(lambda t: m.reduce_scatter_to_sequence_parallel_region(t, group), x, part_first, r)
     eq(y, sum(xs).chunk(tp, 0)[r])
     eq(g, _scattered_grad(r, part_first, tp, 0))
     # indivisible sizes are refused with the dimension named
     with pytest.raises(ValueError, match="sequence length"):
-        m.scatter_to_sequence_parallel_region(torch.zeros(2 * tp + 1, 1, 1))
+        m.scatter_to_sequence_parallel_region(torch.zeros(2 * tp + 1, 1, 1), group)
     with pytest.raises(ValueError, match="last dimension"):
-        m.scatter_to_tensor_model_parallel_region(torch.zeros(1, 1, 2 * tp + 1))
+        m.scatter_to_tensor_model_parallel_region(torch.zeros(1, 1, 2 * tp + 1), group)
     return True
 
 
@@ -94,7 +94,7 @@ def test_world_of_one_is_identity():
                m.scatter_to_tensor_model_parallel_region, m.gather_from_tensor_model_parallel_region,
                m.scatter_to_sequence_parallel_region, m.gather_from_sequence_parallel_region,
                m.reduce_scatter_to_sequence_parallel_region):
-        y = fn(x)
+        y = fn(x, None)  # None: a world of one
         assert torch.equal(y, x)
         (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
         assert torch.equal(grad, torch.ones_like(x))

@@ -14,7 +14,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_seed_fork_and_states(device):
-    model_parallel_manual_seed(7)
+    model_parallel_manual_seed(7, 0)
     tracker = get_rng_tracker()
     a = torch.rand(3, device=device)
     with tracker.fork():
@@ -69,12 +69,12 @@ class _Block(torch.nn.Module):
         return h * scale
 
 
-def _grads_and_rng(block, x, recompute, distribute=False):
-    model_parallel_manual_seed(11)
+def _grads_and_rng(block, x, recompute, distribute=False, tp_rank=0, tp_group=None):
+    model_parallel_manual_seed(11, tp_rank)
     block.zero_grad()
     x = x.detach().clone().requires_grad_(True)
     if recompute:
-        out = checkpoint(block, distribute, x, 2.0)
+        out = checkpoint(block, distribute, x, 2.0, tp_group=tp_group)
     else:
         out = block(x, 2.0)
     torch.rand(1, device=x.device)  # advance the generator between forward and backward
@@ -83,12 +83,14 @@ def _grads_and_rng(block, x, recompute, distribute=False):
     return out.detach(), grads, torch.rand(4, device=x.device)
 
 
-def _assert_recompute_equal(device, distribute=False):
+def _assert_recompute_equal(device, distribute=False, tp=None):
+    tp_rank, tp_group = (0, None) if tp is None else (tp.rank, tp.group)
     torch.manual_seed(0)
     block = _Block(device)
     x = torch.randn(4, 2, 8, device=device)
-    out_ref, grads_ref, after_ref = _grads_and_rng(block, x, recompute=False)
-    out, grads, after = _grads_and_rng(block, x, recompute=True, distribute=distribute)
+    out_ref, grads_ref, after_ref = _grads_and_rng(block, x, recompute=False, tp_rank=tp_rank)
+    out, grads, after = _grads_and_rng(block, x, recompute=True, distribute=distribute,
+                                       tp_rank=tp_rank, tp_group=tp_group)
     assert torch.equal(out, out_ref)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
@@ -101,12 +103,12 @@ def test_checkpoint_replays_dropout(device):
 
 
 def _random_world():
-    ps.initialize_model_parallel(2, 1)
-    model_parallel_manual_seed(5)
+    tp = ps.initialize_model_parallel(2, 1).tp
+    model_parallel_manual_seed(5, tp.rank)
     default = torch.rand(4)
     with get_rng_tracker().fork():
         tensor_parallel = torch.rand(4)
-    _assert_recompute_equal("cpu", distribute=True)
+    _assert_recompute_equal("cpu", distribute=True, tp=tp)
     return dist.get_rank(), default, tensor_parallel
 
 

@@ -69,7 +69,8 @@ def _iteration(ddp, opt, width, num_mb, batch=8):
                 ddp(x).square().mean().backward()
         else:
             ddp(x).square().mean().backward()
-    finalize_model_grads([ddp])
+    from megatron.core import parallel_state as ps
+    finalize_model_grads([ddp], pg_collection=ps.get_process_groups())
     opt.step()
     return in_flight
 

@@ -98,12 +98,13 @@ def run_schedule(pp: int, v: int, m: int, tf_s: float = 0.0, tb_s: float = 0.0,
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import PipelineConfig, get_forward_backward_func
 
-    ps.initialize_model_parallel(1, pp, virtual_pipeline_model_parallel_size=v if v > 1 else None)
+    groups = ps.initialize_model_parallel(1, pp,
+                                          virtual_pipeline_model_parallel_size=v if v > 1 else None)
     try:
         log: list = []
         chunks = [SleepStage(c, tf_s / v, tb_s / v, log) for c in range(v)]
         config = PipelineConfig(hidden_size=HIDDEN)
-        fn = get_forward_backward_func()
+        fn = get_forward_backward_func(groups)
         best = None
         for rep in range(repeats + 1):
             data = [iter([torch.randn(SEQ, MBS, HIDDEN) for _ in range(m)]) for _ in range(v)]
@@ -112,7 +113,7 @@ def run_schedule(pp: int, v: int, m: int, tf_s: float = 0.0, tb_s: float = 0.0,
             start = time.perf_counter()
             fn(forward_step_func=_forward_step, data_iterator=data if v > 1 else data[0],
                model=chunks if v > 1 else chunks[0], num_microbatches=m, seq_length=SEQ,
-               micro_batch_size=MBS, forward_only=False, config=config)
+               micro_batch_size=MBS, forward_only=False, config=config, pg_collection=groups)
             end = time.perf_counter()
             result = {"order": [(k, c) for k, c, _, _ in log],
                       "busy": sum(e - s for _, _, s, e in log), "window": (start, end)}

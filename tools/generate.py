@@ -58,9 +58,9 @@ def main(argv=None) -> list:
     device = select_device(args.distributed_backend)
     created = initialize_distributed(args.distributed_backend)
     try:
-        ps.initialize_model_parallel(saved.get("tensor_model_parallel_size", 1),
-                                     saved.get("pipeline_model_parallel_size", 1))
-        model, saved = load_model_for_inference(args.load, device=device)
+        groups = ps.initialize_model_parallel(saved.get("tensor_model_parallel_size", 1),
+                                              saved.get("pipeline_model_parallel_size", 1))
+        model, saved = load_model_for_inference(args.load, groups, device=device)
         prompts = [tokenizer.tokenize(text) for text in args.prompt]
         eod = getattr(tokenizer, "_eod", None)
         if eod is None:
@@ -71,7 +71,7 @@ def main(argv=None) -> list:
         out = generate(model, prompts, args.max_new_tokens, greedy=args.greedy,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        vocab_size=saved.get("true_vocab_size") or tokenizer.vocab_size,
-                       eod=eod, seed=args.seed, device=device)
+                       eod=eod, seed=args.seed, device=device, pg_collection=groups)
         texts = [tokenizer.detokenize(ids) for ids in out]
         import torch.distributed as dist
         if dist.get_rank() == 0:

@@ -131,6 +131,11 @@ class ParallelGroup:
     def is_member(self) -> bool:
         return self.rank >= 0
 
+    def neighbour(self, offset: int) -> int:
+        """Global rank ``offset`` places after this rank in the group, wrapping around (the next
+        pipeline stage for 1, the previous for -1)."""
+        return self.ranks[(self.rank + offset) % self.size]
+
     @classmethod
     def of_one(cls, group=None, global_rank: int = 0) -> "ParallelGroup":
         """A group holding only this process (``group`` None without ``torch.distributed``)."""
@@ -195,12 +200,12 @@ class ProcessGroupCollection:
     @property
     def pipeline_next_rank(self) -> int:
         """Global rank of the next pipeline stage (wraps from the last stage to the first)."""
-        return self.pp.ranks[(self.pp.rank + 1) % self.pp.size]
+        return self.pp.neighbour(1)
 
     @property
     def pipeline_prev_rank(self) -> int:
         """Global rank of the previous pipeline stage (wraps from the first to the last)."""
-        return self.pp.ranks[(self.pp.rank - 1) % self.pp.size]
+        return self.pp.neighbour(-1)
 
     @property
     def in_embedding_group(self) -> bool:

@@ -11,8 +11,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
-from megatron.inference.forward import _distributed, forward_logits
+from megatron.inference.forward import forward_logits
 from megatron.inference.inference_params import InferenceParams
 
 
@@ -51,16 +50,14 @@ def sample(logits: torch.Tensor, *, greedy: bool = False, temperature: float = 1
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-def _share_from_last_stage(tokens: torch.Tensor) -> torch.Tensor:
+def _share_from_last_stage(tokens: torch.Tensor, pg_collection) -> torch.Tensor:
     """Tensor-parallel rank 0 of the last stage decides; every rank of the model-parallel group
     receives its value (broadcast over the tensor-parallel group, then the pipeline group)."""
-    if not _distributed():
-        return tokens
-    if ps.is_pipeline_last_stage():
-        dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(),
-                       group=ps.get_tensor_model_parallel_group())
-    dist.broadcast(tokens, ps.get_pipeline_model_parallel_ranks()[-1],
-                   group=ps.get_pipeline_model_parallel_group())
+    tp, pp = pg_collection.tp, pg_collection.pp
+    if pg_collection.is_pipeline_last_stage() and tp.size > 1:
+        dist.broadcast(tokens, tp.ranks[0], group=tp.group)
+    if pp.size > 1:
+        dist.broadcast(tokens, pp.ranks[-1], group=pp.group)
     return tokens
 
 
@@ -68,7 +65,7 @@ def _share_from_last_stage(tokens: torch.Tensor) -> torch.Tensor:
 def generate(model, prompts: Sequence[Sequence[int]], tokens_to_generate: int, *,
              greedy: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0,
              vocab_size: Optional[int] = None, eod: Optional[int] = None, seed: int = 1234,
-             device=None) -> List[List[int]]:
+             device=None, pg_collection) -> List[List[int]]:
     """Continue each prompt by up to ``tokens_to_generate`` tokens. Collective over the
     model-parallel group: every rank calls it with the same prompts.
 
@@ -81,6 +78,9 @@ def generate(model, prompts: Sequence[Sequence[int]], tokens_to_generate: int, *
         prompts: token ids per prompt (non-empty).
         vocab_size: the true vocabulary size (padding ids are never sampled).
         seed: seed of the sampling generator.
+        pg_collection: this rank's process groups
+            (:class:`~megatron.core.process_groups.ProcessGroupCollection`; ``world_of_one()`` in
+            a single process).
 
     Returns:
         per prompt, its tokens followed by the generated ones (ending at ``eod`` if produced).
@@ -109,13 +109,13 @@ def generate(model, prompts: Sequence[Sequence[int]], tokens_to_generate: int, *
     for cur in range(min(lengths), total):
         chunk = tokens[:, prev:cur]
         positions = torch.arange(prev, cur, device=tokens.device).unsqueeze(0).expand(b, -1)
-        logits = forward_logits(model, chunk, positions, params)
+        logits = forward_logits(model, chunk, positions, params, pg_collection=pg_collection)
         params.sequence_len_offset += cur - prev
         new = torch.zeros(b, dtype=torch.long, device=tokens.device)
         if logits is not None:
             new = sample(logits[:, -1], greedy=greedy, temperature=temperature, top_k=top_k,
                          top_p=top_p, vocab_size=vocab_size, generator=generator)
-        new = _share_from_last_stage(new)
+        new = _share_from_last_stage(new, pg_collection)
         generating = cur >= length_t
         tokens[:, cur] = torch.where(generating, new, tokens[:, cur])
         if eod is not None:

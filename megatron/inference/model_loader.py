@@ -11,7 +11,6 @@ import torch
 from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
                                     load_checkpoint, read_saved_args)
 from megatron.config import ModelConfig
-from megatron.core import parallel_state as ps
 from megatron.model import get_layer_numbers
 from megatron.model.llama import LlamaModel
 
@@ -55,10 +54,14 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
 
 
-def load_model_for_inference(load_dir: str, device=None):
+def load_model_for_inference(load_dir: str, pg_collection, device=None):
     """This rank's stage of the checkpoint at ``load_dir``, weights loaded, in eval mode.
 
-    Needs ``parallel_state.initialize_model_parallel`` with the checkpoint's TP and PP sizes.
+    Args:
+        load_dir: the checkpoint folder (``--load``).
+        pg_collection: the process groups of ``initialize_model_parallel`` with the
+            checkpoint's TP and PP sizes.
+        device: where the parameters go (default CPU).
 
     Returns:
         ``(model, saved_args)``.
@@ -68,7 +71,7 @@ def load_model_for_inference(load_dir: str, device=None):
             ``tools/checkpoint/convert.py --loader megatron --saver megatron``).
     """
     saved = checkpoint_args(load_dir)
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    tp, pp = pg_collection.tp.size, pg_collection.pp.size
     want = (saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1))
     if (tp, pp) != want:
         raise CheckpointError(f"{load_dir} was saved at TP={want[0]}, PP={want[1]} but this run has "
@@ -76,11 +79,10 @@ def load_model_for_inference(load_dir: str, device=None):
                               f"megatron --saver megatron --target-tensor-parallel-size {tp} "
                               f"--target-pipeline-parallel-size {pp}")
     config = model_config_from_args(saved)
-    model = LlamaModel(config, pg_collection=ps.get_process_groups(),
-                       pre_process=ps.is_pipeline_first_stage(),
-                       post_process=ps.is_pipeline_last_stage(),
-                       layer_numbers=get_layer_numbers(config.num_layers, pp,
-                                                       ps.get_pipeline_model_parallel_rank()),
+    model = LlamaModel(config, pg_collection=pg_collection,
+                       pre_process=pg_collection.is_pipeline_first_stage(),
+                       post_process=pg_collection.is_pipeline_last_stage(),
+                       layer_numbers=get_layer_numbers(config.num_layers, pp, pg_collection.pp.rank),
                        device=device)
     load_checkpoint([model], None, None, argparse.Namespace(load=load_dir, finetune=True))
     return model.eval(), saved

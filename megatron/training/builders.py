@@ -4,6 +4,8 @@ schedule's configuration. Megatron-LM's ``setup_model_and_optimizer`` and
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from megatron.core import parallel_state as ps
@@ -92,7 +94,8 @@ def schedule_config(args, model_chunks, optimizer=None) -> PipelineConfig:
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=getattr(args, "sequence_parallel", False),
-        finalize_model_grads_func=finalize_model_grads,
+        finalize_model_grads_func=partial(finalize_model_grads,
+                                          pg_collection=ps.get_process_groups()),
         # Interleaved: every chunk's reduction is held back until its last micro-batch.
         no_sync_func=(model_chunks[0].no_sync if len(model_chunks) == 1
                       else [chunk.no_sync for chunk in model_chunks]))

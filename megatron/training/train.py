@@ -83,7 +83,7 @@ def num_floating_point_operations(args, batch_size: int) -> float:
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args,
-               schedule_config, num_microbatches: int, global_batch_size: int):
+               schedule_config, num_microbatches: int, global_batch_size: int, *, pg_collection):
     """One iteration: forward/backward over ``num_microbatches`` micro-batches, optimizer step,
     lr step by ``global_batch_size`` samples.
 
@@ -93,11 +93,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+    losses = get_forward_backward_func(pg_collection)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False, config=schedule_config)
-    last_stage = ps.is_pipeline_last_stage()
+        micro_batch_size=args.micro_batch_size, forward_only=False, config=schedule_config,
+        pg_collection=pg_collection)
+    last_stage = pg_collection.is_pipeline_last_stage()
     # Only the last stage sees the loss: the optimizer folds this flag into its found-inf
     # all-reduce, so an inf/NaN loss skips the step on every rank alike. A device tensor, and the
     # losses are read on the host only after the step: on CUDA nothing waits for the GPU before
@@ -110,7 +111,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     return reduced, 0 if update_successful else 1, grad_norm, num_zeros
 
 
-def evaluate(forward_step_func, data_iterator, model, args, schedule_config) -> dict:
+def evaluate(forward_step_func, data_iterator, model, args, schedule_config, *,
+             pg_collection) -> dict:
     """``--eval-iters`` forward-only iterations on the validation stream (which continues where the
     previous evaluation stopped). Returns ``{key: token-weighted mean}`` on the last stage."""
     for chunk in model:
@@ -120,10 +122,11 @@ def evaluate(forward_step_func, data_iterator, model, args, schedule_config) -> 
     sums: dict = {}
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            losses = get_forward_backward_func()(
+            losses = get_forward_backward_func(pg_collection)(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=builders.num_microbatches(args), seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True, config=schedule_config)
+                micro_batch_size=args.micro_batch_size, forward_only=True, config=schedule_config,
+                pg_collection=pg_collection)
             for d in losses:
                 for key, v in d.items():
                     num, den = (v if isinstance(v, (tuple, list)) else (v, 1.0))
@@ -144,6 +147,7 @@ class _Trainer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_it, self.valid_it, self.test_it = iterators
         self.schedule_config, self.state = schedule_config, state
+        self.groups = ps.get_process_groups()
         self.tb = TensorBoardLogger(getattr(args, "tensorboard_dir", None),
                                     getattr(args, "tensorboard_queue_size", 1000))
         self.memory_reported = False
@@ -173,7 +177,8 @@ class _Trainer:
             with collective_guard(f"the train step of iteration {st.iteration + 1}", self.timeout):
                 losses, skipped, grad_norm, _ = train_step(
                     self.forward_step_func, self.train_it, self.model, self.optimizer,
-                    self.scheduler, args, self.schedule_config, self.microbatches.get(), batch)
+                    self.scheduler, args, self.schedule_config, self.microbatches.get(), batch,
+                    pg_collection=self.groups)
             elapsed = time.perf_counter() - start
             st.iteration += 1
             st.consumed_train_samples += batch
@@ -277,7 +282,7 @@ class _Trainer:
         args, st = self.args, self.state
         with collective_guard(f"the evaluation at {prefix}", self.timeout):
             losses = evaluate(self.forward_step_func, iterator or self.valid_it, self.model, args,
-                              self.schedule_config)
+                              self.schedule_config, pg_collection=self.groups)
         if iterator is None:
             st.consumed_valid_samples += args.eval_iters * args.global_batch_size
             if losses:

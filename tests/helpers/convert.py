@@ -46,10 +46,10 @@ def _logits_rank(tp, pp, load_dir, tokens):
     from megatron.inference import forward_logits
     from megatron.inference.model_loader import load_model_for_inference
 
-    ps.initialize_model_parallel(tp, pp)
-    model, _ = load_model_for_inference(load_dir)
-    logits = forward_logits(model, tokens)
-    first_tp = ps.get_tensor_model_parallel_rank() == 0
+    groups = ps.initialize_model_parallel(tp, pp)
+    model, _ = load_model_for_inference(load_dir, groups)
+    logits = forward_logits(model, tokens, pg_collection=groups)
+    first_tp = groups.tp.rank == 0
     return logits if logits is not None and first_tp else None
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.schedules import PipelineConfig
+from megatron.core.process_groups import ProcessGroupCollection
 
 
 S, B, H, LAYERS, SEED = 3, 2, 8, 4, 1234
@@ -82,7 +83,8 @@ def reference(m, per_token, layers=LAYERS):
     config = PipelineConfig(hidden_size=H, calculate_per_token_loss=per_token)
     losses = schedules.forward_backward_no_pipelining(
         forward_step_func=make_forward_step(), data_iterator=iter(batches), model=model,
-        num_microbatches=m, seq_length=S, micro_batch_size=B, config=config)
+        num_microbatches=m, seq_length=S, micro_batch_size=B, config=config,
+        pg_collection=ProcessGroupCollection.world_of_one())
     if per_token:
         total = sum(int(b["mask"].sum()) for b in batches)
         for p in model.parameters():

@@ -5,6 +5,7 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import collectives
+from tests.helpers.groups import current_groups
 
 
 class Net(torch.nn.Module):
@@ -83,7 +84,7 @@ def distrib_iteration(ddp, opt, step, num_mb):
                 loss = torch.nn.functional.mse_loss(ddp(xm.to(dtype)).float(), ym) / num_mb
                 loss.backward()
             total += loss.detach()
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], pg_collection=current_groups())
         ok, _, _ = opt.step()
     assert ok
     torch.distributed.all_reduce(total)

@@ -8,7 +8,11 @@ After Megatron-Core's ``finalize_model_grads``, in its order:
 3. all-reduce (sum) over the embedding group (first and last pipeline stage) of the gradients of
    parameters marked ``shared_embedding=True`` (tied word embedding / output weight at PP > 1),
 4. with per-token loss (``num_tokens`` given): broadcast the token count from the last pipeline
-   stage, sum it over data-parallel ranks and divide every gradient by it.
+   stage, sum it over the data x context-parallel group and divide every gradient by it.
+
+Every group comes from the ``pg_collection`` argument
+(:class:`~megatron.core.process_groups.ProcessGroupCollection`); groups of one communicate
+nothing, so ``ProcessGroupCollection.world_of_one()`` serves a single process.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron.core import parallel_state
+from megatron.core.process_groups import ProcessGroupCollection
 
 
 def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -47,26 +51,25 @@ def _allreduce_coalesced(grads: List[torch.Tensor], group) -> None:
         g.copy_(synced)
 
 
-def _allreduce_sequence_parallel_grads(model_chunks) -> None:
+def _allreduce_sequence_parallel_grads(model_chunks, pg_collection) -> None:
     """Collective: all-reduce (sum) over the tensor-parallel group."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if pg_collection.tp.size == 1:
         return
     grads = [_grad(p) for p in _unique_params(model_chunks)
              if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
-    _allreduce_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
+    _allreduce_coalesced(grads, pg_collection.tp.group)
 
 
-def _allreduce_embedding_grads(model_chunks) -> None:
+def _allreduce_embedding_grads(model_chunks, pg_collection) -> None:
     """Collective: all-reduce (sum) over the embedding group (first and last pipeline stage).
 
     Both stages must mark their copy of the tied weight with ``shared_embedding=True``.
     """
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or \
-            not parallel_state.get_process_groups().in_embedding_group:
+    if pg_collection.pp.size == 1 or not pg_collection.in_embedding_group:
         return
     grads = [_grad(p) for p in _unique_params(model_chunks)
              if getattr(p, "shared_embedding", False) and _grad(p) is not None]
-    _allreduce_coalesced(grads, parallel_state.get_embedding_group())
+    _allreduce_coalesced(grads, pg_collection.embedding.group)
 
 
 def _scale_gradients(model_chunks, factor: float) -> None:
@@ -80,7 +83,8 @@ def _scale_gradients(model_chunks, factor: float) -> None:
 
 
 def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
-                         num_tokens: Optional[Union[torch.Tensor, int]] = None) -> None:
+                         num_tokens: Optional[Union[torch.Tensor, int]] = None,
+                         pg_collection: ProcessGroupCollection) -> None:
     """Finish the gradient reductions of one iteration (see the module docstring for the steps).
 
     Args:
@@ -91,29 +95,28 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
             tokens this rank's last pipeline stage summed over its micro-batches (any value on
             other stages; it is broadcast from the last stage). Gradients end divided by the total
             over the whole global batch.
+        pg_collection: this rank's process groups (required; the schedules receive this function
+            with it bound, e.g. ``functools.partial(finalize_model_grads, pg_collection=...)``).
 
     Collectives: data-parallel all-reduce per bucket; tensor-parallel and embedding-group
-    all-reduces when those parameters exist; pipeline broadcast and data-parallel all-reduce of
-    ``num_tokens``.
+    all-reduces when those parameters exist; pipeline broadcast and data x context-parallel
+    all-reduce of ``num_tokens``.
     """
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()
-    if parallel_state.model_parallel_is_initialized():
-        _allreduce_sequence_parallel_grads(model_chunks)
-        _allreduce_embedding_grads(model_chunks)
+    _allreduce_sequence_parallel_grads(model_chunks, pg_collection)
+    _allreduce_embedding_grads(model_chunks, pg_collection)
 
     if num_tokens is None:
         return
     device = next(iter(_unique_params(model_chunks))).device
     total = torch.as_tensor(num_tokens, dtype=torch.float64, device=device).clone().reshape(())
-    if parallel_state.model_parallel_is_initialized():
-        pp_ranks = parallel_state.get_pipeline_model_parallel_ranks()
-        if len(pp_ranks) > 1:
-            dist.broadcast(total, src=pp_ranks[-1],
-                           group=parallel_state.get_pipeline_model_parallel_group())
-        if parallel_state.get_data_parallel_world_size() > 1:
-            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    pp, dp_cp = pg_collection.pp, pg_collection.dp_cp
+    if pp.size > 1:
+        dist.broadcast(total, src=pp.ranks[-1], group=pp.group)
+    if dp_cp.size > 1:
+        dist.all_reduce(total, group=dp_cp.group)
     if total.item() <= 0:
         raise ValueError(f"finalize_model_grads: the global batch has {total.item():g} loss tokens; "
                          "with --calculate-per-token-loss at least one unmasked token is needed")

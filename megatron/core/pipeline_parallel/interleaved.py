@@ -22,10 +22,9 @@ from __future__ import annotations
 import contextlib
 from typing import Tuple
 
-from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import p2p_communication as p2p
-from megatron.core.pipeline_parallel.schedules import (
-    PipelineConfig, _MicroBatchRunner, backward_step, deallocate_output_tensor, get_tensor_shape)
+from megatron.core.pipeline_parallel.common import (MicroBatchRunner, PipelineConfig, backward_step,
+                                                    deallocate_output_tensor, get_tensor_shape)
 
 
 def get_model_chunk_id(virtual_microbatch_id: int, pipeline_parallel_size: int,
@@ -59,14 +58,13 @@ def get_interleaved_warmup(num_microbatches: int, pipeline_parallel_size: int,
     return min(warmup, total), warmup >= total
 
 
-def _check(model, data_iterator, num_microbatches, pp):
+def _check(model, data_iterator, num_microbatches, pp, vp):
     if not isinstance(model, (list, tuple)):
         raise ValueError("the interleaved schedule takes a list of model chunks, one per virtual "
                          "pipeline stage (--virtual-pipeline-model-parallel-size)")
     if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != len(model):
         raise ValueError(f"the interleaved schedule takes one data iterator per model chunk "
                          f"({len(model)}), each over the same micro-batches")
-    vp = ps.get_virtual_pipeline_model_parallel_world_size()
     if vp is not None and vp != len(model):
         raise ValueError(f"got {len(model)} model chunks but --virtual-pipeline-model-parallel-size "
                          f"is {vp}")
@@ -101,7 +99,8 @@ def _grad_sync_control(config: PipelineConfig, model):
 
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
-        micro_batch_size: int, forward_only: bool = False, config: PipelineConfig) -> list:
+        micro_batch_size: int, forward_only: bool = False, config: PipelineConfig,
+        pg_collection) -> list:
     """Interleaved 1F1B over ``len(model)`` chunks per pipeline rank.
 
     Arguments as :func:`~megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving`,
@@ -114,19 +113,21 @@ def forward_backward_pipelining_with_interleaving(
 
     Raises:
         ValueError: ``model``/``data_iterator`` not lists of equal length, a chunk count different
-            from the registry's virtual size, or ``num_microbatches`` not divisible by PP.
+            from ``pg_collection``'s virtual size, or ``num_microbatches`` not divisible by PP.
     """
-    pp = ps.get_pipeline_model_parallel_world_size()
-    _check(model, data_iterator, num_microbatches, pp)
+    pp_group = pg_collection.pp
+    pp = pp_group.size
+    _check(model, data_iterator, num_microbatches, pp,
+           pg_collection.virtual_pipeline_model_parallel_size)
     v = len(model)
-    rank = ps.get_pipeline_model_parallel_rank()
-    first_rank = ps.is_pipeline_first_stage()
-    last_rank = ps.is_pipeline_last_stage()
+    rank = pp_group.rank
+    first_rank = pg_collection.is_pipeline_first_stage()
+    last_rank = pg_collection.is_pipeline_last_stage()
     shape = get_tensor_shape(seq_length, micro_batch_size, config)
     total = num_microbatches * v
     num_warmup, all_warmup = get_interleaved_warmup(num_microbatches, pp, rank, v, forward_only)
     num_remaining = total - num_warmup
-    runner = _MicroBatchRunner(forward_step_func, None, num_microbatches, forward_only, config)
+    runner = MicroBatchRunner(forward_step_func, None, num_microbatches, forward_only, config)
     input_tensors = [[] for _ in range(v)]
     output_tensors = [[] for _ in range(v)]
     output_grads = [[] for _ in range(v)]
@@ -148,7 +149,8 @@ def forward_backward_pipelining_with_interleaving(
     def communicate(send_next, send_prev, recv_prev, recv_next):
         received = p2p.communicate(tensor_send_next=send_next, tensor_send_prev=send_prev,
                                    recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape,
-                                   config=config, requires_grad=not forward_only)
+                                   config=config, pp_group=pp_group,
+                                   requires_grad=not forward_only)
         if not forward_only:
             deallocate_output_tensor(send_next, config)
         return received
@@ -182,7 +184,8 @@ def forward_backward_pipelining_with_interleaving(
         return None if is_first(c) else grad
 
     # Warmup: forwards only; the last one also fetches the first gradient.
-    input_tensors[0].append(p2p.recv_forward(shape, config, requires_grad=not forward_only))
+    input_tensors[0].append(p2p.recv_forward(shape, config, pp_group,
+                                             requires_grad=not forward_only))
     for k in range(num_warmup):
         output = forward_helper(k)
         next_c = chunk_id(k + 1, True)
@@ -222,7 +225,7 @@ def forward_backward_pipelining_with_interleaving(
     # Cooldown: the remaining backwards.
     if not forward_only:
         if all_warmup:
-            output_grads[v - 1].append(p2p.recv_backward(shape, config))
+            output_grads[v - 1].append(p2p.recv_backward(shape, config, pp_group))
         for k in range(num_remaining, total):
             input_grad = backward_helper(k)
             next_bc = chunk_id(k + 1, False)

@@ -3,8 +3,9 @@
 Activations flow forward (stage p -> p + 1) and their gradients flow backward (p + 1 -> p) as
 ``[s, b, h]`` tensors (s = sequence, b = micro-batch, h = hidden; s / TP under sequence
 parallelism). Every exchange goes through :func:`communicate`, which posts all sends and receives of
-one step as a single ``torch.distributed.batch_isend_irecv`` on the registry's pipeline group and
-waits for them, as Megatron-Core's ``p2p_communication._communicate`` does with ``batch_p2p_comm``.
+one step as a single ``torch.distributed.batch_isend_irecv`` on the pipeline group it is given
+(``pp_group``, a :class:`~megatron.core.process_groups.ParallelGroup`: the group, its ranks and
+this rank's stage) and waits for them, as Megatron-Core's ``p2p_communication._communicate`` does with ``batch_p2p_comm``.
 
 Deadlock freedom (gloo and NCCL): both ends of a link post their operations in the same order,
 forward-flow first (send to next, receive from previous), then backward-flow (send to previous,
@@ -26,7 +27,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
+from megatron.core.process_groups import ParallelGroup
 
 _FORWARD_TAG = 0   # activations, stage p -> p + 1
 _BACKWARD_TAG = 1  # gradients of activations, stage p + 1 -> p
@@ -52,7 +53,8 @@ def _check_send(tensor: torch.Tensor, tensor_shape: Sequence[int], dtype: torch.
 
 def communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: Optional[torch.Tensor],
                 recv_prev: bool, recv_next: bool, tensor_shape: Sequence[int], config,
-                requires_grad: bool = True) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                pp_group: ParallelGroup, requires_grad: bool = True
+                ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Exchange tensors with the previous and next pipeline stage in one batched step.
 
     Collective over the pipeline-parallel group (``batch_isend_irecv``): the matching calls on the
@@ -66,6 +68,8 @@ def communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: O
         tensor_shape: ``[s, b, h]`` of every tensor exchanged.
         config: a :class:`~megatron.core.pipeline_parallel.schedules.PipelineConfig`; its
             ``params_dtype`` is the dtype on the wire.
+        pp_group: the pipeline-parallel group (``ProcessGroupCollection.pp``); its next and
+            previous ranks wrap around.
         requires_grad: mark received tensors as autograd leaves (False in forward-only runs).
 
     Returns:
@@ -75,9 +79,8 @@ def communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: O
     Raises:
         ValueError: if a tensor to send does not have ``tensor_shape`` and ``config.params_dtype``.
     """
-    group = ps.get_pipeline_model_parallel_group()
-    next_rank = ps.get_pipeline_model_parallel_next_rank()
-    prev_rank = ps.get_pipeline_model_parallel_prev_rank()
+    group = pp_group.group
+    next_rank, prev_rank = pp_group.neighbour(1), pp_group.neighbour(-1)
     device = _comm_device(group)
     dtype = config.params_dtype
 
@@ -113,59 +116,65 @@ def communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: O
     return recv_prev_buf, recv_next_buf
 
 
-def _first() -> bool:
-    return ps.is_pipeline_first_stage()
+def _first(pp_group: ParallelGroup) -> bool:
+    return pp_group.rank == 0
 
 
-def _last() -> bool:
-    return ps.is_pipeline_last_stage()
+def _last(pp_group: ParallelGroup) -> bool:
+    return pp_group.rank == pp_group.size - 1
 
 
-def recv_forward(tensor_shape, config, requires_grad: bool = True) -> Optional[torch.Tensor]:
+def recv_forward(tensor_shape, config, pp_group: ParallelGroup,
+                 requires_grad: bool = True) -> Optional[torch.Tensor]:
     """Receive the input activation from the previous stage (None on the first stage)."""
-    if _first():
+    if _first(pp_group):
         return None
     return communicate(tensor_send_next=None, tensor_send_prev=None, recv_prev=True,
                        recv_next=False, tensor_shape=tensor_shape, config=config,
-                       requires_grad=requires_grad)[0]
+                       pp_group=pp_group, requires_grad=requires_grad)[0]
 
 
-def recv_backward(tensor_shape, config) -> Optional[torch.Tensor]:
+def recv_backward(tensor_shape, config, pp_group: ParallelGroup) -> Optional[torch.Tensor]:
     """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
-    if _last():
+    if _last(pp_group):
         return None
     return communicate(tensor_send_next=None, tensor_send_prev=None, recv_prev=False,
-                       recv_next=True, tensor_shape=tensor_shape, config=config)[1]
+                       recv_next=True, tensor_shape=tensor_shape, config=config,
+                       pp_group=pp_group)[1]
 
 
-def send_forward(output_tensor, tensor_shape, config) -> None:
+def send_forward(output_tensor, tensor_shape, config, pp_group: ParallelGroup) -> None:
     """Send this stage's output activation to the next stage (no-op on the last stage)."""
-    if _last():
+    if _last(pp_group):
         return
     communicate(tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=False,
-                recv_next=False, tensor_shape=tensor_shape, config=config)
+                recv_next=False, tensor_shape=tensor_shape, config=config, pp_group=pp_group)
 
 
-def send_backward(input_tensor_grad, tensor_shape, config) -> None:
+def send_backward(input_tensor_grad, tensor_shape, config, pp_group: ParallelGroup) -> None:
     """Send the gradient of this stage's input to the previous stage (no-op on the first stage)."""
-    if _first():
+    if _first(pp_group):
         return
     communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad, recv_prev=False,
-                recv_next=False, tensor_shape=tensor_shape, config=config)
+                recv_next=False, tensor_shape=tensor_shape, config=config, pp_group=pp_group)
 
 
-def send_forward_recv_backward(output_tensor, tensor_shape, config) -> Optional[torch.Tensor]:
+def send_forward_recv_backward(output_tensor, tensor_shape, config,
+                               pp_group: ParallelGroup) -> Optional[torch.Tensor]:
     """Send the output forward and receive its gradient, in one step (None on the last stage)."""
-    if _last():
+    if _last(pp_group):
         return None
     return communicate(tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=False,
-                       recv_next=True, tensor_shape=tensor_shape, config=config)[1]
+                       recv_next=True, tensor_shape=tensor_shape, config=config,
+                       pp_group=pp_group)[1]
 
 
-def send_backward_recv_forward(input_tensor_grad, tensor_shape, config) -> Optional[torch.Tensor]:
+def send_backward_recv_forward(input_tensor_grad, tensor_shape, config,
+                               pp_group: ParallelGroup) -> Optional[torch.Tensor]:
     """Send the input gradient backward and receive the next input, in one step (None on the
     first stage)."""
-    if _first():
+    if _first(pp_group):
         return None
     return communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad, recv_prev=True,
-                       recv_next=False, tensor_shape=tensor_shape, config=config)[0]
+                       recv_next=False, tensor_shape=tensor_shape, config=config,
+                       pp_group=pp_group)[0]

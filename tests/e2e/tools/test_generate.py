@@ -23,9 +23,10 @@ SAMPLING = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 5}
 def _generate_rank(tp, pp, load_dir, prompts, runs):
     from megatron.inference.model_loader import load_model_for_inference
 
-    ps.initialize_model_parallel(tp, pp)
-    model, saved = load_model_for_inference(load_dir)
-    return [generate(model, prompts, NEW, vocab_size=saved["true_vocab_size"], **kwargs)
+    groups = ps.initialize_model_parallel(tp, pp)
+    model, saved = load_model_for_inference(load_dir, groups)
+    return [generate(model, prompts, NEW, vocab_size=saved["true_vocab_size"],
+                     pg_collection=groups, **kwargs)
             for kwargs in runs]
 
 

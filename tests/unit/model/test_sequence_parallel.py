@@ -23,16 +23,17 @@ RECOMPUTE = {
 
 def _step(config, tp, pp):
     """One iteration's forward/backward of this rank's stage; ``(losses, {name: grad})``."""
-    from megatron.core import parallel_state as ps
+    from functools import partial
+
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel.schedules import PipelineConfig, get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
     from megatron.model import LlamaModel, get_layer_numbers
 
-    stage = LlamaModel(config, pg_collection=current_groups(), pre_process=ps.is_pipeline_first_stage(),
-                       post_process=ps.is_pipeline_last_stage(),
-                       layer_numbers=get_layer_numbers(config.num_layers, pp,
-                                                       ps.get_pipeline_model_parallel_rank()))
+    groups = current_groups()
+    stage = LlamaModel(config, pg_collection=groups, pre_process=groups.is_pipeline_first_stage(),
+                       post_process=groups.is_pipeline_last_stage(),
+                       layer_numbers=get_layer_numbers(config.num_layers, pp, groups.pp.rank))
     g = torch.Generator().manual_seed(11)
     batches = [torch.randint(0, config.padded_vocab_size, (B, S + 1), generator=g) for _ in range(M)]
 
@@ -45,12 +46,13 @@ def _step(config, tp, pp):
         return out, loss_func
 
     pcfg = PipelineConfig(hidden_size=config.hidden_size, sequence_parallel=config.sequence_parallel,
-                          tensor_model_parallel_size=tp, finalize_model_grads_func=finalize_model_grads)
-    model_parallel_manual_seed(9 + 100 * ps.get_pipeline_model_parallel_rank(),
-                               ps.get_tensor_model_parallel_rank())
-    losses = get_forward_backward_func()(
+                          tensor_model_parallel_size=tp,
+                          finalize_model_grads_func=partial(finalize_model_grads,
+                                                            pg_collection=groups))
+    model_parallel_manual_seed(9 + 100 * groups.pp.rank, groups.tp.rank)
+    losses = get_forward_backward_func(groups)(
         forward_step_func=forward_step, data_iterator=iter(batches), model=stage,
-        num_microbatches=M, seq_length=S, micro_batch_size=B, config=pcfg)
+        num_microbatches=M, seq_length=S, micro_batch_size=B, config=pcfg, pg_collection=groups)
     if config.sequence_parallel:
         norms = [n for n, p in stage.named_parameters() if "layernorm" in n]
         assert norms and all(stage.get_parameter(n).sequence_parallel for n in norms)

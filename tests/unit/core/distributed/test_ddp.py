@@ -6,6 +6,7 @@ import torch
 from megatron.core import parallel_state as ps
 from tests.helpers.dist import run_distributed
 from tests.helpers.toy import Net, toy_data
+from tests.helpers.groups import current_groups
 
 
 def _reference_grads(x, y):
@@ -124,7 +125,8 @@ def _finalize_tp2_pp2():
         p.main_grad.fill_(float(rank + 1))
     last_stage = ps.is_pipeline_last_stage()
     # Only the last stage knows the token count; other stages pass a dummy.
-    finalize_model_grads([ddp], num_tokens=torch.tensor(4 if last_stage else -99))
+    finalize_model_grads([ddp], num_tokens=torch.tensor(4 if last_stage else -99),
+                         pg_collection=current_groups())
     return {n: p.main_grad.flatten()[0].item() for n, p in net.named_parameters()}
 
 
@@ -157,7 +159,7 @@ def _per_token_loss_dp2():
     for xm, ym in zip(xl.split([1, 2]), yl.split([1, 2])):
         torch.nn.functional.mse_loss(ddp(xm), ym, reduction="sum").backward()
         tokens += ym.numel()
-    finalize_model_grads([ddp], num_tokens=torch.tensor(tokens))
+    finalize_model_grads([ddp], num_tokens=torch.tensor(tokens), pg_collection=current_groups())
     for name, p in ddp.module.named_parameters():
         torch.testing.assert_close(p.main_grad, ref.get_parameter(name).grad / total_tokens,
                                    rtol=1e-5, atol=1e-7)

@@ -11,6 +11,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.dist import run_distributed
 from tests.helpers.toy import CLIP, LR, Net, WD, toy_data
+from tests.helpers.groups import current_groups
 
 # loss multipliers per iteration: large and small gradients, an inf gradient, a NaN loss
 PLAN = [1.0, 40.0, 1e-3, "inf-grad", 20.0, "nan-loss", 3.0]
@@ -46,7 +47,7 @@ def _run(precision, clip, device_side, distributed=False):
         loss = torch.nn.functional.mse_loss(ddp(x.to(dtype)).float(), y)
         factor = what if isinstance(what, float) else 1.0
         opt.scale_loss(loss * factor).backward()
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], pg_collection=current_groups())
         if what == "inf-grad":
             net.fc.weight.main_grad.view(-1)[0] = float("inf")
         opt.nonfinite_loss = torch.tensor(what == "nan-loss")

@@ -10,6 +10,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.dist import run_distributed
 from tests.helpers.toy import CLIP, LR, Net, STEPS, WD, reference_adamw, toy_data
+from tests.helpers.groups import current_groups
 
 
 def _reference_params(steps):
@@ -42,7 +43,7 @@ def _train_dp(bf16):
             (loss / 2).backward()
         loss = torch.nn.functional.mse_loss(ddp(x[2:].to(net.fc.weight.dtype)).float(), y[2:])
         (loss / 2).backward()
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], pg_collection=current_groups())
         ok, norm, zeros = opt.step()
         assert ok and zeros is None
         norms.append(norm)

@@ -15,9 +15,9 @@ V = 2  # model chunks per rank
 
 
 def _interleaved(pp, cases):
-    ps.initialize_model_parallel(1, pp, virtual_pipeline_model_parallel_size=V)
-    rank = ps.get_pipeline_model_parallel_rank()
-    fn = schedules.get_forward_backward_func()
+    groups = ps.initialize_model_parallel(1, pp, virtual_pipeline_model_parallel_size=V)
+    rank = groups.pp.rank
+    fn = schedules.get_forward_backward_func(groups)
     assert fn is schedules.forward_backward_pipelining_with_interleaving
     for m, forward_only, per_token in cases:
         # chunk c of rank r is virtual stage c * PP + r: one toy layer each
@@ -28,7 +28,7 @@ def _interleaved(pp, cases):
         losses = fn(forward_step_func=make_forward_step(),
                     data_iterator=[iter(make_batches(m)) for _ in range(V)], model=chunks,
                     num_microbatches=m, seq_length=S, micro_batch_size=B,
-                    forward_only=forward_only, config=config)
+                    forward_only=forward_only, config=config, pg_collection=groups)
         ref_losses, ref = reference(m, per_token, layers=pp * V)
         case = (m, forward_only, per_token)
         check_losses(losses, ref_losses, case)
@@ -43,7 +43,7 @@ def _interleaved(pp, cases):
     with pytest.raises(ValueError, match="divisible by --pipeline-model-parallel-size"):
         fn(forward_step_func=make_forward_step(), data_iterator=[iter([])] * V,
            model=[ToyStage([0]) for _ in range(V)], num_microbatches=pp + 1, seq_length=S,
-           micro_batch_size=B, config=PipelineConfig(H))
+           micro_batch_size=B, config=PipelineConfig(H), pg_collection=groups)
     return True
 
 
@@ -70,6 +70,6 @@ def test_schedule_tables():
 
 def test_bad_chunking_is_refused():
     with pytest.raises(ValueError, match="list of model chunks"):
-        interleaved._check(ToyStage([0]), None, 4, 2)
+        interleaved._check(ToyStage([0]), None, 4, 2, 2)
     with pytest.raises(ValueError, match="one data iterator per model chunk"):
-        interleaved._check([ToyStage([0]), ToyStage([1])], iter([]), 4, 2)
+        interleaved._check([ToyStage([0]), ToyStage([1])], iter([]), 4, 2, 2)

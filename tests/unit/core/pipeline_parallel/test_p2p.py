@@ -18,7 +18,8 @@ def _filled(rank, kind):
 
 def _exchange(tp, pp):
     import torch.distributed as dist
-    ps.initialize_model_parallel(tp, pp)
+    groups = ps.initialize_model_parallel(tp, pp)
+    pp_group = groups.pp
     config = PipelineConfig(hidden_size=SHAPE[-1])
     rank = dist.get_rank()
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -30,7 +31,8 @@ def _exchange(tp, pp):
     from_prev, from_next = p2p.communicate(
         tensor_send_next=None if last else _filled(rank, 1),
         tensor_send_prev=None if first else _filled(rank, 2),
-        recv_prev=not first, recv_next=not last, tensor_shape=SHAPE, config=config)
+        recv_prev=not first, recv_next=not last, tensor_shape=SHAPE, config=config,
+        pp_group=pp_group)
     out["full_prev"] = None if first else from_prev.unique().tolist()
     out["full_next"] = None if last else from_next.unique().tolist()
     out["requires_grad"] = (from_prev if from_prev is not None else from_next).requires_grad
@@ -39,30 +41,32 @@ def _exchange(tp, pp):
     #    next (odd) stage sends backward and receives forward.
     pp_rank = ps.get_pipeline_model_parallel_rank()
     if pp_rank % 2 == 0:
-        got = p2p.send_forward_recv_backward(_filled(rank, 3), SHAPE, config)
+        got = p2p.send_forward_recv_backward(_filled(rank, 3), SHAPE, config, pp_group)
         out["pair"] = None if got is None else got.unique().tolist()
     else:
-        got = p2p.send_backward_recv_forward(_filled(rank, 4), SHAPE, config)
+        got = p2p.send_backward_recv_forward(_filled(rank, 4), SHAPE, config, pp_group)
         out["pair"] = got.unique().tolist()
 
     # 3. Plain sends/receives along the whole pipeline, forward then backward.
-    x = p2p.recv_forward(SHAPE, config)
-    p2p.send_forward(_filled(rank, 5) if x is None else x + 1, SHAPE, config)
-    g = p2p.recv_backward(SHAPE, config)
-    p2p.send_backward(_filled(rank, 6) if g is None else g + 1, SHAPE, config)
+    x = p2p.recv_forward(SHAPE, config, pp_group)
+    p2p.send_forward(_filled(rank, 5) if x is None else x + 1, SHAPE, config, pp_group)
+    g = p2p.recv_backward(SHAPE, config, pp_group)
+    p2p.send_backward(_filled(rank, 6) if g is None else g + 1, SHAPE, config, pp_group)
     out["chain_fwd"] = None if x is None else x.unique().tolist()
     out["chain_bwd"] = None if g is None else g.unique().tolist()
-    out["first_stage_recv_is_none"] = p2p.recv_forward(SHAPE, config) is None if first else None
+    out["first_stage_recv_is_none"] = (p2p.recv_forward(SHAPE, config, pp_group) is None
+                                       if first else None)
     out["prev"], out["next"], out["pp_rank"] = prev, nxt, pp_rank
 
     # 4. A tensor of the wrong shape is refused before anything is posted.
     with pytest.raises(ValueError, match="--seq-length"):
         p2p.communicate(tensor_send_next=torch.zeros(1, 2, 4), tensor_send_prev=None,
-                        recv_prev=False, recv_next=False, tensor_shape=SHAPE, config=config)
+                        recv_prev=False, recv_next=False, tensor_shape=SHAPE, config=config,
+                        pp_group=pp_group)
     with pytest.raises(ValueError, match="dtype"):
         p2p.communicate(tensor_send_next=torch.zeros(SHAPE, dtype=torch.float64),
                         tensor_send_prev=None, recv_prev=False, recv_next=False,
-                        tensor_shape=SHAPE, config=config)
+                        tensor_shape=SHAPE, config=config, pp_group=pp_group)
     return out
 
 

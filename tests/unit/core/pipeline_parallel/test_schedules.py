@@ -7,10 +7,12 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.schedules import PipelineConfig
+from megatron.core.process_groups import ProcessGroupCollection
 from tests.helpers.dist import run_distributed
 from tests.helpers.pipeline import (B, H, LAYERS, S, ToyStage, check_losses, loss_func,
                                     make_batches, make_forward_step, make_grad_hooks, reference)
-from tests.helpers.groups import current_groups
+
+ONE = ProcessGroupCollection.world_of_one()
 
 
 def expected_order(pp, rank, m):
@@ -26,10 +28,10 @@ def expected_order(pp, rank, m):
 
 
 def _pipelined(pp, cases):
-    ps.initialize_model_parallel(1, pp)
-    rank = ps.get_pipeline_model_parallel_rank()
+    groups = ps.initialize_model_parallel(1, pp)
+    rank = groups.pp.rank
     per_stage = LAYERS // pp
-    fn = schedules.get_forward_backward_func()
+    fn = schedules.get_forward_backward_func(groups)
     assert fn is schedules.forward_backward_pipelining_without_interleaving
     report = []
     for m, forward_only, per_token, deallocate in cases:
@@ -41,7 +43,8 @@ def _pipelined(pp, cases):
                                 deallocate_pipeline_outputs=deallocate)
         losses = fn(forward_step_func=make_forward_step(log, sync_state),
                     data_iterator=iter(make_batches(m)), model=[model], num_microbatches=m,
-                    seq_length=S, micro_batch_size=B, forward_only=forward_only, config=config)
+                    seq_length=S, micro_batch_size=B, forward_only=forward_only, config=config,
+                    pg_collection=groups)
         ref_losses, ref_model = reference(m, per_token)
         case = (m, forward_only, per_token, deallocate)
         check_losses(losses, ref_losses, case)
@@ -55,7 +58,7 @@ def _pipelined(pp, cases):
                 torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
             assert log == expected_order(pp, rank, m), (case, log)
             assert len(finalized) == 1, case
-            if per_token and ps.is_pipeline_last_stage():
+            if per_token and groups.is_pipeline_last_stage():
                 assert int(finalized[0]) == sum(int(b["mask"].sum()) for b in make_batches(m))
         report.append(case)
     return report
@@ -107,7 +110,7 @@ def test_legacy_two_value_loss_is_averaged_over_micro_batches():
     out = schedules.forward_backward_no_pipelining(
         forward_step_func=forward_step, data_iterator=[iter(batches)], model=[model],
         num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False,
-        config=PipelineConfig(hidden_size=H))
+        config=PipelineConfig(hidden_size=H), pg_collection=ONE)
     assert out == [{"sum": 1}, {"sum": 1}]
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -124,12 +127,13 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="interleaved"):
         schedules.forward_backward_no_pipelining(
             forward_step_func=None, data_iterator=None, model=[ToyStage([0]), ToyStage([1])],
-            num_microbatches=1, seq_length=S, micro_batch_size=B, config=PipelineConfig(H))
+            num_microbatches=1, seq_length=S, micro_batch_size=B, config=PipelineConfig(H),
+            pg_collection=ONE)
     with pytest.raises(ValueError, match="loss_func must return"):
         schedules.forward_backward_no_pipelining(
             forward_step_func=lambda it, m: (m(torch.zeros(S, B, H)), lambda o: (o.sum(),)),
             data_iterator=None, model=ToyStage([0]), num_microbatches=1, seq_length=S,
-            micro_batch_size=B, config=PipelineConfig(H))
+            micro_batch_size=B, config=PipelineConfig(H), pg_collection=ONE)
 
 
 def test_warmup_counts():
@@ -141,8 +145,8 @@ def _llama_pipelined(tp, pp, tied, m):
     from megatron.config import ModelConfig
     from megatron.model import LlamaModel, get_layer_numbers
 
-    ps.initialize_model_parallel(tp, pp)
-    rank = ps.get_pipeline_model_parallel_rank()
+    groups = ps.initialize_model_parallel(tp, pp)
+    rank = groups.pp.rank
     config = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
                          num_query_groups=2, padded_vocab_size=64, max_position_embeddings=16,
                          untie_embeddings_and_output_weights=not tied,
@@ -166,21 +170,22 @@ def _llama_pipelined(tp, pp, tied, m):
         # The tied embedding's two copies (first and last stage) sum their gradients.
         for p in chunks[0].parameters():
             if getattr(p, "shared_embedding", False):
-                torch.distributed.all_reduce(p.grad, group=ps.get_embedding_group())
+                torch.distributed.all_reduce(p.grad, group=groups.embedding.group)
 
     pcfg = PipelineConfig(hidden_size=32, finalize_model_grads_func=finalize)
-    stage = LlamaModel(config, pg_collection=current_groups(), pre_process=ps.is_pipeline_first_stage(),
-                       post_process=ps.is_pipeline_last_stage(),
+    stage = LlamaModel(config, pg_collection=groups, pre_process=groups.is_pipeline_first_stage(),
+                       post_process=groups.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(4, pp, rank))
-    losses = schedules.get_forward_backward_func()(
+    losses = schedules.get_forward_backward_func(groups)(
         forward_step_func=forward_step, data_iterator=iter(batches), model=stage,
-        num_microbatches=m, seq_length=s, micro_batch_size=b, config=pcfg)
+        num_microbatches=m, seq_length=s, micro_batch_size=b, config=pcfg, pg_collection=groups)
 
-    whole = LlamaModel(config, pg_collection=current_groups())  # same TP partition, every layer: the no-pipelining reference
+    whole = LlamaModel(config, pg_collection=groups)  # same TP partition, every layer: the reference
     ref_losses = schedules.forward_backward_no_pipelining(
         forward_step_func=forward_step, data_iterator=iter(batches), model=whole,
-        num_microbatches=m, seq_length=s, micro_batch_size=b, config=PipelineConfig(hidden_size=32))
-    if ps.is_pipeline_last_stage():
+        num_microbatches=m, seq_length=s, micro_batch_size=b, config=PipelineConfig(hidden_size=32),
+        pg_collection=groups)
+    if groups.is_pipeline_last_stage():
         torch.testing.assert_close(torch.stack([d["lm loss"] for d in losses]),
                                    torch.stack([d["lm loss"] for d in ref_losses]), rtol=1e-6, atol=1e-6)
     else:

@@ -48,11 +48,13 @@ def _setup(width, depth, bucket, *, distributed, overlap_grad=False, overlap_par
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp = DistributedDataParallel(_model(width, depth), data_parallel_group=ps.get_data_parallel_group(),
+    groups = ps.get_process_groups()
+    ddp = DistributedDataParallel(_model(width, depth), data_parallel_group=groups.dp_cp.group,
                                   bucket_size=bucket, overlap_grad_reduce=overlap_grad,
                                   use_distributed_optimizer=distributed,
                                   overlap_param_gather=overlap_param)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=distributed), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=distributed),
+                                 [ddp], pg_collection=groups)
     return ddp, opt
 
 

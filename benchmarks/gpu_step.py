@@ -92,13 +92,13 @@ def _time(step, device, warmup: int, steps: int) -> float:
 def ours_step_time(config: ModelConfig, mbs: int, seq: int, device, dtype, warmup: int, steps: int) -> float:
     """Seconds per training step of our model, DDP buffer and Megatron optimizer."""
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.model.llama import LlamaModel
-    model = LlamaModel(config.replace(params_dtype=dtype), device=device,
-                       pg_collection=parallel_state.get_process_groups())
-    ddp = DistributedDataParallel(model, data_parallel_group=parallel_state.get_data_parallel_group())
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-5, bf16=dtype == torch.bfloat16,
-                                                 params_dtype=dtype), [ddp])
+    groups = parallel_state.get_process_groups()
+    model = LlamaModel(config.replace(params_dtype=dtype), device=device, pg_collection=groups)
+    ddp = DistributedDataParallel(model, data_parallel_group=groups.dp_cp.group)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-5, bf16=dtype == torch.bfloat16), [ddp],
+                                 pg_collection=groups)
     tokens, labels = _batch(config, mbs, seq, device)
 
     def step():

@@ -93,13 +93,14 @@ def ours_runner(config: ModelConfig, dtype: torch.dtype, tokens, labels, clip_gr
     with fp32 main params as ``--bf16``), fused AdamW, clipping to ``clip_grad`` (0: none)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     torch.manual_seed(0)
-    model = LlamaModel(config.replace(params_dtype=dtype),
-                       pg_collection=parallel_state.get_process_groups()).train()
-    ddp = DistributedDataParallel(model, data_parallel_group=parallel_state.get_data_parallel_group())
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=clip_grad, bf16=dtype == torch.bfloat16,
-                                                 params_dtype=dtype), [ddp])
+    groups = parallel_state.get_process_groups()
+    model = LlamaModel(config.replace(params_dtype=dtype), pg_collection=groups).train()
+    ddp = DistributedDataParallel(model, data_parallel_group=groups.dp_cp.group)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=clip_grad,
+                                                 bf16=dtype == torch.bfloat16), [ddp],
+                                 pg_collection=groups)
 
     def step():
         ddp.zero_grad_buffer()

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 # One definition, owned by the optimizer package; re-exported here beside the other configs.
-from megatron.core.optimizer.optimizer import OptimizerConfig  # noqa: F401
+from megatron.core.optimizer.optimizer_config import OptimizerConfig  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -301,7 +301,7 @@ def build_training_config(args) -> TrainingConfig:
 
 def build_optimizer_config(args) -> OptimizerConfig:
     """The :class:`OptimizerConfig` of validated ``args``."""
-    return _from_args(OptimizerConfig, args, params_dtype=params_dtype_from_args(args))
+    return _from_args(OptimizerConfig, args)
 
 
 def configs_from_args(args, padded_vocab_size: Optional[int] = None) -> Configs:

@@ -9,7 +9,8 @@ arguments and never look them up here.
 
 Rank order and the worked 8-rank example: :mod:`megatron.core.process_groups`. Every rank creates
 every group in the same order (``torch.distributed.new_group`` is collective) and keeps the ones
-it belongs to.
+it belongs to; kinds with the same ranks share one communicator, and the context-parallel group of
+one (CP = 1) has none (``group`` None: nothing communicates over it).
 """
 
 from __future__ import annotations
@@ -53,14 +54,22 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = layout_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
                            context_parallel_size)
-    mine = {}
+    mine, made = {}, {}
     for kind in CREATION_ORDER:
         # Middle pipeline stages belong to no embedding group: no group, no ranks, rank -1.
         mine[kind] = ParallelGroup(None, (), -1)
+        if kind == "context" and context_parallel_size == 1:
+            # Context parallelism of one: nothing communicates over it, no communicator is made.
+            mine[kind] = ParallelGroup.of_one(None, rank)
+            continue
         for ranks in layout[kind]:
-            group = dist.new_group(ranks, timeout=timeout)
+            # A kind with the same ranks as an earlier one (DP x CP = DP at CP = 1, model = TP at
+            # PP = 1, ...) shares its communicator: fewer groups, the same collectives.
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
-                mine[kind] = ParallelGroup(group, tuple(ranks), ranks.index(rank))
+                mine[kind] = ParallelGroup(made[key], key, ranks.index(rank))
     _GROUPS = ProcessGroupCollection(
         tp=mine["tensor"], pp=mine["pipeline"], dp=mine["data"], cp=mine["context"],
         dp_cp=mine["data_context"], model=mine["model"], embedding=mine["embedding"], rank=rank,

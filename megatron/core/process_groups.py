@@ -112,8 +112,11 @@ class ParallelGroup:
     """One process group as this rank sees it.
 
     Attributes:
-        group: the ``torch.distributed`` group, or None for a world of one (no
-            ``torch.distributed``) and for a group this rank is not in (``rank`` is -1 then).
+        group: the ``torch.distributed`` group; None for a world of one (no
+            ``torch.distributed``), for the context-parallel group of one while CP = 1 (nothing
+            communicates over it) and for a group this rank is not in (``rank`` is -1 then).
+            Code that communicates checks ``size`` first: a torch collective given None would
+            run over the whole world.
         ranks: the group's global ranks, in group-rank order.
         rank: this process's rank inside the group (its index in ``ranks``), -1 if not a member.
     """
@@ -137,8 +140,9 @@ class ParallelGroup:
         return self.ranks[(self.rank + offset) % self.size]
 
     @classmethod
-    def of_one(cls, group=None, global_rank: int = 0) -> "ParallelGroup":
-        """A group holding only this process (``group`` None without ``torch.distributed``)."""
+    def of_one(cls, group, global_rank: int) -> "ParallelGroup":
+        """A group holding only this process, global rank ``global_rank`` (``group`` None where
+        no communicator exists)."""
         return cls(group, (global_rank,), 0)
 
 
@@ -177,7 +181,7 @@ class ProcessGroupCollection:
                      ) -> "ProcessGroupCollection":
         """The groups of a single process without ``torch.distributed`` (every group None, of
         size 1): layers built with it run their collectives as the identity."""
-        one = ParallelGroup.of_one()
+        one = ParallelGroup.of_one(None, 0)
         return cls(tp=one, pp=one, dp=one, cp=one, dp_cp=one, model=one, embedding=one,
                    virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron.config import ModelConfig
+from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -60,10 +61,10 @@ def param_numels(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0) ->
 
 def grad_buffer_numel(numels: List[int], dp: int, bucket_size: Optional[int] = None) -> int:
     """Elements of the DDP gradient buffer: buckets closed at ``bucket_size`` elements (None: the
-    DDP default ``max(40e6, 1e6 * dp)``), each padded to a multiple of ``dp``, parameters laid out
+    DDP default, :func:`~megatron.core.distributed.param_and_grad_buffer.default_bucket_size`), each padded to a multiple of ``dp``, parameters laid out
     in reverse registration order (``ParamAndGradBuffer``'s layout)."""
     if bucket_size is None:
-        bucket_size = max(40_000_000, 1_000_000 * dp)
+        bucket_size = default_bucket_size(dp)
     start = cursor = 0
     for n in reversed(numels):
         cursor += n

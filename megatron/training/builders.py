@@ -66,17 +66,18 @@ def setup_model_and_optimizer(args, model_provider, device):
     from megatron.core.optimizer.lr_scheduler import build_opt_param_scheduler
 
     bucket = getattr(args, "reduce_bucket_size", None)
+    groups = ps.get_process_groups()
     # One DDP wrapper (one grad buffer) per chunk, as Megatron-LM: the optimizer and
-    # finalize_model_grads take the list.
+    # finalize_model_grads take the list. Gradients reduce over DP x CP (Megatron-Core's dp_cp).
     chunks = [DistributedDataParallel(
-        model, data_parallel_group=ps.get_data_parallel_group(),
+        model, data_parallel_group=groups.dp_cp.group,
         accumulate_allreduce_grads_in_fp32=getattr(args, "accumulate_allreduce_grads_in_fp32", True),
         bucket_size=None if bucket is None else int(bucket),
         overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
         use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
         overlap_param_gather=getattr(args, "overlap_param_gather", False))
         for model in build_model_chunks(args, model_provider, device)]
-    optimizer = get_megatron_optimizer(build_optimizer_config(args), chunks)
+    optimizer = get_megatron_optimizer(build_optimizer_config(args), chunks, pg_collection=groups)
     scheduler = build_opt_param_scheduler(optimizer, args)
     return chunks, optimizer, scheduler
 

@@ -103,8 +103,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     # all-reduce, so an inf/NaN loss skips the step on every rank alike. A device tensor, and the
     # losses are read on the host only after the step: on CUDA nothing waits for the GPU before
     # the optimizer's kernels are queued.
-    optimizer.nonfinite_loss = nonfinite_loss_flag(losses) if last_stage else False
-    update_successful, grad_norm, num_zeros = optimizer.step()
+    update_successful, grad_norm, num_zeros = optimizer.step(
+        nonfinite_loss=nonfinite_loss_flag(losses) if last_stage else False)
     reduced = reduce_loss_dicts(losses) if last_stage else {}
     if update_successful:
         opt_param_scheduler.step(increment=global_batch_size)

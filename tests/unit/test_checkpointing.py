@@ -191,7 +191,8 @@ def _flipped_byte_load(folder, target):
     torch.manual_seed(0)
     ddp = DistributedDataParallel(Net(), data_parallel_group=ps.get_data_parallel_group(),
                                   bucket_size=BUCKET, use_distributed_optimizer=True)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, use_distributed_optimizer=True), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, use_distributed_optimizer=True), [ddp],
+                                 pg_collection=ps.get_process_groups())
     args = SimpleNamespace(save=folder, load=folder, keep_last_checkpoints=None, finetune=False,
                            no_load_optim=False, no_load_rng=False)
     for it in (1, 2):

@@ -31,7 +31,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer, default_bucket_size
+from megatron.core.process_groups import group_size
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -39,11 +40,13 @@ class DistributedDataParallel(torch.nn.Module):
 
     Args:
         module: the model chunk; its parameters with ``requires_grad`` get ``main_grad``.
-        data_parallel_group: process group of the data-parallel replicas.
+        data_parallel_group: process group the gradients are reduced over (the data x context
+            parallel group ``ProcessGroupCollection.dp_cp``), or None for a world of one.
         accumulate_allreduce_grads_in_fp32: keep gradient buffers in fp32 whatever the param dtype
             (``--accumulate-allreduce-grads-in-fp32``); else the buffer dtype is the param dtype.
         bucket_size: elements per bucket (``--reduce-bucket-size``); None means Megatron's default
-            ``max(40e6, 1e6 * DP)`` elements, i.e. one bucket for small models.
+            (:func:`~megatron.core.distributed.param_and_grad_buffer.default_bucket_size`:
+            ``max(40e6, 1e6 * DP)`` elements, i.e. one bucket for small models).
         average_in_collective: average with ``ReduceOp.AVG`` (NCCL only) instead of scaling by
             ``1/DP`` before a sum all-reduce.
         overlap_grad_reduce: launch a bucket's all-reduce asynchronously from the backward pass as
@@ -67,15 +70,15 @@ class DistributedDataParallel(torch.nn.Module):
         super().__init__()
         self.module = module
         self.data_parallel_group = data_parallel_group
-        dp = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
+        dp = group_size(data_parallel_group)
         self.data_parallel_world_size = dp
-        if average_in_collective and dist.is_initialized() and \
+        if average_in_collective and data_parallel_group is not None and \
                 dist.get_backend(data_parallel_group) == "gloo":
             raise ValueError("average_in_collective=True needs ReduceOp.AVG, which the gloo backend "
                              "lacks; leave it False (gradients are then scaled by 1/DP before the "
                              "all-reduce)")
         if bucket_size is None:
-            bucket_size = max(40_000_000, 1_000_000 * dp)
+            bucket_size = default_bucket_size(dp)
         bucket_size = int(bucket_size)
         if bucket_size <= 0:
             raise ValueError(f"--reduce-bucket-size ({bucket_size}) must be a positive number of "

@@ -29,10 +29,17 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import all_gather_bucket, reduce_scatter_bucket
+from megatron.core.process_groups import group_rank, group_size
+
+# Megatron-Core's default bucket: at least this many elements (and 1e6 per data-parallel rank),
+# i.e. one bucket for small models. The one definition: DDP, the planner and the docs read it.
+DEFAULT_BUCKET_SIZE = 40_000_000
 
 
-def _dp_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+def default_bucket_size(data_parallel_size: int) -> int:
+    """Elements per gradient bucket when ``--reduce-bucket-size`` is not given:
+    ``max(DEFAULT_BUCKET_SIZE, 1e6 * data_parallel_size)`` (Megatron-Core's rule)."""
+    return max(DEFAULT_BUCKET_SIZE, 1_000_000 * data_parallel_size)
 
 
 class Bucket:
@@ -61,11 +68,11 @@ class Bucket:
         self.numel_padded = grad_data.numel()
         self.index = index
         self.data_parallel_group = data_parallel_group
-        self.data_parallel_world_size = _dp_size(data_parallel_group)
+        self.data_parallel_world_size = group_size(data_parallel_group)
         self.gradient_scaling_factor = gradient_scaling_factor
         self.use_avg_op = use_avg_op
         self.reduce_scatter = reduce_scatter
-        self.data_parallel_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
+        self.data_parallel_rank = group_rank(data_parallel_group)
         self.param_handle = None
         self.reset()
 
@@ -149,7 +156,7 @@ class ParamAndGradBuffer:
     Args:
         params: parameters to place (all with the same dtype), in registration order.
         grad_dtype: dtype of the gradient buffer (fp32 to accumulate and reduce in fp32).
-        data_parallel_group: the group the buckets are reduced over.
+        data_parallel_group: the group the buckets are reduced over (None: a world of one).
         bucket_size: close a bucket once it holds at least this many elements; None means one
             bucket for the whole buffer.
         gradient_scaling_factor: multiplier applied to a bucket before its sum all-reduce
@@ -179,7 +186,7 @@ class ParamAndGradBuffer:
         self.grad_dtype = grad_dtype
         self.params = list(params)
         self.data_parallel_group = data_parallel_group
-        self.data_parallel_world_size = _dp_size(data_parallel_group)
+        self.data_parallel_world_size = group_size(data_parallel_group)
         device = params[0].device
 
         self.reduce_scatter = reduce_scatter

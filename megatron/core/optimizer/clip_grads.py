@@ -4,7 +4,9 @@ After Megatron-LM's ``megatron/core/optimizer/clip_grads.py``. The caller choose
 enter the norm so that every element of the whole model is counted exactly once
 (:func:`grads_for_norm`); the per-rank partial sums are then summed over the model-parallel group
 (TP x PP). Data parallelism needs no sum: gradients are already reduced, so the DP replicas hold
-identical values.
+identical values; gradients sharded over data parallelism (the distributed optimizer) add their
+data-parallel group. Every group is an argument: None means no reduction (a group of one), never
+a group looked up elsewhere.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 
@@ -25,17 +27,24 @@ def param_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return g if g is not None else param.grad
 
 
-def grads_for_norm(params: Iterable[torch.nn.Parameter]) -> List[torch.Tensor]:
+def model_parallel_group_of(pg_collection: ProcessGroupCollection):
+    """The group the norm's partial sums are combined over: the model-parallel group (TP x PP),
+    or None when it is this rank alone."""
+    return pg_collection.model.group if pg_collection.model.size > 1 else None
+
+
+def grads_for_norm(params: Iterable[torch.nn.Parameter],
+                   pg_collection: ProcessGroupCollection) -> List[torch.Tensor]:
     """Gradients of ``params`` that this rank contributes to the global norm.
 
     Skipped, so that each element is counted once across the model:
-      * tensor-parallel duplicates (params without ``tensor_model_parallel``) on TP ranks > 0;
+      * tensor-parallel duplicates (params without ``tensor_model_parallel``) on TP ranks > 0 of
+        ``pg_collection.tp``;
       * the copy of a tied embedding (``shared_embedding=True``) on pipeline stages other than
         the first (the first stage's word embedding counts).
     """
-    initialized = parallel_state.model_parallel_is_initialized()
-    first_stage = not initialized or parallel_state.is_pipeline_first_stage()
-    tp_group = parallel_state.get_tensor_model_parallel_group() if initialized else None
+    first_stage = pg_collection.is_pipeline_first_stage()
+    tp_group = pg_collection.tp.group
     out = []
     for p in params:
         g = param_grad(p)
@@ -49,15 +58,15 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter]) -> List[torch.Tensor]:
     return out
 
 
-def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
-                       model_parallel_group=None, data_parallel_group=None) -> float:
+def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0, *,
+                       model_parallel_group, data_parallel_group) -> float:
     """Norm of the gradients of the whole model, computed in fp32.
 
     Args:
         grads: this rank's share (see :func:`grads_for_norm`).
         norm_type: p of the p-norm; ``inf`` for the max norm.
         model_parallel_group: group to combine partial results over (sum of p-th powers, or max);
-            None for a single model-parallel rank.
+            None for a single model-parallel rank (:func:`model_parallel_group_of`).
         data_parallel_group: also combine over this group, for gradients sharded over data
             parallelism (distributed optimizer); None when every DP rank holds all gradients.
 
@@ -75,12 +84,13 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
         if model_parallel_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
         return total.item()
-    total = grad_norm_power_fp32(grads, norm_type, model_parallel_group, data_parallel_group)
+    total = grad_norm_power_fp32(grads, norm_type, model_parallel_group=model_parallel_group,
+                                 data_parallel_group=data_parallel_group)
     return total.item() ** (1.0 / norm_type)
 
 
-def grad_norm_power_fp32(grads: List[torch.Tensor], norm_type: float = 2.0,
-                         model_parallel_group=None, data_parallel_group=None) -> torch.Tensor:
+def grad_norm_power_fp32(grads: List[torch.Tensor], norm_type: float = 2.0, *,
+                         model_parallel_group, data_parallel_group) -> torch.Tensor:
     """The sum of ``|g| ** norm_type`` over the gradients of the whole model (finite p), combined
     over the groups as in :func:`get_grad_norm_fp32`: a 0-dim fp32 tensor on the gradients'
     device, read by nobody here (no host sync)."""
@@ -111,24 +121,29 @@ def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_n
 
 
 def clip_grad_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm: float,
-                        norm_type: float = 2.0, model_parallel_group=None) -> float:
-    """Compute the global gradient norm of ``params`` and clip all their gradients by it.
+                        norm_type: float = 2.0, *, pg_collection: ProcessGroupCollection) -> float:
+    """Compute the global gradient norm of ``params`` (each element counted once over the
+    model-parallel group of ``pg_collection``) and clip all their gradients by it.
 
     Returns:
         the total norm before clipping.
     """
     params = list(params)
-    total = get_grad_norm_fp32(grads_for_norm(params), norm_type, model_parallel_group)
+    total = get_grad_norm_fp32(grads_for_norm(params, pg_collection), norm_type,
+                               model_parallel_group=model_parallel_group_of(pg_collection),
+                               data_parallel_group=None)
     all_grads = [g for g in (param_grad(p) for p in params) if g is not None]
     clip_grads_by_total_norm(all_grads, max_norm, total)
     return total
 
 
-def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group=None,
-                     data_parallel_group=None) -> int:
-    """Number of zero gradient elements over the whole model, each counted once (as the norm);
-    ``data_parallel_group`` as in :func:`get_grad_norm_fp32`."""
-    grads = grads_for_norm(params)
+def count_zeros_fp32(params: Iterable[torch.nn.Parameter], *,
+                     pg_collection: ProcessGroupCollection, data_parallel_group) -> int:
+    """Number of zero gradient elements over the whole model, each counted once (as the norm,
+    over the model-parallel group of ``pg_collection``); ``data_parallel_group`` as in
+    :func:`get_grad_norm_fp32`."""
+    model_parallel_group = model_parallel_group_of(pg_collection)
+    grads = grads_for_norm(params, pg_collection)
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:

@@ -32,7 +32,7 @@ another, and converts to and from the plain optimizer's layout
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,9 @@ import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import grads_for_norm
 from megatron.core.optimizer.distrib_optimizer_checkpoint import (STATE_KEYS, param_names,
                                                                   plain_to_records, read_shards)
-from megatron.core.optimizer.optimizer import (MixedPrecisionOptimizer, _model_parallel_group,
-                                               get_param_groups)
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.optimizer.param_groups import get_param_groups
+from megatron.core.process_groups import group_size
 
 
 @dataclass
@@ -111,6 +112,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             ``use_distributed_optimizer=True``.
         make_adamw: ``(param_groups) -> torch.optim.AdamW`` (the plain optimizer's factory).
         grad_scaler: fp16 loss scaler or None.
+        pg_collection: this rank's process groups (the norm's model-parallel group).
+        data_parallel_group: the group the main params and moments are sharded over
+            (Megatron-Core's ``dp_cp``): the group the chunks' buffers reduce-scatter over.
 
     Attributes:
         shards: ``(model_shard, main)`` per bucket shard: the parameter buffer's view and the flat
@@ -118,14 +122,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         runs: the AdamW parameters, in buffer order.
 
     Raises:
-        ValueError: if a chunk was not wrapped with ``use_distributed_optimizer=True``.
+        ValueError: if a chunk was not wrapped with ``use_distributed_optimizer=True``, or its
+            buffers reduce over another group than ``data_parallel_group``.
     """
 
-    def __init__(self, config, model_chunks, make_adamw, grad_scaler=None):
+    def __init__(self, config, model_chunks, make_adamw, grad_scaler=None, *, pg_collection,
+                 data_parallel_group):
         for chunk in model_chunks:
             if not getattr(chunk, "use_distributed_optimizer", False):
                 raise ValueError("--use-distributed-optimizer needs the model wrapped by "
                                  "DistributedDataParallel(use_distributed_optimizer=True)")
+            if chunk.data_parallel_group is not data_parallel_group:
+                raise ValueError("the distributed optimizer shards over another data-parallel "
+                                 "group than the one the model's gradient buffers reduce over: "
+                                 "build both from the same ProcessGroupCollection (dp_cp)")
         self.model_chunks = list(model_chunks)
         names = param_names(model_chunks)
         groups = get_param_groups(model_chunks, config.weight_decay)
@@ -144,14 +154,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # Empty groups stay (a rank may own no piece of a group): indices equal on every rank.
         torch_groups = [{**g, "params": [r.main for r in self.runs if r.group == gi]}
                         for gi, g in enumerate(groups)]
-        super().__init__(make_adamw(torch_groups), config, grad_scaler)
-        self.data_parallel_group = model_chunks[0].data_parallel_group
-        self.data_parallel_world_size = model_chunks[0].data_parallel_world_size
+        super().__init__(make_adamw(torch_groups), config, grad_scaler,
+                         pg_collection=pg_collection)
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = group_size(data_parallel_group)
         self._loaded_from_plain = False
 
     # The step -----------------------------------------------------------------------------------
 
-    def _dp_group(self):
+    def _data_parallel_group(self):
+        """The global norm and the skip flag also combine the shards' partial results over DP."""
         return self.data_parallel_group if self.data_parallel_world_size > 1 else None
 
     def _main_grads(self) -> List[torch.Tensor]:
@@ -166,35 +178,26 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if main is not model_shard:
                 model_shard.copy_(main)
 
-    def _norm_data_parallel_group(self):
-        """The global norm sums the shards' partial sums over DP, then TP x PP."""
-        return self._dp_group()
-
     def count_zeros(self) -> int:
         """Zero gradient elements of the model (padding excluded), each counted once."""
-        counted = {id(g) for g in grads_for_norm(self.get_parameters())}
+        counted = {id(g) for g in grads_for_norm(self.get_parameters(), self.pg_collection)}
         device = self.runs[0].main.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         for r in self.runs:
             if id(r.main.grad) in counted:
                 total += r.numel_real - torch.count_nonzero(r.main.grad[:r.numel_real])
-        for group in (self._dp_group(), _model_parallel_group()):
+        for group in (self._data_parallel_group(), self.model_parallel_group):
             if group is not None:
                 dist.all_reduce(total, group=group)
         return int(total.item())
 
-    @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        """Mixed-precision step on the shards, then launch the parameter all-gathers.
-
-        Collectives: all-reduces of the norm (DP, then TP x PP); one all-gather per bucket.
-        """
-        update_successful, grad_norm, num_zeros = super().step()
-        self.zero_grad()  # drop the aliases of the grad buffer
+    def _after_step(self, update_successful: bool) -> None:
+        """Drop the aliases of the grad buffer; after an update, launch the parameter
+        all-gathers (collective: one all-gather per bucket over the data-parallel group)."""
+        self.zero_grad()
         if update_successful:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
-        return update_successful, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for r in self.runs:

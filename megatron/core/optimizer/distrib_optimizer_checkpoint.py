@@ -23,7 +23,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron.checkpoint_io import load_torch_file
-from megatron.core.optimizer.optimizer import get_param_groups
+from megatron.core.optimizer.param_groups import get_param_groups
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _HALF = (torch.float16, torch.bfloat16)

@@ -133,7 +133,7 @@ class DynamicGradScaler(MegatronGradScaler):
 
 
 def build_grad_scaler(config) -> MegatronGradScaler | None:
-    """The scaler of an :class:`~megatron.core.optimizer.optimizer.OptimizerConfig` (Megatron's
+    """The scaler of an :class:`~megatron.core.optimizer.optimizer_config.OptimizerConfig` (Megatron's
     choice in ``get_megatron_optimizer``): None unless ``fp16``; ``ConstantGradScaler`` for
     ``--loss-scale``; else ``DynamicGradScaler(initial_loss_scale, min_loss_scale, 2.0, 0.5,
     loss_scale_window, hysteresis)``.

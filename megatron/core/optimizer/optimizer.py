@@ -3,168 +3,118 @@
 After Megatron-LM's ``megatron/core/optimizer/optimizer.py``:
 
 * :class:`FP32Optimizer`: fp32 model; the DDP buffer's ``main_grad`` is used as the gradient.
-* :class:`MixedPrecisionOptimizer`: the step shared by mixed-precision optimizers (unscale and
-  inf check when a grad scaler is set, clip, step, copy back); :class:`Float16OptimizerWithFloat16Params`
-  keeps an fp32 main copy of every bf16/fp16 parameter, steps the main copy and copies it back.
-  The distributed optimizer will derive from :class:`MixedPrecisionOptimizer` too.
+* :class:`MixedPrecisionOptimizer`: the mixed-precision main grads and params;
+  :class:`Float16OptimizerWithFloat16Params` keeps an fp32 main copy of every bf16/fp16
+  parameter, steps the main copy and copies it back; the distributed optimizer derives from it.
 
-``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)`` as Megatron does:
-``grad_norm`` is None when ``clip_grad`` is 0, ``num_zeros_in_grad`` None unless
-``log_num_zeros_in_grad``; ``update_successful`` is False (and nothing is updated) when a main
-gradient, or the loss flagged through ``nonfinite_loss``, is inf/NaN on any rank: an fp16 overflow
-(the grad scaler backs off) or a non-finite bf16/fp32 iteration.
+``step(nonfinite_loss=False)`` runs Megatron-Core's three phases, each a method with one job:
 
-On CUDA with torch's fused AdamW the step reads nothing on the host before the kernel is queued
-(:meth:`MegatronOptimizer._step_on_device`): the skip flag and the clip factor reach the kernel
-as its ``found_inf`` and ``grad_scale`` tensors, and the flag and the norm are read once after.
+1. :meth:`MegatronOptimizer.prepare_grads`: the main grads (model grads copied or aliased),
+   unscaled under fp16, and the skip flag: inf/NaN in a gradient or in this rank's loss
+   (``nonfinite_loss``), all-reduced so every rank decides alike;
+2. :meth:`MegatronOptimizer.clip_grad_norm`: the global norm and the clip factor;
+3. :meth:`MegatronOptimizer.step_with_ready_grads`: AdamW on the main params, copied back to the
+   model params.
+
+It returns ``(update_successful, grad_norm, num_zeros_in_grad)`` as Megatron does: ``grad_norm``
+is None when ``clip_grad`` is 0, ``num_zeros_in_grad`` None unless ``log_num_zeros_in_grad``;
+``update_successful`` is False (and nothing is updated) on an fp16 overflow (the grad scaler backs
+off) or a non-finite bf16/fp32 iteration.
+
+The host/device difference is one branch of :meth:`MegatronOptimizer.step`: on the host (CPU) the
+flag and the norm are read as each phase ends; on CUDA with torch's fused AdamW nothing is read
+before the kernel is queued (the flag and the clip factor reach it as its ``found_inf`` and
+``grad_scale`` tensors) and the flag and the norm are read once after it.
+
+The groups are constructor arguments (``pg_collection``): the norm and the flag are combined over
+the model-parallel group (TP x PP), and, for gradients sharded over data parallelism, over the
+distributed optimizer's data-parallel group.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import (clip_coefficient, clip_grads_by_total_norm,
                                                 count_zeros_fp32, grad_norm_power_fp32,
-                                                grads_for_norm, param_grad)
+                                                grads_for_norm, model_parallel_group_of,
+                                                param_grad)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.process_groups import ProcessGroupCollection
 
 # Attributes that tell the norm how to count a parameter; main params must carry them too.
 _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
                    "shared_embedding", "sequence_parallel")
 
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer settings; field names are Megatron's ``args`` names (``--adam-beta1`` -> adam_beta1),
-    so ``megatron.config.build_optimizer_config`` fills it from the parsed flags.
-
-    Attributes:
-        optimizer: only ``"adam"`` (AdamW with decoupled weight decay, as Megatron's Adam).
-        lr / min_lr: peak and final learning rate (the scheduler sets the lr every step).
-        weight_decay: decoupled L2 coefficient for parameters with 2+ dims (none on norms, biases).
-        adam_beta1 / adam_beta2 / adam_eps: Adam coefficients.
-        clip_grad: global L2 norm to clip to; 0 disables clipping (and the norm computation).
-        bf16 / fp16: model parameters in bf16/fp16 with fp32 main params.
-        params_dtype: the model parameter dtype.
-        loss_scale ... hysteresis: fp16 loss scaling (:mod:`~megatron.core.optimizer.grad_scaler`).
-        use_distributed_optimizer: shard optimizer state over DP (``DistributedOptimizer``).
-        overlap_grad_reduce / overlap_param_gather: overlaps of the distributed optimizer.
-        accumulate_allreduce_grads_in_fp32: fp32 gradient buffers and reduction.
-        log_num_zeros_in_grad: count zero gradient elements each step.
-
-    Raises:
-        ValueError: for another ``--optimizer``, a missing or negative ``--lr``, a negative
-            ``--clip-grad``, or ``--bf16`` with ``--fp16``.
-    """
-
-    optimizer: str = "adam"
-    lr: Optional[float] = None
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
-    params_dtype: torch.dtype = torch.float32
-    loss_scale: Optional[float] = None
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: float = 1000
-    hysteresis: int = 2
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    accumulate_allreduce_grads_in_fp32: bool = True
-    log_num_zeros_in_grad: bool = False
-
-    def __post_init__(self):
-        if self.optimizer != "adam":
-            raise ValueError(f"--optimizer {self.optimizer} is not supported yet; use --optimizer adam")
-        if self.lr is None or self.lr < 0:
-            raise ValueError(f"--lr ({self.lr}) must be given and >= 0")
-        if self.clip_grad < 0:
-            raise ValueError(f"--clip-grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are mutually exclusive; choose one")
-
-
-def get_param_groups(model_chunks: List[torch.nn.Module], weight_decay: float) -> List[dict]:
-    """Two AdamW groups: decayed (2+-dim weights) and not decayed (1-dim params and biases).
-
-    Each group carries Megatron's ``wd_mult`` / ``lr_mult`` keys, which the scheduler multiplies in.
-    A parameter shared between chunks appears once.
-    """
-    decay, no_decay, seen = [], [], set()
-    for chunk in model_chunks:
-        for name, p in chunk.named_parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
-    groups = []
-    if decay:
-        groups.append({"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0})
-    return groups
-
-
-def _model_parallel_group():
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    if parallel_state.get_process_groups().model.size == 1:
-        return None
-    return parallel_state.get_model_parallel_group()
+StepResult = Tuple[bool, Optional[float], Optional[int]]
 
 
 class MegatronOptimizer:
-    """Base wrapper: owns the torch optimizer, the config and an optional grad scaler.
+    """Base wrapper: owns the torch optimizer, the config, an optional grad scaler and the step.
 
     Args:
         optimizer: a torch optimizer over the (main) parameters.
-        config: the :class:`OptimizerConfig`.
+        config: the :class:`~megatron.core.optimizer.optimizer_config.OptimizerConfig`.
         grad_scaler: None (fp32, bf16) or an fp16 loss scaler with ``scale``, ``inv_scale``,
             ``update(found_inf)``, ``state_dict()`` and ``load_state_dict()``.
+        pg_collection: this rank's process groups (the norm counts each element once over its
+            ``tp`` and pipeline stages and sums over its ``model`` group).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, grad_scaler=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 grad_scaler=None, *, pg_collection: ProcessGroupCollection):
         self.optimizer = optimizer
         self.config = config
         self.grad_scaler = grad_scaler
-        # Set by the training loop before step() when this rank's loss is inf/NaN: folded into the
-        # step's one found-inf all-reduce, so every rank skips the iteration alike.
-        self.nonfinite_loss = False
+        self.pg_collection = pg_collection
+        self.model_parallel_group = model_parallel_group_of(pg_collection)
+
+    # What subclasses provide ---------------------------------------------------------------------
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        """Make the main params' ``.grad`` the step's gradients."""
+        raise NotImplementedError
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        """The gradients the step reads (the main params' ``.grad``)."""
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
+
+    def _copy_main_params_to_model_params(self) -> None:
+        """Write the stepped main params back into the model params (nothing for fp32)."""
+
+    def _after_step(self, update_successful: bool) -> None:
+        """Release what the step held (gradient aliases); start what follows it."""
+
+    def _data_parallel_group(self):
+        """The group the main grads are sharded over (distributed optimizer), else None."""
+        return None
+
+    # Reading the model's gradients ---------------------------------------------------------------
 
     def get_parameters(self) -> List[torch.nn.Parameter]:
         """The parameters the torch optimizer updates (the main params)."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        return grads_for_norm(self.get_parameters())
+        return grads_for_norm(self.get_parameters(), self.pg_collection)
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the main grads, each element of the model counted once."""
         return self._grad_norm_power().item() ** 0.5
 
-    def _norm_data_parallel_group(self):
-        """Group over which the norm's partial sums are also combined (None: grads not sharded)."""
-        return None
-
     def _grad_norm_power(self) -> torch.Tensor:
         """Sum of squares of the main grads of the whole model: a 0-dim fp32 device tensor."""
         return grad_norm_power_fp32(self.get_main_grads_for_grad_norm(), 2.0,
-                                    model_parallel_group=_model_parallel_group(),
-                                    data_parallel_group=self._norm_data_parallel_group())
+                                    model_parallel_group=self.model_parallel_group,
+                                    data_parallel_group=self._data_parallel_group())
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_parameters(), model_parallel_group=_model_parallel_group())
+        return count_zeros_fp32(self.get_parameters(), pg_collection=self.pg_collection,
+                                data_parallel_group=self._data_parallel_group())
 
     def get_loss_scale(self) -> torch.Tensor:
         if self.grad_scaler is None:
@@ -183,34 +133,77 @@ class MegatronOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def _norm_checks_grads(self) -> bool:
-        """True when the step's gradient norm (clipping on, no loss scaler) tells whether a
-        gradient is inf/NaN: the norm is then non-finite, and no separate pass over the
-        gradients is needed (an fp32 sum of squares overflowing, at gradients above 1e19, counts
-        as non-finite too)."""
-        return self.grad_scaler is None and self.config.clip_grad > 0
+    # The step ------------------------------------------------------------------------------------
 
-    def _found_nonfinite(self, grads: List[torch.Tensor], inv_scale=None) -> bool:
-        """:meth:`_nonfinite_flag` read on the host."""
-        return bool(self._nonfinite_flag(grads, inv_scale).item() > 0)
+    @torch.no_grad()
+    def step(self, nonfinite_loss=False) -> StepResult:
+        """One optimizer step in Megatron-Core's phases (see the module docstring).
 
-    def _nonfinite_flag(self, grads: List[torch.Tensor], inv_scale=None) -> torch.Tensor:
-        """Unscale ``grads`` in place (when ``inv_scale`` is given); a 0-dim fp32 device tensor,
-        1 when any of them, or the loss of any rank (``nonfinite_loss``: a bool or a device
-        tensor), is inf/NaN, else 0. The gradients themselves are left to the norm when
-        :meth:`_norm_checks_grads`.
+        Args:
+            nonfinite_loss: this rank's loss is inf/NaN (a 0-dim bool device tensor, or a
+                bool; False where no loss is computed): folded into the step's one all-reduce of
+                the skip flag, so an inf/NaN loss skips the step on every rank alike.
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros_in_grad)``.
+        """
+        found_inf = self.prepare_grads(nonfinite_loss)
+        if self._steps_on_device():
+            result = self._step_reading_once(found_inf)
+        else:
+            result = self._step_reading_as_it_goes(found_inf)
+        self._after_step(result[0])
+        return result
+
+    def _step_reading_as_it_goes(self, found_inf: torch.Tensor) -> StepResult:
+        """The host path: the flag is read after phase 1, the norm after phase 2."""
+        skipped = bool(found_inf.item() > 0)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(skipped)
+        if skipped:
+            return False, None, None
+        grad_norm, grad_scale = self.clip_grad_norm()
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return False, grad_norm, None  # the same norm on every rank: every rank skips
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        self.step_with_ready_grads(grad_scale=grad_scale)
+        return True, grad_norm, num_zeros
+
+    def _step_reading_once(self, found_inf: torch.Tensor) -> StepResult:
+        """The device path: phases 2 and 3 on device tensors, then the step's one host read (the
+        flag and the squared norm together); the fp16 scaler is updated after it."""
+        power, grad_scale, skip = self.clip_grad_norm_on_device(found_inf)
+        self.step_with_ready_grads(grad_scale=grad_scale, found_inf=skip)
+        flagged, power = torch.stack([found_inf, power.float()]).tolist()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(flagged > 0)
+        grad_norm = power ** 0.5 if self.config.clip_grad > 0 else None
+        if flagged > 0:
+            return False, None, None
+        return grad_norm is None or math.isfinite(grad_norm), grad_norm, None
+
+    def prepare_grads(self, nonfinite_loss=False) -> torch.Tensor:
+        """Phase 1: the main grads, unscaled under fp16, and the skip flag.
+
+        Returns:
+            a 0-dim fp32 device tensor, 1 when any main gradient, or the loss of any rank
+            (``nonfinite_loss``), is inf/NaN, else 0. The gradients themselves are left to the
+            norm when :meth:`_norm_checks_grads`.
 
         Collective: all-reduce (max) of the flag over the model-parallel group, and over the
         data-parallel group when the main grads are DP shards (distributed optimizer).
         """
+        self._copy_model_grads_to_main_grads()
+        grads = self._main_grads()
         device = grads[0].device if grads else torch.device("cpu")
         # Made on the device, never copied from the host: a host-to-GPU copy waits for the queue.
         found = torch.zeros((), dtype=torch.float32, device=device)
-        flag, self.nonfinite_loss = self.nonfinite_loss, False
-        if isinstance(flag, torch.Tensor):
-            found = torch.maximum(found, flag.to(device=device, dtype=torch.float32).reshape(()))
-        elif flag:
+        if isinstance(nonfinite_loss, torch.Tensor):
+            found = torch.maximum(found, nonfinite_loss.to(device=device,
+                                                           dtype=torch.float32).reshape(()))
+        elif nonfinite_loss:
             found.fill_(1.0)
+        inv_scale = None if self.grad_scaler is None else self.grad_scaler.inv_scale
         if inv_scale is not None and grads:
             # The scaler's CPU scale as a number on the GPU (exact: the fp32 value), not a copy.
             factor = inv_scale.item() if device.type != inv_scale.device.type else inv_scale
@@ -220,46 +213,83 @@ class MegatronOptimizer:
             # past any useful range): one read pass, where isfinite().any() makes five.
             sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
             found = torch.maximum(found, (~torch.isfinite(sums)).any().float())
-        dp_group = getattr(self, "_dp_group", lambda: None)()
-        for group in (_model_parallel_group(), dp_group):
+        for group in (self.model_parallel_group, self._data_parallel_group()):
             if group is not None:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return found
 
-    def _clip_count_and_step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        """Clip, count zeros and step; ``(stepped, grad_norm, num_zeros)``. Nothing is stepped
-        (``stepped`` False) when the gradient norm is inf/NaN (see :meth:`_norm_checks_grads`);
-        the norm is identical on every rank, so every rank skips alike.
+    def _norm_checks_grads(self) -> bool:
+        """True when the step's gradient norm (clipping on, no loss scaler) tells whether a
+        gradient is inf/NaN: the norm is then non-finite, and no separate pass over the
+        gradients is needed (an fp32 sum of squares overflowing, at gradients above 1e19, counts
+        as non-finite too)."""
+        return self.grad_scaler is None and self.config.clip_grad > 0
 
-        With torch's fused AdamW the clipping is folded into the step: the kernel divides each
-        gradient by ``grad_scale = 1 / clip_coeff`` as it reads it and writes the clipped value
-        back, so the gradients end as clipping in place leaves them (within rounding: ``g / (1/c)``
-        for ``g * c``) without a separate read-and-write pass over them. Zero counting
-        (``log_num_zeros_in_grad``) counts the clipped gradients, so it keeps the separate pass.
+    def clip_grad_norm(self) -> Tuple[Optional[float], Optional[torch.Tensor]]:
+        """Phase 2 on the host: ``(grad_norm, grad_scale)``.
+
+        ``grad_norm`` is None without clipping. With torch's fused AdamW the clipping is folded
+        into the step: ``grad_scale = 1 / clip_coeff`` is handed to the kernel, which divides each
+        gradient by it as it reads it and writes the clipped value back, so the gradients end as
+        clipping in place leaves them (within rounding: ``g / (1/c)`` for ``g * c``) without a
+        separate read-and-write pass over them. Otherwise (or with ``log_num_zeros_in_grad``,
+        which counts the clipped gradients) they are clipped in place and ``grad_scale`` is None.
         """
-        grad_norm, clip_coeff = None, 1.0
-        if self.config.clip_grad > 0:
-            grad_norm = self.get_grad_norm()
-            if not math.isfinite(grad_norm):
-                return False, grad_norm, None
-            clip_coeff = clip_coefficient(self.config.clip_grad, grad_norm)
-        fold = clip_coeff < 1.0 and self._fused_step() and not self.config.log_num_zeros_in_grad
-        if clip_coeff < 1.0 and not fold:
-            grads = [g for g in (param_grad(p) for p in self.get_parameters()) if g is not None]
-            clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
-        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        if fold:
+        if self.config.clip_grad <= 0:
+            return None, None
+        grad_norm = self.get_grad_norm()
+        if not math.isfinite(grad_norm):
+            return grad_norm, None
+        clip_coeff = clip_coefficient(self.config.clip_grad, grad_norm)
+        if clip_coeff >= 1.0:
+            return grad_norm, None
+        if self._fused_step() and not self.config.log_num_zeros_in_grad:
             device = self.get_parameters()[0].device
-            # Read by torch's fused Adam/AdamW step (the attribute GradScaler sets for it).
-            self.optimizer.grad_scale = torch.tensor(1.0 / clip_coeff, dtype=torch.float32,
-                                                     device=device)
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.grad_scale
-        else:
+            return grad_norm, torch.tensor(1.0 / clip_coeff, dtype=torch.float32, device=device)
+        grads = [g for g in (param_grad(p) for p in self.get_parameters()) if g is not None]
+        clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
+        return grad_norm, None
+
+    def clip_grad_norm_on_device(self, found_inf: torch.Tensor):
+        """Phase 2 on the device: ``(squared norm, grad_scale, skip)``, device tensors.
+
+        ``skip`` adds an inf/NaN norm to ``found_inf``; ``grad_scale`` is the clip's
+        ``1 / clip_coeff``, or 1 when the norm is within the clip (or the step is skipped); both
+        None-free so the fused kernel takes them as they are. Without clipping the squared norm
+        is 0 and ``grad_scale`` None.
+        """
+        skip = found_inf > 0
+        clip = self.config.clip_grad
+        if clip <= 0:
+            return torch.zeros_like(found_inf), None, skip
+        power = self._grad_norm_power().to(found_inf.device)
+        skip = skip | ~torch.isfinite(power)
+        inv_coeff = (power.double().sqrt() + 1.0e-6) / clip
+        grad_scale = torch.where(skip | (inv_coeff <= 1.0), torch.ones_like(inv_coeff),
+                                 inv_coeff).float()
+        return power, grad_scale, skip
+
+    def step_with_ready_grads(self, grad_scale: Optional[torch.Tensor] = None,
+                              found_inf: Optional[torch.Tensor] = None) -> None:
+        """Phase 3: AdamW on the main params, then the copy back to the model params.
+
+        ``grad_scale`` and ``found_inf`` (device tensors, or None) are read by torch's fused
+        Adam/AdamW kernel (the attributes ``torch.amp.GradScaler`` sets for it): each gradient is
+        divided by ``grad_scale``; with ``found_inf`` 1 the kernel leaves parameters and moments
+        untouched and takes its step count back. The copy back runs either way: after a skipped
+        step the main params are unchanged and it rewrites the model params with their own values.
+        """
+        if grad_scale is not None:
+            self.optimizer.grad_scale = grad_scale
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf.float()
+        try:
             self.optimizer.step()
-        return True, grad_norm, num_zeros
+        finally:
+            for attr in ("grad_scale", "found_inf"):
+                if attr in vars(self.optimizer):
+                    delattr(self.optimizer, attr)
+        self._copy_main_params_to_model_params()
 
     def _fused_step(self) -> bool:
         """True when the torch optimizer is torch's fused Adam/AdamW (it honours ``grad_scale``)
@@ -272,7 +302,7 @@ class MegatronOptimizer:
                 and getattr(self.optimizer, "grad_scale", None) is None)
 
     def _steps_on_device(self) -> bool:
-        """True for the step without host syncs (:meth:`_step_on_device`): parameters on CUDA
+        """True for the step without host syncs (:meth:`_step_reading_once`): parameters on CUDA
         (on the CPU a host read waits for nothing) or ``device_side_step = True`` set on this
         object (tests), torch's fused AdamW, no zero counting (a count is a host read)."""
         forced = getattr(self, "device_side_step", None)
@@ -280,79 +310,23 @@ class MegatronOptimizer:
         on_device = forced if forced is not None else bool(params) and params[0].is_cuda
         return on_device and self._fused_step() and not self.config.log_num_zeros_in_grad
 
-    def _step_on_device(self, grads: List[torch.Tensor], before_read=None
-                        ) -> Tuple[bool, Optional[float], Optional[int]]:
-        """Check, clip and step ``grads`` (the main grads) with nothing read on the host until
-        the step's kernels are queued; ``(stepped, grad_norm, None)`` as the host path gives.
-
-        The inf/NaN flag (:meth:`_nonfinite_flag`) and the clip factor stay device tensors
-        handed to torch's fused kernel (``found_inf``: the kernel leaves parameters and moments
-        untouched and takes its step count back; ``grad_scale = 1 / clip_coeff``, or 1 when the
-        norm is within the clip). ``before_read()`` queues more work before the one host read
-        (the flag and the squared norm together); the fp16 scaler is updated after it.
-        """
-        found = self._nonfinite_flag(
-            grads, None if self.grad_scaler is None else self.grad_scaler.inv_scale)
-        clip = self.config.clip_grad
-        skip = found > 0
-        total = torch.zeros_like(found)
-        if clip > 0:
-            total = self._grad_norm_power().to(found.device)
-            skip = skip | ~torch.isfinite(total)
-            inv_coeff = (total.double().sqrt() + 1.0e-6) / clip
-            self.optimizer.grad_scale = torch.where(
-                skip | (inv_coeff <= 1.0), torch.ones_like(inv_coeff), inv_coeff).float()
-        self.optimizer.found_inf = skip.float()
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf
-            if clip > 0:
-                del self.optimizer.grad_scale
-        if before_read is not None:
-            before_read()
-        flagged, power = torch.stack([found, total.float()]).tolist()  # the step's one host read
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(flagged > 0)
-        grad_norm = power ** 0.5 if clip > 0 else None
-        if flagged > 0:
-            return False, None, None
-        return grad_norm is None or math.isfinite(grad_norm), grad_norm, None
-
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""
-
-    def step(self):  # pragma: no cover - abstract
-        raise NotImplementedError
 
 
 class FP32Optimizer(MegatronOptimizer):
     """fp32 model: the optimizer updates the model parameters with ``main_grad`` as gradient."""
 
-    @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        params = self.get_parameters()
-        for p in params:
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for p in self.get_parameters():
             if getattr(p, "main_grad", None) is not None:
                 p.grad = p.main_grad  # a view: no copy
-        grads = [p.grad for p in params if p.grad is not None]
-        if self._steps_on_device():
-            stepped, grad_norm, num_zeros = self._step_on_device(grads)
-            found_inf = not stepped
-        else:
-            found_inf = self._found_nonfinite(
-                grads, None if self.grad_scaler is None else self.grad_scaler.inv_scale)
-            if self.grad_scaler is not None:
-                self.grad_scaler.update(found_inf)
-            grad_norm = num_zeros = None
-            if not found_inf:
-                stepped, grad_norm, num_zeros = self._clip_count_and_step()
-                found_inf = not stepped
-        for p in params:
+
+    def _after_step(self, update_successful: bool) -> None:
+        for p in self.get_parameters():
             if getattr(p, "main_grad", None) is not None:
                 # Drop the alias, or the next backward would accumulate into main_grad twice.
                 p.grad = None
-        return not found_inf, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -365,36 +339,9 @@ class FP32Optimizer(MegatronOptimizer):
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
-    """The mixed-precision step: model grads -> main grads, unscale/inf check, clip, step, copy back.
-
-    Subclasses implement ``_main_grads()``, ``_copy_model_grads_to_main_grads()`` and
-    ``_copy_main_params_to_model_params()``.
-    """
-
-    def _unscale_main_grads_and_check_for_nan(self) -> bool:
-        """Unscale the main grads (fp16) and check them and the loss for inf/NaN (every dtype).
-        Collective: see :meth:`MegatronOptimizer._found_nonfinite`."""
-        return self._found_nonfinite(
-            self._main_grads(), None if self.grad_scaler is None else self.grad_scaler.inv_scale)
-
-    @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        self._copy_model_grads_to_main_grads()
-        if self._steps_on_device():
-            # Copied back unconditionally, before the host read: after a skipped step the main
-            # params are unchanged and the copy rewrites the model params with their own values.
-            return self._step_on_device(self._main_grads(),
-                                        before_read=self._copy_main_params_to_model_params)
-        # fp16 overflow, or inf/NaN in bf16: skip the iteration on every rank (nothing changes).
-        found_inf = self._unscale_main_grads_and_check_for_nan()
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(found_inf)
-        if found_inf:
-            return False, None, None
-        stepped, grad_norm, num_zeros = self._clip_count_and_step()
-        if stepped:
-            self._copy_main_params_to_model_params()
-        return stepped, grad_norm, num_zeros
+    """Mixed-precision main grads and params: subclasses implement
+    ``_copy_model_grads_to_main_grads()``, ``_main_grads()`` and
+    ``_copy_main_params_to_model_params()``."""
 
 
 class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
@@ -407,8 +354,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         TypeError: for a parameter that is neither fp32, bf16 nor fp16.
     """
 
-    def __init__(self, optimizer, config, grad_scaler=None):
-        super().__init__(optimizer, config, grad_scaler)
+    def __init__(self, optimizer, config, grad_scaler=None, *, pg_collection):
+        super().__init__(optimizer, config, grad_scaler, pg_collection=pg_collection)
         self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups = [], [], []
         for group in self.optimizer.param_groups:
             f16, main, f32 = [], [], []
@@ -496,47 +443,3 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                                          f"!= model's {tuple(current.shape)}; load with "
                                          "--no-load-optim or use the same model configuration")
                     current.copy_(value)
-
-
-def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
-                           grad_scaler=None) -> MegatronOptimizer:
-    """Build AdamW over ``model_chunks`` wrapped for fp32 or bf16/fp16 training.
-
-    AdamW runs fused (torch's fused kernel, CUDA and CPU); its ``lr`` and ``weight_decay``
-    are rewritten every step by :class:`~megatron.core.optimizer.lr_scheduler.OptimizerParamScheduler`.
-
-    Args:
-        config: the :class:`OptimizerConfig`.
-        model_chunks: the (DDP-wrapped) model chunks of this rank.
-        grad_scaler: fp16 loss scaler; None builds the one of ``config`` for ``--fp16``
-            (:func:`~megatron.core.optimizer.grad_scaler.build_grad_scaler`).
-
-    With ``config.use_distributed_optimizer`` the result is a
-    :class:`~megatron.core.optimizer.distrib_optimizer.DistributedOptimizer` (the chunks must be
-    wrapped with ``use_distributed_optimizer=True``).
-
-    Raises:
-        ValueError: for invalid loss-scale settings, or chunks without a trainable parameter.
-    """
-    if config.fp16 and grad_scaler is None:
-        from megatron.core.optimizer.grad_scaler import build_grad_scaler
-        grad_scaler = build_grad_scaler(config)
-
-    def make_adamw(groups):
-        device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
-        # torch's fused AdamW (CUDA and CPU): one pass per parameter instead of about ten
-        # element-wise passes (on CPU, foreach falls back to one kernel per op and tensor).
-        kernel = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                 eps=config.adam_eps, weight_decay=config.weight_decay, **kernel)
-
-    if config.use_distributed_optimizer:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-        return DistributedOptimizer(config, model_chunks, make_adamw, grad_scaler)
-    groups = get_param_groups(model_chunks, config.weight_decay)
-    if not groups:
-        raise ValueError("the model has no trainable parameters")
-    optimizer = make_adamw(groups)
-    if config.bf16 or config.fp16:
-        return Float16OptimizerWithFloat16Params(optimizer, config, grad_scaler)
-    return FP32Optimizer(optimizer, config, grad_scaler)

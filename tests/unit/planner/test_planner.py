@@ -23,7 +23,7 @@ TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=88, num_attention_head
 def _measure_weights(tp, pp, bf16, untie, bucket_size):
     """Build one stage wrapped in DDP, take one optimizer step; return measured and planned bytes."""
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.optimizer.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.model.llama import LlamaModel
 
     ps.initialize_model_parallel(tp, pp)
@@ -35,7 +35,7 @@ def _measure_weights(tp, pp, bf16, untie, bucket_size):
                        layer_numbers=get_layer_numbers(config.num_layers, size, rank))
     ddp = DistributedDataParallel(model, data_parallel_group=ps.get_data_parallel_group(),
                                   bucket_size=bucket_size)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16, params_dtype=dtype), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16), [ddp], pg_collection=current_groups())
     sum(p.float().square().sum() for p in model.parameters()).backward()
     ddp.finish_grad_sync()
     opt.step()

@@ -41,20 +41,20 @@ def _norms_and_clipping(max_norms):
     from megatron.core.optimizer import (OptimizerConfig, clip_grad_norm_fp32, count_zeros_fp32,
                                          get_megatron_optimizer)
 
-    ps.initialize_model_parallel(2, 2)
-    group = ps.get_model_parallel_group()
+    groups = ps.initialize_model_parallel(2, 2)
     results = []
     for max_norm in max_norms:
         params = _local_params()
         inf_norm = clip_grad_norm_fp32(params, max_norm=1e9, norm_type=math.inf,
-                                       model_parallel_group=group)
-        zeros = count_zeros_fp32(params, model_parallel_group=group)
+                                       pg_collection=groups)
+        zeros = count_zeros_fp32(params, pg_collection=groups, data_parallel_group=None)
         model = torch.nn.Module()
         for i, p in enumerate(params):
             model.register_parameter(f"p{i}", p)
-        opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=max_norm), [model])
+        opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=max_norm), [model],
+                                     pg_collection=groups)
         opt_norm = opt.get_grad_norm()
-        l2_norm = clip_grad_norm_fp32(params, max_norm=max_norm, model_parallel_group=group)
+        l2_norm = clip_grad_norm_fp32(params, max_norm=max_norm, pg_collection=groups)
         results.append((l2_norm, inf_norm, opt_norm, zeros, [p.grad.tolist() for p in params]))
     return results  # plain lists: queued tensors would share memory with an exiting child
 

@@ -33,7 +33,7 @@ def _run(precision, clip, device_side, distributed=False):
     group = ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
     ddp = DistributedDataParallel(net, data_parallel_group=group, bucket_size=40,
                                   use_distributed_optimizer=distributed)
-    opt = get_megatron_optimizer(_config(precision, clip, distributed), [ddp])
+    opt = get_megatron_optimizer(_config(precision, clip, distributed), [ddp], pg_collection=current_groups())
     opt.device_side_step = device_side
     rank = ps.get_data_parallel_rank() if group is not None else 0
     dp = ps.get_data_parallel_world_size() if group is not None else 1
@@ -50,8 +50,7 @@ def _run(precision, clip, device_side, distributed=False):
         finalize_model_grads([ddp], pg_collection=current_groups())
         if what == "inf-grad":
             net.fc.weight.main_grad.view(-1)[0] = float("inf")
-        opt.nonfinite_loss = torch.tensor(what == "nan-loss")
-        ok, norm, _ = opt.step()
+        ok, norm, _ = opt.step(nonfinite_loss=torch.tensor(what == "nan-loss"))
         scale = opt.get_loss_scale().item()
         results.append((ok, norm, scale))
     params = [p.detach().float().clone() for p in net.parameters()]
@@ -110,12 +109,12 @@ def test_nothing_is_read_on_the_host_before_the_kernel_is_queued(monkeypatch, pr
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     net = Net().to(dtype)
     ddp = DistributedDataParallel(net, data_parallel_group=None)
-    opt = get_megatron_optimizer(_config(precision, CLIP), [ddp])
+    opt = get_megatron_optimizer(_config(precision, CLIP), [ddp], pg_collection=current_groups())
     opt.device_side_step = True
     x, y = toy_data(8)
     ddp.zero_grad_buffer()
     opt.scale_loss(torch.nn.functional.mse_loss(ddp(x.to(dtype)).float(), y)).backward()
-    opt.nonfinite_loss = torch.tensor(False) if loss_flag == "tensor" else False
+    nonfinite_loss = torch.tensor(False) if loss_flag == "tensor" else False
     events = []
     inner = opt.optimizer.step
     monkeypatch.setattr(opt.optimizer, "step",
@@ -135,7 +134,7 @@ def test_nothing_is_read_on_the_host_before_the_kernel_is_queued(monkeypatch, pr
                 events.append(f"torch.{_name}")
             return _original(data, *a, **k)
         monkeypatch.setattr(torch, name, making)
-    ok, norm, _ = opt.step()
+    ok, norm, _ = opt.step(nonfinite_loss=nonfinite_loss)
     monkeypatch.undo()
     assert ok and norm > CLIP
     assert events == ["kernel", "tolist"], events

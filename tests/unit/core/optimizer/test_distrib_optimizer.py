@@ -12,6 +12,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.dist import run_distributed
 from tests.helpers.toy import (BUCKET, CLIP, LR, Net, WD, distrib_batch,
                                distrib_iteration, reference_adamw)
+from tests.helpers.groups import current_groups
 
 STEPS = 3
 
@@ -26,7 +27,7 @@ def _build(overlap_grad, overlap_param, bf16=False):
                                   use_distributed_optimizer=True,
                                   overlap_param_gather=overlap_param)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16,
-                                                 use_distributed_optimizer=True), [ddp])
+                                                 use_distributed_optimizer=True), [ddp], pg_collection=current_groups())
     return net, ddp, opt
 
 

@@ -14,6 +14,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.arguments import base_argv, check
 from tests.helpers.dist import run_distributed
 from tests.helpers.toy import BUCKET, CLIP, LR, Net, WD, distrib_iteration
+from tests.helpers.groups import current_groups
 
 
 def _build(distributed, bf16=False, fp32_reduction=True):
@@ -24,7 +25,7 @@ def _build(distributed, bf16=False, fp32_reduction=True):
                                   accumulate_allreduce_grads_in_fp32=fp32_reduction,
                                   overlap_grad_reduce=distributed, overlap_param_gather=distributed)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16,
-                                                 use_distributed_optimizer=distributed), [ddp])
+                                                 use_distributed_optimizer=distributed), [ddp], pg_collection=current_groups())
     return ddp, opt
 
 

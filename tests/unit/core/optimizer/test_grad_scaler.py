@@ -6,7 +6,8 @@ import torch
 
 from megatron.core.optimizer.grad_scaler import (ConstantGradScaler, DynamicGradScaler,
                                                  build_grad_scaler)
-from megatron.core.optimizer.optimizer import OptimizerConfig
+from megatron.core.optimizer import OptimizerConfig
+from tests.helpers.groups import current_groups
 
 
 def _trace(scaler, overflows):
@@ -87,7 +88,7 @@ def test_fp16_optimizer_unscales_skips_overflow_and_checkpoints_the_scaler():
         net = torch.nn.Linear(4, 3).half()
         config = OptimizerConfig(lr=0.1, fp16=True, initial_loss_scale=1024.0, hysteresis=1,
                                  loss_scale_window=2, clip_grad=0.0)
-        return net, get_megatron_optimizer(config, [net])
+        return net, get_megatron_optimizer(config, [net], pg_collection=current_groups())
 
     net, opt = make()
     x = torch.randn(5, 4).half()

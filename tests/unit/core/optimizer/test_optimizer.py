@@ -31,7 +31,7 @@ def _train_dp(bf16):
     net = Net().to(torch.bfloat16) if bf16 else Net()
     ddp = DistributedDataParallel(net, data_parallel_group=ps.get_data_parallel_group(), bucket_size=60)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16),
-                                 [ddp])
+                                 [ddp], pg_collection=current_groups())
     norms = []
     for step in range(STEPS):
         x, y = toy_data(8 * (step + 1))
@@ -90,7 +90,7 @@ def _zero_grad_step(model, opt):
 def test_no_weight_decay_on_1d_params():
     torch.manual_seed(0)
     net = Net()
-    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0.0), [net])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0.0), [net], pg_collection=current_groups())
     decay, no_decay = opt.param_groups
     assert {id(p) for p in decay["params"]} == {id(p) for p in net.parameters() if p.dim() == 2}
     assert decay["weight_decay"] == 0.5 and no_decay["weight_decay"] == 0.0
@@ -117,7 +117,7 @@ def test_state_dict_round_trip_resumes_identically(bf16):
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0, bf16=bf16)
     torch.manual_seed(0)
     net = Net().to(dtype)
-    opt = get_megatron_optimizer(config, [net])
+    opt = get_megatron_optimizer(config, [net], pg_collection=current_groups())
     _run_steps(net, opt, 2, 0)
     buf = io.BytesIO()
     torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, buf)
@@ -125,7 +125,7 @@ def test_state_dict_round_trip_resumes_identically(bf16):
 
     torch.manual_seed(1)  # different init: everything must come from the checkpoint
     resumed = Net().to(dtype)
-    opt2 = get_megatron_optimizer(config, [resumed])
+    opt2 = get_megatron_optimizer(config, [resumed], pg_collection=current_groups())
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     resumed.load_state_dict(ckpt["model"])
@@ -141,7 +141,7 @@ def test_state_dict_round_trip_resumes_identically(bf16):
 def test_bf16_reload_model_params_and_bad_config():
     torch.manual_seed(0)
     net = Net().to(torch.bfloat16)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [net])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [net], pg_collection=current_groups())
     with torch.no_grad():
         net.fc.weight.fill_(0.5)
     opt.reload_model_params()
@@ -152,7 +152,7 @@ def test_bf16_reload_model_params_and_bad_config():
     with pytest.raises(ValueError, match="--lr"):
         OptimizerConfig()
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
-        get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [net])
+        get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [net], pg_collection=current_groups())
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -166,7 +166,7 @@ def test_a_nonfinite_gradient_skips_the_step(clip, bf16):
     torch.manual_seed(0)
     net = Net().to(torch.bfloat16) if bf16 else Net()
     ddp = DistributedDataParallel(net, data_parallel_group=None)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=clip, bf16=bf16), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=clip, bf16=bf16), [ddp], pg_collection=current_groups())
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     x, y = toy_data(4)
     for poison in (True, False):
@@ -198,7 +198,7 @@ def test_clipping_folds_into_the_fused_step(bf16):
         net = Net().to(torch.bfloat16) if bf16 else Net()
         ddp = DistributedDataParallel(net, data_parallel_group=None)
         opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP, bf16=bf16,
-                                                     log_num_zeros_in_grad=count_zeros), [ddp])
+                                                     log_num_zeros_in_grad=count_zeros), [ddp], pg_collection=current_groups())
         seen = []
         step = opt.optimizer.step
 
@@ -229,3 +229,49 @@ def test_clipping_folds_into_the_fused_step(bf16):
     # the gradients left behind are the clipped ones: their norm is the clip threshold
     clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in fold[2]])).item()
     assert clipped == pytest.approx(CLIP, rel=1e-4)
+
+
+@pytest.mark.parametrize("device_side", [False, True], ids=["host", "device"])
+def test_step_runs_the_three_phases_in_order(monkeypatch, device_side):
+    """``step()`` is Megatron-Core's prepare_grads -> clip_grad_norm -> step_with_ready_grads
+    (the device path's norm phase keeps its tensors on the device); a finite step runs each once,
+    an inf/NaN loss stops the host path after the first and lets the kernel skip on the device."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DistributedDataParallel(net, data_parallel_group=None)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP), [ddp],
+                                 pg_collection=current_groups())
+    opt.device_side_step = device_side
+    calls = []
+    for name in ("prepare_grads", "clip_grad_norm", "clip_grad_norm_on_device",
+                 "step_with_ready_grads"):
+        original = getattr(opt, name)
+
+        def spy(*a, _name=name, _original=original, **k):
+            calls.append(_name)
+            return _original(*a, **k)
+        monkeypatch.setattr(opt, name, spy)
+    norm_phase = "clip_grad_norm_on_device" if device_side else "clip_grad_norm"
+    x, y = toy_data(4)
+    for nonfinite in (False, True):
+        calls.clear()
+        ddp.zero_grad_buffer()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        ok, _, _ = opt.step(nonfinite_loss=nonfinite)
+        assert ok != nonfinite
+        expected = ["prepare_grads"] if nonfinite and not device_side else [
+            "prepare_grads", norm_phase, "step_with_ready_grads"]
+        assert calls == expected
+
+
+def test_distributed_optimizer_refuses_another_data_parallel_group():
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import DistributedOptimizer
+
+    ddp = DistributedDataParallel(Net(), data_parallel_group=None, use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="same ProcessGroupCollection"):
+        DistributedOptimizer(OptimizerConfig(lr=LR, use_distributed_optimizer=True), [ddp],
+                             torch.optim.AdamW, pg_collection=current_groups(),
+                             data_parallel_group=object())

@@ -69,10 +69,11 @@ def _load_at(load_dir, tp, pp):
     from megatron.core import parallel_state as ps
     from megatron.model.llama import LlamaModel
 
-    ps.initialize_model_parallel(tp, pp)
+    groups = ps.initialize_model_parallel(tp, pp)
     model = LlamaModel(ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=176,
                                    num_attention_heads=8, num_query_groups=4, kv_channels=8,
-                                   padded_vocab_size=1024, max_position_embeddings=128))
+                                   padded_vocab_size=1024, max_position_embeddings=128),
+                       pg_collection=groups)
     try:
         load_checkpoint([model], None, None, argparse.Namespace(
             load=load_dir, num_layers=4, num_attention_heads=8, group_query_attention=True,

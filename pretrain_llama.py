@@ -13,24 +13,24 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron import arguments, checkpointing
+from megatron import arguments
 from megatron.core import parallel_state as ps
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
 
-def model_provider(args, device, pre_process=True, post_process=True, vp_stage=None):
+def model_provider(config, pg_collection, device, *, pre_process=True, post_process=True,
+                   vp_stage=None):
     """This pipeline stage of the LLaMA model (its share of layers, on ``device``); with virtual
-    pipeline stages, model chunk ``vp_stage`` (Megatron-Core's provider)."""
-    from megatron.config import build_model_config
+    pipeline stages, model chunk ``vp_stage`` (Megatron-Core's provider, given the run's
+    :class:`~megatron.config.Config` and process groups)."""
     from megatron.model import LlamaModel, get_layer_numbers, get_virtual_layer_numbers
 
-    config = build_model_config(args)
-    groups = ps.get_process_groups()
-    pp, rank = groups.pp.size, groups.pp.rank
-    vp = groups.virtual_pipeline_model_parallel_size
-    layers = (get_layer_numbers(args.num_layers, pp, rank) if vp is None else
-              get_virtual_layer_numbers(args.num_layers, pp, rank, vp, vp_stage))
-    return LlamaModel(config, pg_collection=groups, pre_process=pre_process,
+    num_layers = config.model.num_layers
+    pp, rank = pg_collection.pp.size, pg_collection.pp.rank
+    vp = pg_collection.virtual_pipeline_model_parallel_size
+    layers = (get_layer_numbers(num_layers, pp, rank) if vp is None else
+              get_virtual_layer_numbers(num_layers, pp, rank, vp, vp_stage))
+    return LlamaModel(config.model, pg_collection=pg_collection, pre_process=pre_process,
                       post_process=post_process, layer_numbers=layers, device=device)
 
 
@@ -70,10 +70,13 @@ def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_a
     return attention_mask, loss_mask, position_ids
 
 
-def check_token_ids(tokens: torch.Tensor, vocab_size: int, args) -> None:
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, data) -> None:
     """Refuse token ids outside ``[0, vocab_size)`` in a batch as it is read (the embedding would
     index out of range, or silently train padded rows). Costs one min/max per micro-batch on the
     CPU copy, never a scan of the whole ``.bin``.
+
+    Args:
+        data: the run's :class:`~megatron.config.DataConfig` (named in the message).
 
     Raises:
         ValueError: naming the id, the tokenizer flags and the data flags.
@@ -82,39 +85,39 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, args) -> None:
     if low >= 0 and high < vocab_size:
         return
     bad = high if high >= vocab_size else low
-    data = args.data_path or args.train_data_path or args.valid_data_path
-    data = " ".join(map(str, data)) if isinstance(data, (list, tuple)) else data
+    paths = data.data_path or data.train_data_path or data.valid_data_path
+    paths = " ".join(map(str, paths)) if isinstance(paths, (list, tuple)) else paths
     raise ValueError(
-        f"token id {bad} in a batch read from --data-path {data} is outside the vocabulary "
-        f"[0, {vocab_size}) of --tokenizer-type {args.tokenizer_type}"
-        + (f" --vocab-size {args.vocab_size}" if getattr(args, "vocab_size", None) else "")
-        + (f" --tokenizer-model {args.tokenizer_model}" if getattr(args, "tokenizer_model", None)
-           else "")
+        f"token id {bad} in a batch read from --data-path {paths} is outside the vocabulary "
+        f"[0, {vocab_size}) of --tokenizer-type {data.tokenizer_type}"
+        + (f" --vocab-size {data.vocab_size}" if data.vocab_size else "")
+        + (f" --tokenizer-model {data.tokenizer_model}" if data.tokenizer_model else "")
         + ": the data was tokenized with another tokenizer; pass that tokenizer's flags, or "
           "re-run tools/preprocess_data.py with this one")
 
 
-def get_batch(data_iterator, args, eod, device, vocab_size=None):
-    """Next micro-batch: ``(tokens, labels, loss_mask, attention_mask, position_ids)`` on ``device``.
+def get_batch(data_iterator, data, eod, device, vocab_size=None):
+    """Next micro-batch: ``(tokens, labels, loss_mask, attention_mask, position_ids)`` on ``device``
+    (``data``: the run's :class:`~megatron.config.DataConfig`, its masks and position flags).
 
     Raises:
         ValueError: a token id outside ``[0, vocab_size)`` (when ``vocab_size`` is given).
     """
-    data = next(data_iterator)
-    tokens_ = torch.as_tensor(data["text"]).long()
+    sample = next(data_iterator)
+    tokens_ = torch.as_tensor(sample["text"]).long()
     if vocab_size is not None:
-        check_token_ids(tokens_, vocab_size, args)
+        check_token_ids(tokens_, vocab_size, data)
     tokens_ = tokens_.to(device)
     tokens, labels = tokens_[:, :-1].contiguous(), tokens_[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, eod, args.reset_position_ids, args.reset_attention_mask,
-        args.eod_mask_loss)
+        tokens, eod, data.reset_position_ids, data.reset_attention_mask, data.eod_mask_loss)
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
 def loss_func(loss_mask, output_tensor):
     """Megatron-Core's loss: the sum of masked per-token losses and the token count; for logging,
-    ``(sum, count)`` summed over the data-parallel group.
+    ``(sum, count)`` summed over the data x context-parallel group (the registry's: this entry
+    script is an edge of the program).
 
     Returns:
         ``(loss_sum, num_tokens, {"lm loss": (sum, count)})``; the schedule divides by the tokens
@@ -124,55 +127,59 @@ def loss_func(loss_mask, output_tensor):
     mask = loss_mask.reshape(-1)
     loss = torch.stack([torch.sum(losses * mask), mask.sum()])
     reporting = loss.detach().clone()
-    dist.all_reduce(reporting, group=ps.get_data_parallel_group())
+    dist.all_reduce(reporting, group=ps.get_process_groups().dp_cp.group)
     return loss[0], loss[1].detach().to(torch.int64), {"lm loss": (reporting[0], reporting[1])}
 
 
-def forward_step(args, eod, data_iterator, model, vocab_size=None):
-    """One micro-batch forward: ``(output_tensor, loss_func)`` for the schedule (``eod``: the
-    tokenizer's end-of-document id; ``vocab_size``: the tokenizer's, to check token ids)."""
+def forward_step(data, eod, data_iterator, model, vocab_size=None):
+    """One micro-batch forward: ``(output_tensor, loss_func)`` for the schedule (``data``: the
+    run's :class:`~megatron.config.DataConfig`; ``eod``: the tokenizer's end-of-document id;
+    ``vocab_size``: the tokenizer's, to check token ids)."""
     device = next(model.parameters()).device
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, args, eod, device, vocab_size)
+        data_iterator, data, eod, device, vocab_size)
     # Stages without the output layer ignore the labels (the model knows its post_process).
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)
 
 
-def train_valid_test_datasets_provider(args, train_val_test_num_samples):
+def train_valid_test_datasets_provider(config, train_val_test_num_samples):
     """Megatron's GPT datasets of ``--data-path`` (or the per-split paths) for the given numbers
-    of samples."""
+    of samples (``config``: the run's :class:`~megatron.config.Config`)."""
     from megatron.data.dataset_builder import build_train_valid_test_datasets
 
+    data = config.data
     print_rank_0(" > building train, validation, and test datasets for LLaMA ...")
     return build_train_valid_test_datasets(
-        data_path=args.data_path, split=args.split,
-        train_valid_test_num_samples=train_val_test_num_samples, seq_length=args.seq_length,
-        seed=args.seed, data_cache_path=args.data_cache_path, train_data_path=args.train_data_path,
-        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path)
+        data_path=data.data_path, split=data.split,
+        train_valid_test_num_samples=train_val_test_num_samples, seq_length=data.seq_length,
+        seed=config.training.seed, data_cache_path=data.data_cache_path,
+        train_data_path=data.train_data_path, valid_data_path=data.valid_data_path,
+        test_data_path=data.test_data_path)
 
 
 def main(argv=None):
-    """Parse, validate and train. Returns this rank's history (see ``megatron.training.pretrain``).
+    """Parse and validate the flags once, build the tokenizer and the frozen configuration, and
+    train. Returns this rank's history (see ``megatron.training.pretrain``).
 
     Raises:
         ValueError: an invalid flag combination or missing file, before anything is started.
     """
+    from megatron.config import build_config
+    from megatron.tokenizer import build_tokenizer
+
     args = arguments.parse_args(argv)
     if args.use_checkpoint_args:
-        checkpointing.load_args_from_checkpoint(args)
+        arguments.load_args_from_checkpoint(args)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     arguments.validate_args(args, world_size)
-    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
-
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    config = build_config(args, vocab_size=tokenizer.vocab_size)
     if int(os.environ.get("RANK", "0")) == 0:
         for message in arguments.report_ignored_flags(args):
             print(f" WARNING: {message}", flush=True)
-    return pretrain(args, model_provider=model_provider,
-                    forward_step_func=partial(forward_step, args, tokenizer.eod,
+    return pretrain(config, model_provider=model_provider,
+                    forward_step_func=partial(forward_step, config.data, tokenizer.eod,
                                               vocab_size=tokenizer.vocab_size),
                     datasets_provider=train_valid_test_datasets_provider)
 

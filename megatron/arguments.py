@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
+import os
 from typing import Callable, List, Optional
 
 from megatron import arguments_validation
@@ -89,6 +91,51 @@ def validate_args(args: argparse.Namespace, world_size: int, *,
 def report_ignored_flags(args: argparse.Namespace) -> List[str]:
     """Messages for the flags given that have no effect here, to be logged once by rank 0."""
     return arguments_validation.ignored_flag_messages(args, parser_defaults())
+
+
+# Arguments of the model's shape, taken over by --use-checkpoint-args (Megatron-LM's list).
+CHECKPOINT_MODEL_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+    "num_query_groups", "group_query_attention", "kv_channels", "max_position_embeddings",
+    "position_embedding_type", "add_position_embedding", "use_rotary_position_embeddings",
+    "rotary_base", "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
+    "normalization", "norm_epsilon", "make_vocab_size_divisible_by", "padded_vocab_size",
+    "tokenizer_type", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "use_rope_scaling", "rope_scaling_factor",
+    "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+)
+
+
+def load_args_from_checkpoint(args) -> list[str]:
+    """``--use-checkpoint-args``: set the model-shape arguments from the checkpoint at
+    ``args.load`` (before validation, so no process group is needed).
+
+    Returns:
+        the names of the arguments that were set.
+
+    Raises:
+        CheckpointError: if ``--load`` has no checkpoint.
+    """
+    from megatron.checkpointing import (CheckpointError, TRACKER_FILENAME, find_checkpoint,
+                                        get_checkpoint_dir, read_saved_args)
+
+    found = find_checkpoint(args.load) if args.load else None
+    if found is None:
+        raise CheckpointError(f"--use-checkpoint-args needs a checkpoint, but --load {args.load} "
+                              f"has no {TRACKER_FILENAME}")
+    iteration, release = found
+    folder = get_checkpoint_dir(args.load, iteration, release)
+    shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
+    if not shards:
+        raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
+    saved = read_saved_args(shards[0])
+    changed = []
+    for name in CHECKPOINT_MODEL_ARGS:
+        if name in saved and hasattr(args, name):
+            setattr(args, name, saved[name])
+            changed.append(name)
+    return changed
 
 
 def _add_network_size_args(parser):

@@ -222,18 +222,21 @@ def _validate_virtual_pipeline(args):
 def _validate_interleaved_microbatches(args):
     """The interleaved schedule runs micro-batches in groups of PP: their number (every step of
     a ramp-up included) must be divisible by PP (Megatron-LM's rule)."""
+    from megatron.training.microbatches import num_microbatches
+
     if args.virtual_pipeline_model_parallel_size is None:
         return
-    pp, per_step = args.pipeline_model_parallel_size, args.micro_batch_size * args.data_parallel_size
+    pp = args.pipeline_model_parallel_size
     batches = [("--global-batch-size", args.global_batch_size)]
     if args.rampup_batch_size is not None:
         start, incr, _ = args.rampup_batch_size
         batches += [("the --rampup-batch-size START", start),
                      ("the --rampup-batch-size INCR", incr)]
     for what, batch in batches:
-        if (batch // per_step) % pp:
+        count = num_microbatches(batch, args.micro_batch_size, args.data_parallel_size)
+        if count % pp:
             raise ValueError(
-                f"number of micro-batches ({batch // per_step}: {what} ({batch}) / "
+                f"number of micro-batches ({count}: {what} ({batch}) / "
                 f"(--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                 f"({args.data_parallel_size}))) must be divisible by "
                 f"--pipeline-model-parallel-size ({pp}) with the interleaved schedule "
@@ -313,7 +316,9 @@ def _validate_rampup(args):
         raise ValueError(f"--rampup-batch-size ({shown}): START and INCR must be multiples of "
                          f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                          f"({args.data_parallel_size}) = {per_step}")
-    build_num_microbatches_calculator(args)  # its own checks (START <= global, INCR divides)
+    # The calculator's own checks (START <= global, INCR divides).
+    build_num_microbatches_calculator(args.global_batch_size, args.micro_batch_size,
+                                      args.data_parallel_size, args.rampup_batch_size)
 
 
 def _validate_loss_scaling(args):

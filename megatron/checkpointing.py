@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
-from megatron.core import parallel_state
+from megatron.config.saved_args import plain
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -55,20 +55,22 @@ def get_checkpoint_dir(checkpoints_path: str, iteration: int, release: bool = Fa
     return os.path.join(checkpoints_path, "release" if release else f"iter_{iteration:07d}")
 
 
-def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = False,
-                        pipeline_parallel: bool | None = None, tensor_rank: int | None = None,
+def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = False, *,
+                        pipeline_parallel: bool, tensor_rank: int,
                         pipeline_rank: int | None = None) -> str:
-    """Path of one rank's ``model_optim_rng.pt`` (Megatron-LM's naming; ranks default to this
-    process's)."""
-    if pipeline_parallel is None:
-        pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    if tensor_rank is None:
-        tensor_rank = parallel_state.get_tensor_model_parallel_rank()
-    if pipeline_rank is None and pipeline_parallel:
-        pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    """Path of one (tensor rank, pipeline rank)'s ``model_optim_rng.pt`` (Megatron-LM's naming;
+    ``pipeline_rank`` only matters with ``pipeline_parallel``)."""
     sub = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
     return os.path.join(get_checkpoint_dir(checkpoints_path, iteration, release), sub,
                         "model_optim_rng.pt")
+
+
+def checkpoint_name_of(checkpoints_path: str, iteration: int, pg_collection,
+                       release: bool = False) -> str:
+    """This rank's ``model_optim_rng.pt`` (its tensor- and pipeline-parallel ranks)."""
+    pp = pg_collection.pp
+    return get_checkpoint_name(checkpoints_path, iteration, release, pipeline_parallel=pp.size > 1,
+                               tensor_rank=pg_collection.tp.rank, pipeline_rank=pp.rank)
 
 
 def read_metadata(tracker_filename: str) -> tuple[int, bool]:
@@ -96,22 +98,7 @@ def complete_checkpoints(checkpoints_path: str) -> list[str]:
     return sorted(dirs)
 
 
-# Plain values -----------------------------------------------------------------------------------
-
-def _plain(value):
-    """A JSON-compatible copy of an argument value (dtypes and other objects become strings)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return str(value)
-
-
-def args_to_dict(args) -> dict:
-    return {k: _plain(v) for k, v in sorted(vars(args).items())}
-
+# RNG states -------------------------------------------------------------------------------------
 
 def get_rng_state() -> dict:
     """Python, NumPy, torch, CUDA and model-parallel tracker states, as weights_only-safe values."""
@@ -168,9 +155,17 @@ def _all_ok(ok: bool, device) -> bool:
     return bool(flag.item())
 
 
-def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args, *,
-                    consumed_train_samples: int, consumed_valid_samples: int) -> str:
-    """Save a checkpoint of ``iteration`` under ``args.save``. Collective over the world.
+def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, config,
+                    pg_collection, *, run_flags: dict, consumed_train_samples: int,
+                    consumed_valid_samples: int) -> str:
+    """Save a checkpoint of ``iteration`` under ``config.save``. Collective over the world.
+
+    Args:
+        config: the run's :class:`~megatron.config.CheckpointConfig` (``save``,
+            ``no_save_optim``, ``no_save_rng``, ``keep_last_checkpoints``).
+        pg_collection: this rank's process groups (its shard's name; DP rank 0 writes it).
+        run_flags: the plain ``args`` dict the shard records
+            (:func:`megatron.config.checkpoint_args` of the run's configuration).
 
     Returns:
         the final checkpoint folder.
@@ -179,7 +174,8 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         CheckpointError: on every rank if any rank failed to write (e.g. a full disk); the previous
             checkpoint and the tracker file stay untouched.
     """
-    save_dir = args.save
+    save_dir = config.save
+    dp = pg_collection.dp
     final_dir = get_checkpoint_dir(save_dir, iteration)
     staging = final_dir + ".tmp"
     device = next(unwrap_model(model_chunks[0]).parameters()).device
@@ -192,23 +188,23 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     error = None
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
         getattr(chunk, "finish_param_sync", lambda: None)()
-    save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
+    save_optim = optimizer is not None and not config.no_save_optim
+    name = checkpoint_name_of(save_dir, iteration, pg_collection).replace(final_dir, staging, 1)
     rng_states = None
-    if not getattr(args, "no_save_rng", False):  # one per DP rank (--data-parallel-random-init)
-        rng_states = [None] * parallel_state.get_data_parallel_world_size()
-        dist.all_gather_object(rng_states, get_rng_state(),
-                               group=parallel_state.get_data_parallel_group())
+    if not config.no_save_rng:  # one per DP rank, as Megatron-LM keeps them
+        rng_states = [None] * dp.size
+        dist.all_gather_object(rng_states, get_rng_state(), group=dp.group)
     if save_optim and hasattr(optimizer, "parameter_state"):  # distributed optimizer: per DP rank
-        shard = os.path.join(os.path.dirname(get_checkpoint_name(save_dir, iteration)).replace(
-            final_dir, staging, 1), distrib_optim_filename(parallel_state.get_data_parallel_rank()))
+        shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp.rank))
         try:
             os.makedirs(os.path.dirname(shard), exist_ok=True)
             _write_atomic(optimizer.parameter_state(), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
-    if parallel_state.get_data_parallel_rank() == 0:
+    if dp.rank == 0:
         state = {
-            "args": args_to_dict(args), "checkpoint_version": CHECKPOINT_VERSION,
+            "args": {k: plain(v) for k, v in run_flags.items()},
+            "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration, "consumed_train_samples": consumed_train_samples,
             "consumed_valid_samples": consumed_valid_samples,
             "optimizer": optimizer.state_dict() if save_optim else None,
@@ -219,7 +215,6 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             state["rng_state"] = rng_states
         for key, chunk in zip(_model_keys(model_chunks), model_chunks):
             state[key] = unwrap_model(chunk).state_dict()
-        name = get_checkpoint_name(save_dir, iteration).replace(final_dir, staging, 1)
         try:
             os.makedirs(os.path.dirname(name), exist_ok=True)
             _write_atomic(state, name)
@@ -235,7 +230,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
                               "another rank; the previous checkpoint is intact")
 
     if rank == 0:
-        _publish(save_dir, staging, final_dir, iteration, getattr(args, "keep_last_checkpoints", None))
+        _publish(save_dir, staging, final_dir, iteration, config.keep_last_checkpoints)
     dist.barrier()
     return final_dir
 
@@ -344,11 +339,19 @@ def check_state_dict_shapes(model_state: dict, ckpt_state: dict, path: str) -> N
                 "tensor-parallel size) must match the run that saved it")
 
 
-def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
-    """Load ``args.load`` into the model (and optimizer, scheduler, RNG unless told otherwise).
+def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_collection, *,
+                    run_flags: dict) -> dict:
+    """Load ``config.load`` into the model (and optimizer, scheduler, RNG unless told otherwise).
 
     ``--finetune`` and ``release`` checkpoints load the weights only and start at iteration 0;
     ``--no-load-optim`` / ``--no-load-rng`` skip those parts.
+
+    Args:
+        config: the run's :class:`~megatron.config.CheckpointConfig` (``load``, ``finetune``,
+            ``no_load_optim``, ``no_load_rng``).
+        pg_collection: this rank's process groups (which shard it reads; its DP rank's RNG).
+        run_flags: the run's plain ``args`` (:func:`megatron.config.checkpoint_args`): another
+            system's checkpoint is checked against its model values.
 
     Returns:
         dict with ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples`` (zeros when
@@ -358,33 +361,36 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args) -> dict:
         CheckpointError: ``--finetune`` with no checkpoint; a missing, corrupt or misfitting shard.
     """
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    found = find_checkpoint(args.load)
+    load_dir = config.load
+    found = find_checkpoint(load_dir)
     if found is None:
-        if getattr(args, "finetune", False):
-            raise CheckpointError(f"--finetune needs a checkpoint, but --load {args.load} has no "
+        if config.finetune:
+            raise CheckpointError(f"--finetune needs a checkpoint, but --load {load_dir} has no "
                                   f"{TRACKER_FILENAME}")
         if dist.get_rank() == 0:
-            print(f" no checkpoint found at --load {args.load} ({TRACKER_FILENAME} missing); "
+            print(f" no checkpoint found at --load {load_dir} ({TRACKER_FILENAME} missing); "
                   "starting from scratch", flush=True)
         return fresh
     iteration, release = found
-    path = get_checkpoint_name(args.load, iteration, release)
+    path = checkpoint_name_of(load_dir, iteration, pg_collection, release)
     device = next(unwrap_model(model_chunks[0]).parameters()).device
     error = None
     try:
-        result = _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, args)
+        result = _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
+                             pg_collection, run_flags)
     except UnreadableFileError as exc:  # a shard of this rank: name a checkpoint to fall back on
         error = UnreadableFileError(str(exc).rstrip(".") + "." + last_complete_hint(
-            args.load, get_checkpoint_dir(args.load, iteration, release)))
+            load_dir, get_checkpoint_dir(load_dir, iteration, release)))
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = exc
     # Every rank learns of a failure on any rank, instead of waiting for it in the next collective.
     if not _all_ok(error is None, device):
         raise error or CheckpointError(
-            f"loading the checkpoint {get_checkpoint_dir(args.load, iteration, release)} failed on "
-            f"another rank (see its error).{last_complete_hint(args.load, os.path.dirname(os.path.dirname(path)))}")
+            f"loading the checkpoint {get_checkpoint_dir(load_dir, iteration, release)} failed on "
+            f"another rank (see its error)."
+            f"{last_complete_hint(load_dir, os.path.dirname(os.path.dirname(path)))}")
     if dist.get_rank() == 0:
-        print(f" loaded checkpoint from {args.load} at iteration "
+        print(f" loaded checkpoint from {load_dir} at iteration "
               f"{'release' if release else iteration}", flush=True)
     return result
 
@@ -402,7 +408,7 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
         optimizer.load_parameter_state(shard_paths if saved.get("distributed_optimizer") else [])
 
 
-def _read_shard(path: str, args) -> dict:
+def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
     """This rank's shard: ours as saved, or another system's (Megatron-LM) translated to ours by
     :func:`megatron.foreign_checkpoints.state_for_load` (notes printed on rank 0)."""
     from megatron import foreign_checkpoints
@@ -411,9 +417,10 @@ def _read_shard(path: str, args) -> dict:
         os.path.dirname(os.path.dirname(path)))
     state = None
     if probe is not None:
-        state = foreign_checkpoints.state_for_load(
-            probe, path, args, parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size())
+        run = dict(run_flags, load=config.load, finetune=config.finetune,
+                   no_load_optim=config.no_load_optim)
+        state = foreign_checkpoints.state_for_load(probe, path, run, pg_collection.tp.size,
+                                                   pg_collection.pp.size)
     if state is None:
         return _torch_load(path)
     if dist.get_rank() == 0:
@@ -437,10 +444,11 @@ def read_saved_args(path: str) -> dict:
     return dict(_torch_load(path).get("args") or {})
 
 
-def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, args) -> dict:
+def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
+                pg_collection, run_flags) -> dict:
     """Load this rank's shard ``path``; ``load_checkpoint``'s result."""
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    state = _read_shard(path, args)
+    state = _read_shard(path, config, pg_collection, run_flags)
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         if key not in state:
@@ -455,8 +463,8 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, arg
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 
-    weights_only = release or getattr(args, "finetune", False) or state.get("weights_only_load")
-    if not weights_only and not getattr(args, "no_load_optim", False):
+    weights_only = release or config.finetune or state.get("weights_only_load")
+    if not weights_only and not config.no_load_optim:
         if optimizer is not None and state.get("optimizer") is None:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
                                   "--no-save-optim); pass --no-load-optim or --finetune")
@@ -465,59 +473,16 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, arg
                 os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
-    if not weights_only and not getattr(args, "no_load_rng", False):
+    if not weights_only and not config.no_load_rng:
         states = state.get("rng_state")
         if not states:
             raise CheckpointError(f"checkpoint {path} holds no RNG state (saved with "
                                   "--no-save-rng); pass --no-load-rng to start new RNG streams")
-        dp_rank = parallel_state.get_data_parallel_rank()
+        dp = pg_collection.dp
         # Megatron-LM keeps one state per DP rank; a different DP size falls back to the first.
-        set_rng_state(states[dp_rank] if len(states) == parallel_state.get_data_parallel_world_size()
-                      else states[0])
+        set_rng_state(states[dp.rank] if len(states) == dp.size else states[0])
     if weights_only:
         return fresh
     return {"iteration": state["iteration"],
             "consumed_train_samples": state.get("consumed_train_samples", 0),
             "consumed_valid_samples": state.get("consumed_valid_samples", 0)}
-
-
-# Arguments of the model's shape, taken over by --use-checkpoint-args (Megatron-LM's list).
-CHECKPOINT_MODEL_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
-    "num_query_groups", "group_query_attention", "kv_channels", "max_position_embeddings",
-    "position_embedding_type", "add_position_embedding", "use_rotary_position_embeddings",
-    "rotary_base", "add_bias_linear", "swiglu", "untie_embeddings_and_output_weights",
-    "normalization", "norm_epsilon", "make_vocab_size_divisible_by", "padded_vocab_size",
-    "tokenizer_type", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size", "use_rope_scaling", "rope_scaling_factor",
-    "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-    "rope_scaling_original_max_position_embeddings",
-)
-
-
-def load_args_from_checkpoint(args) -> list[str]:
-    """``--use-checkpoint-args``: set the model-shape arguments from the checkpoint at
-    ``args.load`` (before validation, so no process group is needed).
-
-    Returns:
-        the names of the arguments that were set.
-
-    Raises:
-        CheckpointError: if ``--load`` has no checkpoint.
-    """
-    found = find_checkpoint(args.load) if args.load else None
-    if found is None:
-        raise CheckpointError(f"--use-checkpoint-args needs a checkpoint, but --load {args.load} "
-                              f"has no {TRACKER_FILENAME}")
-    iteration, release = found
-    folder = get_checkpoint_dir(args.load, iteration, release)
-    shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
-    if not shards:
-        raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
-    saved = read_saved_args(shards[0])
-    changed = []
-    for name in CHECKPOINT_MODEL_ARGS:
-        if name in saved and hasattr(args, name):
-            setattr(args, name, saved[name])
-            changed.append(name)
-    return changed

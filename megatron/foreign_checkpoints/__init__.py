@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.checkpointing import CheckpointError
+from megatron.checkpoint_io import CheckpointError
 from megatron.foreign_checkpoints import megatron_lm
 from megatron.foreign_checkpoints.safe_pickle import flatten, load_raw, to_plain
 
@@ -98,22 +98,23 @@ def megatron_lm_args(foreign: Foreign, overrides: dict | None = None) -> dict:
     return megatron_lm.our_args(foreign.args, foreign.path, overrides, foreign.notes)
 
 
-def _refuse_megatron_llama(foreign: Foreign, args, tp: int, pp: int):
+def _refuse_megatron_llama(foreign: Foreign, run: dict, tp: int, pp: int):
     eps = foreign.args.get("layernorm_epsilon")
-    extra = "" if eps is not None else f" --norm-epsilon {getattr(args, 'norm_epsilon', None)}"
+    extra = "" if eps is not None else f" --norm-epsilon {run.get('norm_epsilon')}"
     raise CheckpointError(
-        f"--load {args.load} is {describe(foreign)}, which is not loaded directly; convert it "
-        f"first: {convert_command(args.load, 'megatron-llama', tp, pp, extra)}")
+        f"--load {run['load']} is {describe(foreign)}, which is not loaded directly; convert it "
+        f"first: {convert_command(run['load'], 'megatron-llama', tp, pp, extra)}")
 
 
-def state_for_load(probe: str, path: str, args, tp: int, pp: int) -> dict | None:
+def state_for_load(probe: str, path: str, run: dict, tp: int, pp: int) -> dict | None:
     """This rank's shard as :func:`megatron.checkpointing.load_checkpoint` reads ours, or None
     when the checkpoint is ours.
 
     Args:
         probe: a shard of the checkpoint that exists (this rank's, or the first one).
         path: this rank's shard at this run's layout (TP x PP ranks).
-        args: the run's arguments (``load``, ``finetune``, ``no_load_optim``, model flags).
+        run: the run's plain values under Megatron's names (``load``, ``finetune``,
+            ``no_load_optim``, the model flags: :func:`megatron.config.checkpoint_args`).
 
     Returns:
         ``{"model"/"model0"...: our state dicts, "args": our-named args, "iteration": 0,
@@ -128,23 +129,22 @@ def state_for_load(probe: str, path: str, args, tp: int, pp: int) -> dict | None
     if foreign is None:
         return None
     if foreign.system == MEGATRON_LLAMA:
-        _refuse_megatron_llama(foreign, args, tp, pp)
-    overrides = {"norm_epsilon": getattr(args, "norm_epsilon", None),
-                 "rotary_base": getattr(args, "rotary_base", None),
-                 "max_position_embeddings": getattr(args, "max_position_embeddings", None)}
+        _refuse_megatron_llama(foreign, run, tp, pp)
+    overrides = {name: run.get(name)
+                 for name in ("norm_epsilon", "rotary_base", "max_position_embeddings")}
     ours = megatron_lm_args(foreign, overrides)
     saved = (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"])
     if saved != (tp, pp):
         raise CheckpointError(
-            f"--load {args.load} is {describe(foreign)} saved at TP={saved[0]}, PP={saved[1]}, "
+            f"--load {run['load']} is {describe(foreign)} saved at TP={saved[0]}, PP={saved[1]}, "
             f"but this run has TP={tp}, PP={pp}: run at its layout, or re-cut it: "
-            + convert_command(args.load, "megatron", tp, pp))
-    check_run_matches(ours, args, f"--load {args.load} ({describe(foreign)})")
+            + convert_command(run["load"], "megatron", tp, pp))
+    check_run_matches(ours, run, f"--load {run['load']} ({describe(foreign)})")
     if path != probe:
         foreign = identify(path) if os.path.isfile(path) else None
         if foreign is None:  # this rank's shard is missing: our loader says so, naming it
             return None
-    if not getattr(args, "finetune", False) and not getattr(args, "no_load_optim", False) and (
+    if not run.get("finetune") and not run.get("no_load_optim") and (
             foreign.state.get("optimizer") is not None):
         raise CheckpointError(f"{path} holds Megatron-LM optimizer state, which is not read; pass "
                               "--finetune (or --no-load-optim) to load the weights only")
@@ -164,14 +164,18 @@ _MUST_MATCH = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"))
 
 
-def check_run_matches(saved: dict, args, source: str) -> None:
+def check_run_matches(saved: dict, run, source: str) -> None:
     """Refuse a run whose model flags differ from the checkpoint's (tensor shapes alone cannot
     tell heads from channels).
+
+    Args:
+        saved: the checkpoint's model values, under our names.
+        run: the run's values (a dict, or an argparse namespace before the configuration exists).
 
     Raises:
         CheckpointError: naming the flag, this run's value and the checkpoint's.
     """
-    run = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    run = vars(run) if isinstance(run, argparse.Namespace) else dict(run)
     run = dict(run, num_query_groups=run.get("num_query_groups") if run.get(
         "group_query_attention") else run.get("num_attention_heads"))
     if run.get("kv_channels") is None and run.get("hidden_size") and run.get("num_attention_heads"):

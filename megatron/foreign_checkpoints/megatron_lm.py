@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpointing import CheckpointError
+from megatron.checkpoint_io import CheckpointError
 from megatron.foreign_checkpoints.safe_pickle import flatten
 
 QKV = "self_attention.query_key_value.weight"

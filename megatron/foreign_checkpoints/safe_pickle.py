@@ -32,8 +32,7 @@ import zipfile
 
 import torch
 
-from megatron.checkpoint_io import load_torch_file
-from megatron.checkpointing import CheckpointError
+from megatron.checkpoint_io import CheckpointError, load_torch_file
 
 # Pickled enum classes of Megatron-LM / Megatron-LLaMA modules ``megatron[.core][...].enums``.
 _MEGATRON_ENUM = re.compile(r"^megatron(\.[A-Za-z_]\w*)*\.enums\.[A-Za-z_]\w*$")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 
@@ -10,7 +9,7 @@ import torch
 
 from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
                                     load_checkpoint, read_saved_args)
-from megatron.config import ModelConfig
+from megatron.config import CheckpointConfig, ModelConfig
 from megatron.model import get_layer_numbers
 from megatron.model.llama import LlamaModel
 
@@ -84,5 +83,6 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
                        post_process=pg_collection.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(config.num_layers, pp, pg_collection.pp.rank),
                        device=device)
-    load_checkpoint([model], None, None, argparse.Namespace(load=load_dir, finetune=True))
+    load_checkpoint([model], None, None, CheckpointConfig(load=load_dir, finetune=True),
+                    pg_collection, run_flags=saved)
     return model.eval(), saved

@@ -116,46 +116,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> int:
+def set_random_seed(seed: int, pg_collection) -> int:
     """Seed Python, NumPy, torch and the model-parallel RNG tracker for this rank.
 
-    Megatron's offsets: ``seed + 100 * pipeline rank`` (stages draw different dropout masks), plus
-    ``10 * data-parallel rank`` under ``--data-parallel-random-init``. The tracker then gives each
-    tensor-parallel rank its own stream for dropout inside tensor-parallel regions. Weight
-    initialisation does not use these generators (it is seeded per submodule from
-    ``ModelConfig.seed``), so the initial weights do not depend on the layout.
+    Megatron's offset: ``seed + 100 * pipeline rank`` (stages draw different dropout masks). The
+    tracker then gives each tensor-parallel rank its own stream for dropout inside
+    tensor-parallel regions. Weight initialisation does not use these generators (it is seeded
+    per submodule from ``ModelConfig.seed``), so the initial weights do not depend on the layout.
+
+    Args:
+        seed: ``--seed``.
+        pg_collection: this rank's process groups (its pipeline and tensor-parallel ranks).
 
     Returns:
         the seed used on this rank.
     """
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 
-    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    if data_parallel_random_init:
-        seed += 10 * parallel_state.get_data_parallel_rank()
+    seed = seed + 100 * pg_collection.pp.rank
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_manual_seed(seed, parallel_state.get_tensor_model_parallel_rank())
+    model_parallel_manual_seed(seed, pg_collection.tp.rank)
     return seed
 
 
-def initialize_megatron(args) -> tuple[torch.device, bool]:
-    """Distributed start-up for validated ``args``: process group, model-parallel groups, seeds.
+def initialize_megatron(config):
+    """Distributed start-up of a run: process group, model-parallel groups, seeds.
+
+    Args:
+        config: the run's :class:`~megatron.config.Config` (its ``parallel`` section and
+            ``training.seed``).
 
     Returns:
-        ``(device, created_process_group)``; pass the flag to :func:`shutdown`.
+        ``(device, created_process_group, pg_collection)``; pass the flag to :func:`shutdown`,
+        the groups to whatever communicates.
     """
-    backend = getattr(args, "distributed_backend", None)
-    device = select_device(backend)
-    minutes = getattr(args, "distributed_timeout_minutes", 10.0)
-    created = initialize_distributed(backend, minutes)
-    parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        getattr(args, "virtual_pipeline_model_parallel_size", None),
-        timeout=timedelta(minutes=minutes))
-    set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))
-    return device, created
+    parallel = config.parallel
+    device = select_device(parallel.distributed_backend)
+    minutes = parallel.distributed_timeout_minutes
+    created = initialize_distributed(parallel.distributed_backend, minutes)
+    groups = parallel_state.initialize_model_parallel(
+        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size, timeout=timedelta(minutes=minutes))
+    set_random_seed(config.training.seed, groups)
+    return device, created, groups
 
 
 def shutdown(created_process_group: bool) -> None:

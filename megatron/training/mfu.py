@@ -14,8 +14,6 @@ from typing import Optional
 
 import torch
 
-from megatron.config import params_dtype_from_args
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -50,23 +48,23 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32
     return 2.0 * n ** 3 / best / 1e12
 
 
-def resolve_peak_tflops(args, device: torch.device) -> Optional[float]:
-    """The per-device peak for MFU: ``--peak-tflops``, else measured with ``--measure-peak``,
-    else None (the log line then shows no MFU).
+def resolve_peak_tflops(peak_tflops: Optional[float], measure_peak: bool, dtype: torch.dtype,
+                        device: torch.device) -> Optional[float]:
+    """The per-device peak for MFU: ``--peak-tflops``, else measured in ``dtype`` with
+    ``--measure-peak``, else None (the log line then shows no MFU).
 
     Raises:
         ValueError: ``--peak-tflops`` not positive, or given together with ``--measure-peak``.
     """
-    peak = getattr(args, "peak_tflops", None)
-    if peak is not None:
-        if peak <= 0:
-            raise ValueError(f"--peak-tflops ({peak}) must be positive: the dense peak of one "
-                             "device in TFLOP/s in the training dtype")
-        if getattr(args, "measure_peak", False):
+    if peak_tflops is not None:
+        if peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops ({peak_tflops}) must be positive: the dense peak of "
+                             "one device in TFLOP/s in the training dtype")
+        if measure_peak:
             raise ValueError("--peak-tflops and --measure-peak both given: keep one")
-        return float(peak)
-    if getattr(args, "measure_peak", False):
-        return measure_peak_tflops(device, params_dtype_from_args(args))
+        return float(peak_tflops)
+    if measure_peak:
+        return measure_peak_tflops(device, dtype)
     return None
 
 

@@ -6,10 +6,30 @@ data-parallel rank. With ``--rampup-batch-size START INCR SAMPLES`` the global b
 START and grows by INCR every ``SAMPLES / ((GLOBAL - START) / INCR)`` consumed samples, reaching
 the full ``--global-batch-size`` once more than SAMPLES samples are consumed.
 
-The calculator is an object the training loop holds, not a global.
+The calculator is an object the training loop holds, not a global. :func:`num_microbatches` is
+the one definition of the count (validation, the configuration and the calculators use it).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int,
+                     data_parallel_size: int) -> int:
+    """Micro-batches per iteration on every data-parallel rank:
+    ``global_batch_size // (micro_batch_size * data_parallel_size)``.
+
+    Raises:
+        ValueError: if the global batch is not a positive multiple of micro-batch x DP.
+    """
+    per_step = micro_batch_size * data_parallel_size
+    if per_step <= 0 or global_batch_size <= 0 or global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size ({global_batch_size}) must be a positive multiple of "
+            f"--micro-batch-size ({micro_batch_size}) x data-parallel size "
+            f"({data_parallel_size}) = {per_step}")
+    return global_batch_size // per_step
 
 
 class ConstantNumMicroBatches:
@@ -20,16 +40,11 @@ class ConstantNumMicroBatches:
     """
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int):
-        per_step = micro_batch_size * data_parallel_size
-        if per_step <= 0 or global_batch_size <= 0 or global_batch_size % per_step:
-            raise ValueError(
-                f"--global-batch-size ({global_batch_size}) must be a positive multiple of "
-                f"--micro-batch-size ({micro_batch_size}) x data-parallel size "
-                f"({data_parallel_size}) = {per_step}")
+        self.num_micro_batches = num_microbatches(global_batch_size, micro_batch_size,
+                                                  data_parallel_size)
         self.micro_batch_size = micro_batch_size
         self.data_parallel_size = data_parallel_size
         self.current_global_batch_size = global_batch_size
-        self.num_micro_batches = global_batch_size // per_step
 
     def get(self) -> int:
         """Micro-batches of the current iteration."""
@@ -100,16 +115,44 @@ class RampupBatchsizeNumMicroBatches(ConstantNumMicroBatches):
         self.num_micro_batches = self.current_global_batch_size // per_step
 
 
-def build_num_microbatches_calculator(args) -> ConstantNumMicroBatches:
-    """The calculator for ``args`` (validated arguments or a TrainingConfig-like object with
-    ``global_batch_size``, ``micro_batch_size``, ``data_parallel_size``, ``rampup_batch_size``)."""
-    rampup = getattr(args, "rampup_batch_size", None)
-    if rampup is None:
-        return ConstantNumMicroBatches(args.global_batch_size, args.micro_batch_size,
-                                       args.data_parallel_size)
-    if len(rampup) != 3:
-        raise ValueError(f"--rampup-batch-size ({' '.join(map(str, rampup))}) takes three "
-                         f"values: START INCR SAMPLES")
-    start, incr, samples = (int(x) for x in rampup)
-    return RampupBatchsizeNumMicroBatches(start, incr, samples, args.global_batch_size,
-                                          args.micro_batch_size, args.data_parallel_size)
+def build_num_microbatches_calculator(global_batch_size: int, micro_batch_size: int,
+                                      data_parallel_size: int,
+                                      rampup_batch_size: Optional[Sequence] = None
+                                      ) -> ConstantNumMicroBatches:
+    """The calculator of a constant global batch, or of ``--rampup-batch-size START INCR
+    SAMPLES``.
+
+    Raises:
+        ValueError: a ramp-up that is not three values, or sizes the calculators refuse.
+    """
+    if rampup_batch_size is None:
+        return ConstantNumMicroBatches(global_batch_size, micro_batch_size, data_parallel_size)
+    if len(rampup_batch_size) != 3:
+        raise ValueError(f"--rampup-batch-size ({' '.join(map(str, rampup_batch_size))}) takes "
+                         f"three values: START INCR SAMPLES")
+    start, incr, samples = (int(x) for x in rampup_batch_size)
+    return RampupBatchsizeNumMicroBatches(start, incr, samples, global_batch_size,
+                                          micro_batch_size, data_parallel_size)
+
+
+def train_iterations(train_iters: Optional[int], train_samples: Optional[int], *,
+                     global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                     rampup_batch_size: Optional[Sequence] = None) -> int:
+    """Iterations of the run (Megatron-LM's ``update_train_iters``): ``train_iters``, or with
+    ``train_samples`` the iterations of the ramp-up (while at most SAMPLES samples are consumed,
+    each iteration taking the ramped global batch) plus the remaining samples in whole global
+    batches (a partial last batch is dropped)."""
+    if train_iters:
+        return train_iters
+    if rampup_batch_size is None:
+        return train_samples // global_batch_size
+    calculator = build_num_microbatches_calculator(global_batch_size, micro_batch_size,
+                                                   data_parallel_size, rampup_batch_size)
+    iterations = consumed = 0
+    while consumed <= int(rampup_batch_size[2]) and consumed <= train_samples:
+        calculator.update(consumed, False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // global_batch_size
+    return iterations

@@ -1,9 +1,11 @@
 """The training program: set-up, the training loop, evaluation, checkpoints and logging.
 
 Follows Megatron-LM's ``pretrain`` / ``train`` / ``train_step`` / ``evaluate`` /
-``training_log`` (megatron/training/training.py), with the configuration passed down explicitly
-instead of a global ``get_args()``. The model-specific parts come from the entry script
-(``pretrain_llama.py``): a model provider, a forward step and a datasets provider.
+``training_log`` (megatron/training/training.py), with the frozen configuration
+(:class:`megatron.config.Config`) and the process groups
+(:class:`megatron.core.process_groups.ProcessGroupCollection`) passed down explicitly instead of a
+global ``get_args()``. The model-specific parts come from the entry script (``pretrain_llama.py``):
+a model provider, a forward step and a datasets provider.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing
-from megatron.core import parallel_state as ps
+from megatron.config import checkpoint_args
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.model.flops import num_floating_point_operations as model_flops
 from megatron.training import builders
@@ -76,14 +78,15 @@ def nonfinite_loss_flag(loss_dicts: list):
     return ~torch.isfinite(values).all()
 
 
-def num_floating_point_operations(args, batch_size: int) -> float:
-    """Model FLOPs of one iteration (forward + backward) for the validated ``args``:
+def num_floating_point_operations(config, batch_size: int) -> float:
+    """Model FLOPs of one iteration (forward + backward) of a run's configuration:
     :func:`megatron.model.flops.num_floating_point_operations` (Megatron-LM's formula)."""
-    return model_flops(args, batch_size, args.seq_length)
+    return model_flops(config.model, batch_size, config.data.seq_length)
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args,
-               schedule_config, num_microbatches: int, global_batch_size: int, *, pg_collection):
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *,
+               config, schedule_config, num_microbatches: int, global_batch_size: int,
+               pg_collection):
     """One iteration: forward/backward over ``num_microbatches`` micro-batches, optimizer step,
     lr step by ``global_batch_size`` samples.
 
@@ -95,9 +98,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     optimizer.zero_grad()
     losses = get_forward_backward_func(pg_collection)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False, config=schedule_config,
-        pg_collection=pg_collection)
+        num_microbatches=num_microbatches, seq_length=config.data.seq_length,
+        micro_batch_size=config.training.micro_batch_size, forward_only=False,
+        config=schedule_config, pg_collection=pg_collection)
     last_stage = pg_collection.is_pipeline_last_stage()
     # Only the last stage sees the loss: the optimizer folds this flag into its found-inf
     # all-reduce, so an inf/NaN loss skips the step on every rank alike. A device tensor, and the
@@ -111,7 +114,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     return reduced, 0 if update_successful else 1, grad_norm, num_zeros
 
 
-def evaluate(forward_step_func, data_iterator, model, args, schedule_config, *,
+def evaluate(forward_step_func, data_iterator, model, *, config, schedule_config,
              pg_collection) -> dict:
     """``--eval-iters`` forward-only iterations on the validation stream (which continues where the
     previous evaluation stopped). Returns ``{key: token-weighted mean}`` on the last stage."""
@@ -120,13 +123,14 @@ def evaluate(forward_step_func, data_iterator, model, args, schedule_config, *,
         getattr(chunk, "finish_param_sync", lambda: None)()
         chunk.eval()
     sums: dict = {}
+    training = config.training
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for _ in range(training.eval_iters):
             losses = get_forward_backward_func(pg_collection)(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=builders.num_microbatches(args), seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True, config=schedule_config,
-                pg_collection=pg_collection)
+                num_microbatches=training.num_microbatches, seq_length=config.data.seq_length,
+                micro_batch_size=training.micro_batch_size, forward_only=True,
+                config=schedule_config, pg_collection=pg_collection)
             for d in losses:
                 for key, v in d.items():
                     num, den = (v if isinstance(v, (tuple, list)) else (v, 1.0))
@@ -141,25 +145,28 @@ def evaluate(forward_step_func, data_iterator, model, args, schedule_config, *,
 class _Trainer:
     """The loop's collaborators, so each step of the loop reads as one line."""
 
-    def __init__(self, args, device, forward_step_func, model, optimizer, scheduler, iterators,
-                 schedule_config, state: TrainState, start_time: float):
-        self.args, self.device, self.forward_step_func = args, device, forward_step_func
+    def __init__(self, config, pg_collection, device, forward_step_func, model, optimizer,
+                 scheduler, iterators, schedule_config, state: TrainState, start_time: float):
+        self.config, self.groups, self.device = config, pg_collection, device
+        self.forward_step_func = forward_step_func
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_it, self.valid_it, self.test_it = iterators
         self.schedule_config, self.state = schedule_config, state
-        self.groups = ps.get_process_groups()
-        self.tb = TensorBoardLogger(getattr(args, "tensorboard_dir", None),
-                                    getattr(args, "tensorboard_queue_size", 1000))
+        self.run_flags = checkpoint_args(config)  # what every checkpoint of the run records
+        logging, training = config.logging, config.training
+        self.tb = TensorBoardLogger(logging.tensorboard_dir, logging.tensorboard_queue_size)
         self.memory_reported = False
-        self.peak_tflops = resolve_peak_tflops(args, device)
+        self.peak_tflops = resolve_peak_tflops(logging.peak_tflops, logging.measure_peak,
+                                               config.model.params_dtype, device)
         if self.peak_tflops is not None:
             print_rank_0(f" MFU against a peak of {self.peak_tflops:.3f} TFLOP/s per device "
-                         f"({'measured' if getattr(args, 'measure_peak', False) else '--peak-tflops'})")
-        self.microbatches = build_num_microbatches_calculator(args)
-        self.exit = ExitConditions(getattr(args, "exit_signal_handler", False),
-                                   getattr(args, "exit_duration_in_mins", None),
+                         f"({'measured' if logging.measure_peak else '--peak-tflops'})")
+        self.microbatches = build_num_microbatches_calculator(
+            training.global_batch_size, training.micro_batch_size,
+            config.parallel.data_parallel_size, training.rampup_batch_size)
+        self.exit = ExitConditions(training.exit_signal_handler, training.exit_duration_in_mins,
                                    start_time, device)
-        self.timeout = getattr(args, "distributed_timeout_minutes", None)
+        self.timeout = config.parallel.distributed_timeout_minutes
         self.nan_streak = 0  # consecutive skipped non-finite iterations (bf16/fp32)
         self._reset_window()
 
@@ -167,50 +174,53 @@ class _Trainer:
         self.window = {"time": 0.0, "iters": 0, "losses": {}, "skipped": 0, "nans": 0}
 
     def run(self) -> bool:
-        """Train to ``--train-iters``; returns False if ``--exit-interval`` stopped it early."""
-        args, st = self.args, self.state
-        train_iters = builders.train_iters(args)
-        while st.iteration < train_iters:
+        """Train to the run's last iteration; returns False if ``--exit-interval``, a signal or
+        the wall-clock budget stopped it early."""
+        training, checkpoint, st = self.config.training, self.config.checkpoint, self.state
+        while st.iteration < training.num_iterations:
             self.microbatches.update(st.consumed_train_samples, True)
             batch = self.microbatches.get_current_global_batch_size()
             start = time.perf_counter()
             with collective_guard(f"the train step of iteration {st.iteration + 1}", self.timeout):
                 losses, skipped, grad_norm, _ = train_step(
                     self.forward_step_func, self.train_it, self.model, self.optimizer,
-                    self.scheduler, args, self.schedule_config, self.microbatches.get(), batch,
+                    self.scheduler, config=self.config, schedule_config=self.schedule_config,
+                    num_microbatches=self.microbatches.get(), global_batch_size=batch,
                     pg_collection=self.groups)
             elapsed = time.perf_counter() - start
             st.iteration += 1
             st.consumed_train_samples += batch
             self._record(losses, skipped, grad_norm, elapsed, batch)
             self._stop_after_nan_streak(skipped)
-            if args.eval_interval and st.iteration % args.eval_interval == 0 and self.valid_it:
+            if (training.eval_interval and st.iteration % training.eval_interval == 0
+                    and self.valid_it):
                 self.validate(f"iteration {st.iteration}")
             saved = False
-            if args.save and args.save_interval and st.iteration % args.save_interval == 0:
+            if (checkpoint.save and checkpoint.save_interval
+                    and st.iteration % checkpoint.save_interval == 0):
                 self.save()
                 saved = True
-            if getattr(args, "exit_interval", None) and st.iteration % args.exit_interval == 0:
-                if args.save and not saved:
+            if training.exit_interval and st.iteration % training.exit_interval == 0:
+                if checkpoint.save and not saved:
                     self.save()
                 print_rank_0(f"exiting program at iteration {st.iteration}")
                 return False
             reason = self.exit.check()  # every rank agrees: all stop after the same iteration
             if reason:
-                if args.save and not saved:
+                if checkpoint.save and not saved:
                     self.save()
                 print_rank_0(f"exiting program at iteration {st.iteration} "
                              + ("after receiving SIGTERM" if reason == "signal" else
-                                f"after {args.exit_duration_in_mins:g} minutes "
+                                f"after {training.exit_duration_in_mins:g} minutes "
                                 "(--exit-duration-in-mins)"))
                 return False
-        if args.save and st.iteration > 0 and (not args.save_interval
-                                               or st.iteration % args.save_interval != 0):
+        if checkpoint.save and st.iteration > 0 and (
+                not checkpoint.save_interval or st.iteration % checkpoint.save_interval != 0):
             self.save()
         return True
 
     def _record(self, losses, skipped, grad_norm, elapsed, batch):
-        args, st, w = self.args, self.state, self.window
+        config, st, w = self.config, self.state, self.window
         grad_norm = None if grad_norm is None else float(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         # fp16: a skipped step is an overflow (the scaler backs off); otherwise it had inf/NaN.
@@ -234,23 +244,24 @@ class _Trainer:
         self.tb.training(st.iteration, st.consumed_train_samples, learning_rate=lr,
                          batch_size=batch, losses=losses, grad_norm=grad_norm,
                          iteration_time_s=elapsed, loss_scale=loss_scale)
-        if st.iteration % args.log_interval != 0:
+        if st.iteration % config.logging.log_interval != 0:
             return
         per_iter = w["time"] / w["iters"]
-        flops = num_floating_point_operations(args, batch)
+        flops = num_floating_point_operations(config, batch)
+        world = self.groups.world_size
         mfu = (None if self.peak_tflops is None else model_flops_utilization(
-            flops, per_iter, dist.get_world_size(), self.peak_tflops))
+            flops, per_iter, world, self.peak_tflops))
         print_rank_last(format_iteration_line(
-            iteration=st.iteration, train_iters=builders.train_iters(args),
+            iteration=st.iteration, train_iters=config.training.num_iterations,
             consumed_samples=st.consumed_train_samples, elapsed_ms=per_iter * 1000.0,
-            tokens_per_s=batch * args.seq_length / per_iter,
+            tokens_per_s=batch * config.data.seq_length / per_iter,
             learning_rate=lr, global_batch_size=batch,
             losses={k: v / max(w["iters"] - w["skipped"], 1) for k, v in w["losses"].items()},
             loss_scale=loss_scale,
             grad_norm=grad_norm, skipped=w["skipped"], nans=w["nans"],
-            tflops_per_device=flops / (per_iter * 1e12 * dist.get_world_size()), mfu=mfu))
+            tflops_per_device=flops / (per_iter * 1e12 * world), mfu=mfu))
         if not self.memory_reported:
-            if ps.get_data_parallel_rank() == 0:
+            if self.groups.dp.rank == 0:
                 print(memory_report(f"(after {st.iteration} iterations)", self.device), flush=True)
             self.memory_reported = True
         self._reset_window()
@@ -262,12 +273,12 @@ class _Trainer:
         Raises:
             NonFiniteTrainingError: naming the iteration and the last checkpoint, left intact.
         """
-        limit = getattr(self.args, "max_consecutive_nan_iterations", 3)
+        limit = self.config.training.max_consecutive_nan_iterations
         nan_step = bool(skipped) and getattr(self.optimizer, "grad_scaler", None) is None
         self.nan_streak = self.nan_streak + 1 if nan_step else 0
         if not limit or self.nan_streak < limit:
             return
-        it, save = self.state.iteration, getattr(self.args, "save", None)
+        it, save = self.state.iteration, self.config.checkpoint.save
         found = checkpointing.find_checkpoint(save) if save else None
         kept = (f"the last checkpoint (iteration {found[0]} in {save}) is left as it was"
                 if found else "no checkpoint was written")
@@ -279,12 +290,13 @@ class _Trainer:
         raise NonFiniteTrainingError(message)
 
     def validate(self, prefix: str, iterator=None, label: str = "validation"):
-        args, st = self.args, self.state
+        training, st = self.config.training, self.state
         with collective_guard(f"the evaluation at {prefix}", self.timeout):
-            losses = evaluate(self.forward_step_func, iterator or self.valid_it, self.model, args,
-                              self.schedule_config, pg_collection=self.groups)
+            losses = evaluate(self.forward_step_func, iterator or self.valid_it, self.model,
+                              config=self.config, schedule_config=self.schedule_config,
+                              pg_collection=self.groups)
         if iterator is None:
-            st.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            st.consumed_valid_samples += training.eval_iters * training.global_batch_size
             if losses:
                 st.history["valid"].append((st.iteration, losses.get("lm loss")))
             self.tb.validation(st.iteration, st.consumed_train_samples, losses)
@@ -296,22 +308,24 @@ class _Trainer:
         start = time.perf_counter()
         with collective_guard(f"the checkpoint save of iteration {st.iteration}", self.timeout):
             folder = checkpointing.save_checkpoint(
-                st.iteration, self.model, self.optimizer, self.scheduler, self.args,
+                st.iteration, self.model, self.optimizer, self.scheduler, self.config.checkpoint,
+                self.groups, run_flags=self.run_flags,
                 consumed_train_samples=st.consumed_train_samples,
                 consumed_valid_samples=st.consumed_valid_samples)
         print_rank_0(f"  successfully saved checkpoint at iteration {st.iteration:7d} to {folder} "
                      f"[ t {time.perf_counter() - start:.2f}s ]")
 
 
-def pretrain(args, *, model_provider, forward_step_func, datasets_provider) -> dict:
-    """Initialize, build, train and evaluate; Megatron-LM's ``pretrain`` for validated ``args``.
+def pretrain(config, *, model_provider, forward_step_func, datasets_provider) -> dict:
+    """Initialize, build, train and evaluate: Megatron-LM's ``pretrain``.
 
     Args:
-        args: the validated argument namespace (``megatron.arguments``).
-        model_provider: ``(args, device, pre_process, post_process) -> torch.nn.Module``, one
-            pipeline stage of the model.
+        config: the run's frozen :class:`~megatron.config.Config` (``megatron.config.build_config``
+            of the validated flags).
+        model_provider: ``(config, pg_collection, device, *, pre_process, post_process,
+            vp_stage) -> torch.nn.Module``, one pipeline stage (model chunk) of the model.
         forward_step_func: ``(data_iterator, model) -> (output_tensor, loss_func)``.
-        datasets_provider: ``(args, [train, valid, test] samples) -> (train, valid, test)``
+        datasets_provider: ``(config, [train, valid, test] samples) -> (train, valid, test)``
             datasets (None where absent).
 
     Returns:
@@ -320,38 +334,47 @@ def pretrain(args, *, model_provider, forward_step_func, datasets_provider) -> d
         ``final valid`` (dict or None).
     """
     start_time = time.time()  # --exit-duration-in-mins counts from here
-    device, created_group = initialize_megatron(args)
+    device, created_group, groups = initialize_megatron(config)
     trainer = None
+    timeout = config.parallel.distributed_timeout_minutes
     try:
-        model, optimizer, scheduler = builders.setup_model_and_optimizer(args, model_provider, device)
-        if getattr(args, "compile", False):
+        model, optimizer, scheduler = builders.setup_model_and_optimizer(
+            config, model_provider, groups, device)
+        if config.training.compile:
             print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "
                          "compiled per rank (torch.compile)")
         state = TrainState()
-        if getattr(args, "load", None):
-            with collective_guard("the checkpoint load", getattr(args, "distributed_timeout_minutes", None)):
-                loaded = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+        if config.checkpoint.load:
+            with collective_guard("the checkpoint load", timeout):
+                loaded = checkpointing.load_checkpoint(model, optimizer, scheduler,
+                                                       config.checkpoint, groups,
+                                                       run_flags=checkpoint_args(config))
             state.iteration = loaded["iteration"]
             state.consumed_train_samples = loaded["consumed_train_samples"]
             state.consumed_valid_samples = loaded["consumed_valid_samples"]
-        iterators = builders.build_data_iterators(args, datasets_provider, state.consumed_train_samples,
-                                               state.consumed_valid_samples)
-        trainer = _Trainer(args, device, forward_step_func, model, optimizer, scheduler, iterators,
-                           builders.schedule_config(args, model, optimizer), state, start_time)
-        print_rank_0(f" training from iteration {state.iteration} to {builders.train_iters(args)}")
+        iterators = builders.build_data_iterators(config, datasets_provider, groups,
+                                                  state.consumed_train_samples,
+                                                  state.consumed_valid_samples)
+        trainer = _Trainer(config, groups, device, forward_step_func, model, optimizer, scheduler,
+                           iterators, builders.schedule_config(config, model, groups, optimizer),
+                           state, start_time)
+        print_rank_0(f" training from iteration {state.iteration} to "
+                     f"{config.training.num_iterations}")
         completed = trainer.run()
         state.history["final valid"] = None
-        if completed and trainer.valid_it is not None and args.eval_iters > 0:
+        eval_iters = config.training.eval_iters
+        if completed and trainer.valid_it is not None and eval_iters > 0:
             state.history["final valid"] = trainer.validate(
                 "the end of training for val data")
-        if completed and trainer.test_it is not None and args.eval_iters > 0:
+        if completed and trainer.test_it is not None and eval_iters > 0:
             trainer.validate("the end of training for test data", trainer.test_it)
         trainer.tb.close()
-        if args.save and dist.get_rank() == 0:
-            print(f" checkpoints are in {args.save}", flush=True)
-        if getattr(args, "tensorboard_dir", None):
-            print_rank_last(f" TensorBoard events are in {args.tensorboard_dir} "
-                            f"(tensorboard --logdir {args.tensorboard_dir})")
+        save, tensorboard_dir = config.checkpoint.save, config.logging.tensorboard_dir
+        if save and dist.get_rank() == 0:
+            print(f" checkpoints are in {save}", flush=True)
+        if tensorboard_dir:
+            print_rank_last(f" TensorBoard events are in {tensorboard_dir} "
+                            f"(tensorboard --logdir {tensorboard_dir})")
         return state.history
     finally:
         if trainer is not None:

@@ -4,6 +4,7 @@ corrupt checkpoints named with the last complete one, RNG states, determinism, b
 elastic restarts, multi-node, hangs) are in test_reliability_launch.py (slow)."""
 
 import contextlib
+import dataclasses
 import io
 import math
 import os
@@ -18,7 +19,7 @@ import torch
 from megatron import checkpointing as ckpt
 from tests.helpers.dist import run_distributed
 from tests.helpers.paths import ROOT
-from tests.helpers.reliability import (checkpoint_args, linear_and_adamw, tiny_argv,
+from tests.helpers.reliability import (checkpoint_config, linear_and_adamw, tiny_argv,
                                        write_dataset)
 
 
@@ -41,11 +42,14 @@ def _verify(folders):
     out = []
     for folder in folders:
         model, opt = linear_and_adamw(0.0)
-        loaded = ckpt.load_checkpoint(model, opt, None, checkpoint_args(folder))
+        groups = ps.get_process_groups()
+        loaded = ckpt.load_checkpoint(model, opt, None, checkpoint_config(folder), groups,
+                                      run_flags={})
         weight = float(model[0].weight[0, 0].detach())
-        ckpt.save_checkpoint(3, model, opt, None, checkpoint_args(folder), consumed_train_samples=24,
-                             consumed_valid_samples=0)
-        again = ckpt.load_checkpoint(*linear_and_adamw(0.0), None, checkpoint_args(folder))["iteration"]
+        ckpt.save_checkpoint(3, model, opt, None, checkpoint_config(folder), groups, run_flags={},
+                             consumed_train_samples=24, consumed_valid_samples=0)
+        again = ckpt.load_checkpoint(*linear_and_adamw(0.0), None, checkpoint_config(folder),
+                                     groups, run_flags={})["iteration"]
         out.append((loaded["iteration"], weight, again, sorted(os.listdir(folder))))
     return out
 
@@ -75,15 +79,17 @@ def test_kill_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path):
 def _broken_load(folder, how):
     from tests.helpers.checkpoint import checkpoint_parts
 
+    from megatron.core import parallel_state as ps
+
     model, opt, sched = checkpoint_parts(0)
-    args = checkpoint_args(folder)
-    args.keep_last_checkpoints = None
+    config = dataclasses.replace(checkpoint_config(folder), keep_last_checkpoints=None)
+    groups = ps.get_process_groups()
     for it in (2, 4):
-        ckpt.save_checkpoint(it, model, opt, sched, args, consumed_train_samples=8 * it,
-                             consumed_valid_samples=0)
+        ckpt.save_checkpoint(it, model, opt, sched, config, groups, run_flags={},
+                             consumed_train_samples=8 * it, consumed_valid_samples=0)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 1:  # only the second pipeline stage's shard is damaged
-        path = ckpt.get_checkpoint_name(folder, 4)
+        path = ckpt.checkpoint_name_of(folder, 4, groups)
         if how == "truncated":
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
@@ -91,7 +97,7 @@ def _broken_load(folder, how):
             os.remove(path)
     torch.distributed.barrier()
     try:
-        ckpt.load_checkpoint(model, opt, sched, args)
+        ckpt.load_checkpoint(model, opt, sched, config, groups, run_flags={})
     except ckpt.CheckpointError as exc:
         return str(exc)
     return None

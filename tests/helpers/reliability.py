@@ -62,11 +62,10 @@ def linear_and_adamw(value):
     return [model], torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
-def checkpoint_args(folder):
-    from types import SimpleNamespace
+def checkpoint_config(folder):
+    from megatron.config import CheckpointConfig
 
-    return SimpleNamespace(save=folder, load=folder, keep_last_checkpoints=1, finetune=False,
-                           no_load_optim=False, no_load_rng=False)
+    return CheckpointConfig(save=folder, load=folder, keep_last_checkpoints=1)
 
 
 def crash_child(folder, function, call):
@@ -76,8 +75,11 @@ def crash_child(folder, function, call):
 
     world_of_one()
     model, opt = linear_and_adamw(1.0)
-    ckpt.save_checkpoint(1, model, opt, None, checkpoint_args(folder), consumed_train_samples=8,
-                         consumed_valid_samples=0)
+    from megatron.core import parallel_state as ps
+
+    groups = ps.get_process_groups()
+    ckpt.save_checkpoint(1, model, opt, None, checkpoint_config(folder), groups, run_flags={},
+                         consumed_train_samples=8, consumed_valid_samples=0)
     model, opt = linear_and_adamw(2.0)
     owner = {"torch.save": torch, "os.replace": os, "os.rename": os, "_fsync_dir": ckpt}
     module, name = owner[function], function.split(".")[-1]
@@ -93,8 +95,9 @@ def crash_child(folder, function, call):
         return real(*a, **k)
 
     setattr(module, name, dying)
-    ckpt.save_checkpoint(2, model, opt, None, checkpoint_args(folder), consumed_train_samples=16,
-                         consumed_valid_samples=0)
+    ckpt.save_checkpoint(2, model, opt, None, checkpoint_config(folder), groups, run_flags={},
+                         consumed_train_samples=16, consumed_valid_samples=0)
+
 
 
 def process_running(pid):

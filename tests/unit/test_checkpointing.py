@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from megatron import checkpointing as ckpt
+from megatron.arguments import load_args_from_checkpoint
+from megatron.config import CheckpointConfig
+from megatron.config.saved_args import plain
 from tests.helpers.checkpoint import checkpoint_parts
 from tests.helpers.dist import run_distributed
+from tests.helpers.groups import current_groups
 
 
 def test_checkpoint_names_follow_megatron():
@@ -34,22 +38,22 @@ def test_tracker_file(tmp_path):
 
 def test_args_are_plain_values():
     args = SimpleNamespace(lr=1e-3, dtype=torch.bfloat16, data_path=("a", "b"), save=None)
-    assert ckpt.args_to_dict(args) == {"data_path": ["a", "b"], "dtype": "torch.bfloat16",
-                                       "lr": 1e-3, "save": None}
+    assert {k: plain(v) for k, v in sorted(vars(args).items())} == {
+        "data_path": ["a", "b"], "dtype": "torch.bfloat16", "lr": 1e-3, "save": None}
 
 
 def _round_trip(save_dir):
     model, opt, sched = checkpoint_parts(0)
     sched.num_steps = 5
-    args = SimpleNamespace(save=save_dir, load=save_dir, finetune=False, no_load_optim=False,
-                           no_load_rng=False, keep_last_checkpoints=1, hidden_size=4)
-    ckpt.save_checkpoint(3, model, opt, sched, args, consumed_train_samples=24,
-                         consumed_valid_samples=8)
-    ckpt.save_checkpoint(6, model, opt, sched, args, consumed_train_samples=48,
-                         consumed_valid_samples=16)
+    config = CheckpointConfig(save=save_dir, load=save_dir, keep_last_checkpoints=1)
+    run_flags = {"save": save_dir, "hidden_size": 4}  # what the shards record as args
+    ckpt.save_checkpoint(3, model, opt, sched, config, current_groups(), run_flags=run_flags,
+                         consumed_train_samples=24, consumed_valid_samples=8)
+    ckpt.save_checkpoint(6, model, opt, sched, config, current_groups(), run_flags=run_flags,
+                         consumed_train_samples=48, consumed_valid_samples=16)
     after_save = torch.rand(3)
     model2, opt2, sched2 = checkpoint_parts(1)
-    loaded = ckpt.load_checkpoint(model2, opt2, sched2, args)
+    loaded = ckpt.load_checkpoint(model2, opt2, sched2, config, current_groups(), run_flags={})
     after_load = torch.rand(3)
     same_weights = all(torch.equal(a, b) for a, b in zip(model[0].state_dict().values(),
                                                          model2[0].state_dict().values()))
@@ -68,7 +72,7 @@ def test_save_load_round_trip_two_pipeline_stages(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000006", ckpt.TRACKER_FILENAME]
     # --use-checkpoint-args takes the model shape from the saved arguments.
     args = SimpleNamespace(load=str(tmp_path), hidden_size=99, num_layers=3)
-    assert ckpt.load_args_from_checkpoint(args) == ["hidden_size"]
+    assert load_args_from_checkpoint(args) == ["hidden_size"]
     assert args.hidden_size == 4 and args.num_layers == 3
     path = tmp_path / "iter_0000006" / "mp_rank_00_001" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=True)
@@ -77,15 +81,16 @@ def test_save_load_round_trip_two_pipeline_stages(tmp_path):
 
 def _failing_save(save_dir):
     model, opt, sched = checkpoint_parts(0)
-    args = SimpleNamespace(save=save_dir, load=save_dir, keep_last_checkpoints=1)
-    ckpt.save_checkpoint(1, model, opt, sched, args, consumed_train_samples=8, consumed_valid_samples=0)
+    config = CheckpointConfig(save=save_dir, load=save_dir, keep_last_checkpoints=1)
+    ckpt.save_checkpoint(1, model, opt, sched, config, current_groups(), run_flags={},
+                         consumed_train_samples=8, consumed_valid_samples=0)
     if torch.distributed.get_rank() == 1:
         def full_disk(obj, path):
             raise OSError(28, "No space left on device")
         ckpt._write_atomic = full_disk
     try:
-        ckpt.save_checkpoint(2, model, opt, sched, args, consumed_train_samples=16,
-                             consumed_valid_samples=0)
+        ckpt.save_checkpoint(2, model, opt, sched, config, current_groups(), run_flags={},
+                             consumed_train_samples=16, consumed_valid_samples=0)
     except ckpt.CheckpointError as exc:
         return str(exc)
     return None
@@ -100,10 +105,10 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
 
 def _load_error(save_dir, case):
     model, opt, sched = checkpoint_parts(0)
-    args = SimpleNamespace(save=save_dir, load=save_dir, finetune=False, no_load_optim=False,
-                           no_load_rng=False)
-    ckpt.save_checkpoint(4, model, opt, sched, args, consumed_train_samples=8, consumed_valid_samples=0)
-    path = ckpt.get_checkpoint_name(save_dir, 4)
+    config = CheckpointConfig(save=save_dir, load=save_dir)
+    ckpt.save_checkpoint(4, model, opt, sched, config, current_groups(), run_flags={},
+                         consumed_train_samples=8, consumed_valid_samples=0)
+    path = ckpt.checkpoint_name_of(save_dir, 4, current_groups())
     if case == "shape":
         model, opt, sched = checkpoint_parts(0, out_features=5)
     elif case == "corrupt":
@@ -118,7 +123,7 @@ def _load_error(save_dir, case):
     elif case == "missing":
         os.remove(path)
     try:
-        ckpt.load_checkpoint(model, opt, sched, args)
+        ckpt.load_checkpoint(model, opt, sched, config, current_groups(), run_flags={})
     except ckpt.CheckpointError as exc:
         return str(exc)
     return None
@@ -148,9 +153,9 @@ def test_load_errors_name_file_and_problem(tmp_path):
 
 def _fresh_or_finetune(load_dir, finetune):
     model, opt, sched = checkpoint_parts(0)
-    args = SimpleNamespace(load=load_dir, finetune=finetune)
+    config = CheckpointConfig(load=load_dir, finetune=finetune)
     try:
-        return ckpt.load_checkpoint(model, opt, sched, args)
+        return ckpt.load_checkpoint(model, opt, sched, config, current_groups(), run_flags={})
     except ckpt.CheckpointError as exc:
         return str(exc)
 
@@ -162,14 +167,14 @@ def test_empty_load_folder_is_fresh_start_but_finetune_error(tmp_path):
 
 def _release(save_dir):
     model, opt, sched = checkpoint_parts(0)
-    args = SimpleNamespace(save=save_dir, load=save_dir, finetune=False, no_load_optim=False,
-                           no_load_rng=False)
-    ckpt.save_checkpoint(9, model, opt, sched, args, consumed_train_samples=8, consumed_valid_samples=0)
+    config = CheckpointConfig(save=save_dir, load=save_dir)
+    ckpt.save_checkpoint(9, model, opt, sched, config, current_groups(), run_flags={},
+                         consumed_train_samples=8, consumed_valid_samples=0)
     os.rename(os.path.join(save_dir, "iter_0000009"), os.path.join(save_dir, "release"))
     with open(os.path.join(save_dir, ckpt.TRACKER_FILENAME), "w") as f:
         f.write("release")
     model2, opt2, sched2 = checkpoint_parts(1)
-    loaded = ckpt.load_checkpoint(model2, opt2, sched2, args)
+    loaded = ckpt.load_checkpoint(model2, opt2, sched2, config, current_groups(), run_flags={})
     return loaded, torch.equal(model[0].weight, model2[0].weight)
 
 
@@ -192,19 +197,18 @@ def _flipped_byte_load(folder, target):
     ddp = DistributedDataParallel(Net(), data_parallel_group=ps.get_data_parallel_group(),
                                   bucket_size=BUCKET, use_distributed_optimizer=True)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, use_distributed_optimizer=True), [ddp],
-                                 pg_collection=ps.get_process_groups())
-    args = SimpleNamespace(save=folder, load=folder, keep_last_checkpoints=None, finetune=False,
-                           no_load_optim=False, no_load_rng=False)
+                                 pg_collection=current_groups())
+    config = CheckpointConfig(save=folder, load=folder)
     for it in (1, 2):
         distrib_iteration(ddp, opt, it, 1)
-        ckpt.save_checkpoint(it, [ddp], opt, None, args, consumed_train_samples=16 * it,
-                             consumed_valid_samples=0)
+        ckpt.save_checkpoint(it, [ddp], opt, None, config, current_groups(), run_flags={},
+                             consumed_train_samples=16 * it, consumed_valid_samples=0)
     shard = os.path.join(folder, "iter_0000002", "mp_rank_00", target)
     if torch.distributed.get_rank() == 0:
         flip_storage_byte(shard)
     torch.distributed.barrier()
     try:
-        ckpt.load_checkpoint([ddp], opt, None, args)
+        ckpt.load_checkpoint([ddp], opt, None, config, current_groups(), run_flags={})
     except ckpt.CheckpointError as exc:
         return str(exc)
     return None

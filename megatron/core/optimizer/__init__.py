@@ -12,16 +12,18 @@ from megatron.core.optimizer.clip_grads import (clip_grad_norm_fp32, count_zeros
                                                 get_grad_norm_fp32, grads_for_norm)
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
-from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
+from megatron.core.optimizer.lr_scheduler import (OptimizerParamScheduler, build_opt_param_scheduler,
+                                                  lr_schedule_steps)
 from megatron.core.optimizer.optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer,
                                                MegatronOptimizer, MixedPrecisionOptimizer)
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerConfig
 from megatron.core.optimizer.param_groups import get_param_groups
 from megatron.core.process_groups import ProcessGroupCollection
 
 __all__ = ["DistributedOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
            "MegatronOptimizer", "MixedPrecisionOptimizer", "OptimizerConfig",
-           "OptimizerParamScheduler", "build_opt_param_scheduler", "clip_grad_norm_fp32",
+           "OptimizerParamScheduler", "SchedulerConfig", "build_opt_param_scheduler",
+           "clip_grad_norm_fp32", "lr_schedule_steps",
            "count_zeros_fp32", "get_grad_norm_fp32", "get_megatron_optimizer", "get_param_groups",
            "grads_for_norm"]
 

@@ -21,7 +21,7 @@ Weight decay at step n (``--start-weight-decay``, ``--end-weight-decay``,
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 _LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WD_STYLES = ("constant", "linear", "cosine")
@@ -198,51 +198,57 @@ class OptimizerParamScheduler:
         self.step(first("num_iters", "num_steps"))
 
 
-def build_opt_param_scheduler(optimizer, args) -> OptimizerParamScheduler:
-    """The scheduler of a run, counted in samples (Megatron's ``get_optimizer_param_scheduler``).
+def lr_schedule_steps(*, global_batch_size: int, train_iters: Optional[int],
+                      train_samples: Optional[int], lr_decay_iters: Optional[int] = None,
+                      lr_decay_samples: Optional[int] = None, lr_warmup_iters: int = 0,
+                      lr_warmup_samples: int = 0, lr_warmup_fraction: Optional[float] = None
+                      ) -> Tuple[float, int, int]:
+    """``(warmup, decay, weight-decay increment)`` lengths in samples (Megatron's
+    ``get_optimizer_param_scheduler`` arithmetic).
 
-    As in Megatron-LM, every length is in samples (iteration-based lengths are multiplied by
-    ``--global-batch-size``) and the training loop calls ``step(increment=global_batch_size)``
-    once per iteration, so checkpoints store ``num_steps`` in samples as Megatron's do.
-
-    Reads ``args``: ``lr``, ``min_lr``, ``lr_decay_style``, ``train_iters`` or ``train_samples``,
-    ``lr_decay_iters`` / ``lr_decay_samples`` (default: the training length),
-    ``lr_warmup_fraction`` or ``lr_warmup_iters`` / ``lr_warmup_samples``, ``global_batch_size``,
-    ``weight_decay``; optional ``lr_warmup_init`` (0), ``start_weight_decay`` / ``end_weight_decay``
-    (``weight_decay``), ``weight_decay_incr_style`` (constant), ``lr_wsd_decay_iters`` /
-    ``lr_wsd_decay_samples``, ``lr_wsd_decay_style``, ``override_opt_param_scheduler``,
-    ``use_checkpoint_opt_param_scheduler``.
+    Iteration-based lengths (``--train-iters``) are multiplied by the global batch; sample-based
+    ones (``--train-samples``) are taken as they are; ``lr_warmup_fraction`` replaces the warmup
+    by that fraction of the decay. A missing decay length is the training length.
 
     Raises:
-        ValueError: if neither ``--train-iters`` nor ``--train-samples`` is set, or (from the
-            scheduler) for inconsistent values.
+        ValueError: if neither ``train_iters`` nor ``train_samples`` is set.
     """
-    def arg(name, default=None):
-        value = getattr(args, name, None)
-        return default if value is None else value
-
-    gbs = args.global_batch_size
-    if arg("train_iters"):
-        decay = arg("lr_decay_iters", args.train_iters) * gbs
-        wd_incr = args.train_iters * gbs
-        wsd = arg("lr_wsd_decay_iters")
-        wsd = None if wsd is None else wsd * gbs
-        warmup = arg("lr_warmup_iters", 0) * gbs
-    elif arg("train_samples"):
-        decay = arg("lr_decay_samples", args.train_samples)
-        wd_incr = args.train_samples
-        wsd = arg("lr_wsd_decay_samples")
-        warmup = arg("lr_warmup_samples", 0)
+    if train_iters:
+        decay = (lr_decay_iters or train_iters) * global_batch_size
+        wd_incr = train_iters * global_batch_size
+        warmup = (lr_warmup_iters or 0) * global_batch_size
+    elif train_samples:
+        decay = lr_decay_samples or train_samples
+        wd_incr = train_samples
+        warmup = lr_warmup_samples or 0
     else:
         raise ValueError("set --train-iters or --train-samples to build the learning-rate schedule")
-    if arg("lr_warmup_fraction") is not None:
-        warmup = args.lr_warmup_fraction * decay
-    wd = args.weight_decay
+    if lr_warmup_fraction is not None:
+        warmup = lr_warmup_fraction * decay
+    return warmup, decay, wd_incr
+
+
+def build_opt_param_scheduler(optimizer, optimizer_config, scheduler_config
+                              ) -> OptimizerParamScheduler:
+    """The scheduler of a run (Megatron's ``get_optimizer_param_scheduler``), counted in samples:
+    the training loop calls ``step(increment=global_batch_size)`` once per iteration, so
+    checkpoints store ``num_steps`` in samples as Megatron's do.
+
+    Args:
+        optimizer: the optimizer whose ``param_groups`` the scheduler writes.
+        optimizer_config: ``lr``, ``min_lr`` and ``weight_decay``
+            (:class:`~megatron.core.optimizer.optimizer_config.OptimizerConfig`).
+        scheduler_config: the schedule, its lengths already in samples
+            (:class:`~megatron.core.optimizer.optimizer_config.SchedulerConfig`).
+
+    Raises:
+        ValueError: for inconsistent values (from the scheduler).
+    """
+    s, wd = scheduler_config, optimizer_config.weight_decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=arg("lr_warmup_init", 0.0), max_lr=args.lr, min_lr=arg("min_lr", 0.0),
-        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
-        start_wd=arg("start_weight_decay", wd), end_wd=arg("end_weight_decay", wd),
-        wd_incr_steps=wd_incr, wd_incr_style=arg("weight_decay_incr_style", "constant"),
-        use_checkpoint_opt_param_scheduler=bool(arg("use_checkpoint_opt_param_scheduler", False)),
-        override_opt_param_scheduler=bool(arg("override_opt_param_scheduler", False)),
-        wsd_decay_steps=wsd, lr_wsd_decay_style=arg("lr_wsd_decay_style"))
+        optimizer, init_lr=0.0, max_lr=optimizer_config.lr, min_lr=optimizer_config.min_lr,
+        lr_warmup_steps=s.lr_warmup_steps, lr_decay_steps=s.lr_decay_steps,
+        lr_decay_style=s.lr_decay_style, start_wd=wd, end_wd=wd, wd_incr_steps=s.wd_incr_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler)

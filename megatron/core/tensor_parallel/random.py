@@ -196,7 +196,7 @@ class CheckpointFunction(torch.autograd.Function):
             ctx.input_0_requires_grad = args[0].requires_grad
             tensor_args[0] = _split_into_1d_chunk(args[0], group)
         ctx.tensor_indices = [i for i, a in enumerate(tensor_args) if torch.is_tensor(a)]
-        ctx.non_tensor_args = {i: a for i, a in enumerate(tensor_args) if not torch.is_tensor(a)}
+        ctx.non_tensors = {i: a for i, a in enumerate(tensor_args) if not torch.is_tensor(a)}
         ctx.num_args = len(args)
         ctx.save_for_backward(*(tensor_args[i] for i in ctx.tensor_indices))
         return outputs
@@ -208,7 +208,7 @@ class CheckpointFunction(torch.autograd.Function):
         args = [None] * ctx.num_args
         for i, t in zip(ctx.tensor_indices, ctx.saved_tensors):
             args[i] = t
-        for i, a in ctx.non_tensor_args.items():
+        for i, a in ctx.non_tensors.items():
             args[i] = a
         if ctx.distribute:
             args[0] = _gather_1d_chunks(args[0], ctx.input_0_shape, ctx.group)

@@ -73,8 +73,7 @@ def test_finetune_starts_at_hf_loss(converted):
 
 
 def test_checkpoint_args_rebuild_the_scaled_model(converted):
-    from megatron.arguments import parse_args
-    from megatron.checkpointing import load_args_from_checkpoint
+    from megatron.arguments import load_args_from_checkpoint, parse_args
     from megatron.config import build_model_config
 
     root, _ = converted

@@ -50,8 +50,7 @@ def test_values_the_args_lose_come_from_flags_or_fail(shared_data, capsys):
 
 
 def test_checkpoint_args_are_taken_over(shared_data):
-    from megatron.arguments import parse_args
-    from megatron.checkpointing import load_args_from_checkpoint
+    from megatron.arguments import load_args_from_checkpoint, parse_args
 
     args = parse_args(["--load", os.path.join(megatron_lm_reference(shared_data), "mcore-tp2pp2"),
                        "--use-checkpoint-args", "--seq-length", "32"])
@@ -62,10 +61,8 @@ def test_checkpoint_args_are_taken_over(shared_data):
 
 
 def _load_at(load_dir, tp, pp):
-    import argparse
-
     from megatron.checkpointing import load_checkpoint
-    from megatron.config import ModelConfig
+    from megatron.config import CheckpointConfig, ModelConfig
     from megatron.core import parallel_state as ps
     from megatron.model.llama import LlamaModel
 
@@ -75,9 +72,9 @@ def _load_at(load_dir, tp, pp):
                                    padded_vocab_size=1024, max_position_embeddings=128),
                        pg_collection=groups)
     try:
-        load_checkpoint([model], None, None, argparse.Namespace(
-            load=load_dir, num_layers=4, num_attention_heads=8, group_query_attention=True,
-            num_query_groups=4))
+        load_checkpoint([model], None, None, CheckpointConfig(load=load_dir), groups,
+                        run_flags=dict(num_layers=4, num_attention_heads=8,
+                                       group_query_attention=True, num_query_groups=4))
     except CheckpointError as exc:
         return str(exc)
     return None

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from megatron.model import get_layer_numbers
 from megatron.model.initialization import from_fused_layout, to_fused_layout
 from megatron.model.llama import LlamaModel
-from tests.helpers.model import LLAMA3_SCALING, batch, copy_hf_into_ours, hf_model, small_config
 from tests.helpers.groups import current_groups
+from tests.helpers.model import LLAMA3_SCALING, batch, copy_hf_into_ours, hf_model, small_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,7 +93,8 @@ def test_document_masks_and_reset_positions_equal_separate_documents():
 def test_pipeline_stages_compose_to_the_whole_model(tied):
     config = small_config(num_layers=4, untie_embeddings_and_output_weights=not tied)
     whole = LlamaModel(config, pg_collection=current_groups())
-    stages = [LlamaModel(config, pg_collection=current_groups(), pre_process=r == 0, post_process=r == 1,
+    stages = [LlamaModel(config,
+                         pg_collection=current_groups(), pre_process=r == 0, post_process=r == 1,
                          layer_numbers=get_layer_numbers(4, 2, r)) for r in range(2)]
     assert [l.layer_number for l in stages[1].layers] == [3, 4]
     tokens, labels = batch(config)
@@ -146,7 +147,8 @@ def test_init_is_seeded_by_layer_and_name_and_leaves_the_rng_alone():
                  "word_embeddings.weight", "layers.3.mlp.dense_h_to_4h.weight"]:
         assert abs(w[name].std().item() - 0.05) < 0.1 * 0.05, name
     assert torch.equal(w["layers.1.input_layernorm.weight"], torch.ones(config.hidden_size))
-    assert not torch.equal(LlamaModel(config.replace(seed=8), pg_collection=current_groups()).word_embeddings.weight,
+    assert not torch.equal(LlamaModel(config.replace(seed=8),
+                                      pg_collection=current_groups()).word_embeddings.weight,
                            w["word_embeddings.weight"])
 
 
@@ -156,7 +158,8 @@ def test_biases_when_add_bias_linear():
     assert {"layers.0.self_attention.query_key_value.bias", "layers.0.self_attention.dense.bias",
             "layers.0.mlp.dense_h_to_4h.bias", "layers.0.mlp.dense_4h_to_h.bias"} <= names
     assert "output_layer.bias" not in names
-    assert not any(n.endswith(".bias") for n, _ in LlamaModel(small_config(), pg_collection=current_groups()).named_parameters())
+    model = LlamaModel(small_config(), pg_collection=current_groups())
+    assert not any(n.endswith(".bias") for n, _ in model.named_parameters())
 
 
 def test_bf16_model_keeps_fp32_rotary_angles():

@@ -6,8 +6,8 @@ import torch
 
 from megatron.model.initialization import from_fused_layout
 from tests.helpers.dist import run_distributed
-from tests.helpers.model import batch, small_config
 from tests.helpers.groups import current_groups
+from tests.helpers.model import batch, small_config
 
 # Fused weights/biases: logical blocks compared one by one, since the per-rank layout depends on TP.
 _FUSED = {"self_attention.query_key_value": lambda c: [c.num_attention_heads * c.kv_channels,
@@ -110,7 +110,8 @@ def _stages_rank_main(tp, config):
     config = config.replace(tensor_model_parallel_size=tp)
     tokens, positions, mask, labels = _inputs(config, document_mask=True)
     whole = LlamaModel(config, pg_collection=current_groups())
-    first, last = (LlamaModel(config, pg_collection=current_groups(), pre_process=r == 0, post_process=r == 1,
+    first, last = (LlamaModel(config, pg_collection=current_groups(), pre_process=r == 0,
+                              post_process=r == 1,
                               layer_numbers=get_layer_numbers(config.num_layers, 2, r)) for r in range(2))
     with torch.no_grad():
         hidden = first(tokens, positions, mask)

@@ -9,8 +9,8 @@ from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.model.recompute import check_recompute_config, selective_modules
 from tests.helpers.activation_memory import saved_activation_bytes
 from tests.helpers.dist import run_distributed
-from tests.helpers.model import batch, small_config
 from tests.helpers.groups import current_groups
+from tests.helpers.model import batch, small_config
 
 SETTINGS = {
     "selective": dict(recompute_granularity="selective"),
@@ -109,7 +109,8 @@ def _measure(config, num_layers=2):
     from megatron.model.rotary import RotaryEmbedding
     from megatron.model.transformer import TransformerLayer
 
-    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=current_groups()) for i in range(num_layers))
+    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=current_groups())
+                                 for i in range(num_layers))
     tp = config.tensor_model_parallel_size
     sp = config.sequence_parallel and tp > 1
     x = torch.randn(S // tp if sp else S, B, config.hidden_size, requires_grad=True)

@@ -8,8 +8,8 @@ import torch
 
 from megatron.arguments import parse_args, validate_args
 from tests.helpers.dist import run_distributed
-from tests.helpers.model import small_config
 from tests.helpers.groups import current_groups
+from tests.helpers.model import small_config
 
 S, B, M = 8, 2, 2  # sequence, micro-batch, micro-batches
 

@@ -31,11 +31,13 @@ def _measure_weights(tp, pp, bf16, untie, bucket_size):
     config = ModelConfig(**TINY, params_dtype=dtype, tensor_model_parallel_size=tp,
                          untie_embeddings_and_output_weights=untie)
     rank, size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    model = LlamaModel(config, pg_collection=current_groups(), pre_process=rank == 0, post_process=rank == size - 1,
+    model = LlamaModel(config, pg_collection=current_groups(), pre_process=rank == 0,
+                       post_process=rank == size - 1,
                        layer_numbers=get_layer_numbers(config.num_layers, size, rank))
     ddp = DistributedDataParallel(model, data_parallel_group=ps.get_data_parallel_group(),
                                   bucket_size=bucket_size)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16), [ddp], pg_collection=current_groups())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16), [ddp],
+                                 pg_collection=current_groups())
     sum(p.float().square().sum() for p in model.parameters()).backward()
     ddp.finish_grad_sync()
     opt.step()
@@ -106,7 +108,8 @@ def _measured_and_planned(config, setting, seq, mbs, num_layers=3):
     config = config.replace(**fields)
     tp = config.tensor_model_parallel_size
     sp = config.sequence_parallel and tp > 1
-    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=current_groups()) for i in range(num_layers))
+    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=current_groups())
+                                 for i in range(num_layers))
     x = torch.randn(seq // tp if sp else seq, mbs, config.hidden_size, dtype=config.params_dtype,
                     requires_grad=True)
     cos, sin = RotaryEmbedding(config.kv_channels)(torch.arange(seq).expand(mbs, seq))

@@ -33,11 +33,12 @@ def test_flops_of_the_log_line_equal_hand_count():
     # LLaMA-2 7B (MHA) and a GQA shape (Llama-3 8B, 4 layers): the formula counts both right.
     for h, layers, heads, groups, ffn, vocab, s in [(4096, 32, 32, 32, 11008, 32000, 4096),
                                                    (4096, 4, 32, 8, 14336, 128256, 8192)]:
-        args = argparse.Namespace(hidden_size=h, num_layers=layers, num_attention_heads=heads,
-                                  num_query_groups=groups, kv_channels=h // heads,
-                                  ffn_hidden_size=ffn, padded_vocab_size=vocab, seq_length=s)
+        model = ModelConfig(hidden_size=h, num_layers=layers, num_attention_heads=heads,
+                            num_query_groups=groups, kv_channels=h // heads, ffn_hidden_size=ffn,
+                            padded_vocab_size=vocab, max_position_embeddings=s)
+        config = argparse.Namespace(model=model, data=argparse.Namespace(seq_length=s))
         expected = _hand_flops(h, layers, heads, groups, h // heads, ffn, vocab, s, 3)
-        assert train.num_floating_point_operations(args, 3) == pytest.approx(expected, rel=1e-12)
+        assert train.num_floating_point_operations(config, 3) == pytest.approx(expected, rel=1e-12)
     # 7B, one sequence of 4096: 6 N T with N = 6.607e9 matrix weights (1.624e14) plus attention
     # 3 x 4096 tokens x 32 layers x 4 s h (2.64e13).
     assert _hand_flops(4096, 32, 32, 32, 128, 11008, 32000, 4096, 1) == pytest.approx(
@@ -51,15 +52,20 @@ def test_mfu_formula_and_errors():
         model_flops_utilization(1e12, 0.0, 1, 100.0)
 
 
+def _peak(argv):
+    a = parse_args(argv)
+    return resolve_peak_tflops(a.peak_tflops, a.measure_peak, torch.float32, torch.device("cpu"))
+
+
 def test_peak_flags():
     a = parse_args(["--peak-tflops", "989", "--compile"])
-    assert a.compile and resolve_peak_tflops(a, torch.device("cpu")) == 989.0
-    assert resolve_peak_tflops(parse_args([]), torch.device("cpu")) is None
+    assert a.compile and _peak(["--peak-tflops", "989", "--compile"]) == 989.0
+    assert _peak([]) is None
     with pytest.raises(ValueError, match="--peak-tflops"):
-        resolve_peak_tflops(parse_args(["--peak-tflops", "-1"]), torch.device("cpu"))
+        _peak(["--peak-tflops", "-1"])
     with pytest.raises(ValueError, match="--measure-peak"):
-        resolve_peak_tflops(parse_args(["--peak-tflops", "1", "--measure-peak"]), torch.device("cpu"))
-    measured = resolve_peak_tflops(parse_args(["--measure-peak"]), torch.device("cpu"))
+        _peak(["--peak-tflops", "1", "--measure-peak"])
+    measured = _peak(["--measure-peak"])
     assert 1e-4 < measured < 1e3  # a CPU: between 0.1 GFLOP/s and 1 PFLOP/s
     assert 1e-4 < measure_peak_tflops(torch.device("cpu"), torch.bfloat16, size=128, repeats=2)
 

@@ -1,12 +1,11 @@
 """Micro-batch calculators: Megatron-LM's arithmetic, values worked out by hand."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from megatron.training.microbatches import (ConstantNumMicroBatches,
                                             RampupBatchsizeNumMicroBatches,
-                                            build_num_microbatches_calculator)
+                                            build_num_microbatches_calculator, num_microbatches,
+                                            train_iterations)
 
 
 @pytest.mark.parametrize("gbs, mbs, dp, expected", [(8, 2, 2, 2), (8, 2, 1, 4), (1024, 1, 8, 128),
@@ -47,9 +46,7 @@ def test_rampup_fractional_samples_per_increment():
 
 def test_rampup_training_loop_sequence():
     # Megatron's loop: update(consumed, True) before each iteration, consumed += current batch.
-    calc = build_num_microbatches_calculator(SimpleNamespace(
-        rampup_batch_size=["8", "8", "64"], global_batch_size=32, micro_batch_size=4,
-        data_parallel_size=2))
+    calc = build_num_microbatches_calculator(32, 4, 2, rampup_batch_size=["8", "8", "64"])
     consumed, batches = 0, []
     for _ in range(10):
         calc.update(consumed, True)
@@ -76,12 +73,20 @@ def test_rampup_errors():
     with pytest.raises(ValueError, match=r"ramped-up global batch size \(6\) is not divisible"):
         calc.update(0, True)
     with pytest.raises(ValueError, match="takes three values"):
-        build_num_microbatches_calculator(SimpleNamespace(
-            rampup_batch_size=[1, 2], global_batch_size=8, micro_batch_size=1,
-            data_parallel_size=1))
+        build_num_microbatches_calculator(8, 1, 1, rampup_batch_size=[1, 2])
 
 
 def test_builder_constant():
-    calc = build_num_microbatches_calculator(SimpleNamespace(
-        rampup_batch_size=None, global_batch_size=64, micro_batch_size=2, data_parallel_size=4))
+    calc = build_num_microbatches_calculator(64, 2, 4)
     assert isinstance(calc, ConstantNumMicroBatches) and calc.get() == 8
+
+
+def test_the_one_micro_batch_count_and_the_length_of_a_run():
+    assert num_microbatches(64, 2, 4) == 8
+    with pytest.raises(ValueError, match=r"--global-batch-size \(10\) must be a positive multiple"):
+        num_microbatches(10, 2, 2)
+    batches = dict(global_batch_size=32, micro_batch_size=4, data_parallel_size=2)
+    assert train_iterations(10, None, **batches) == 10
+    assert train_iterations(None, 100, **batches) == 3  # a partial last batch is dropped
+    # Ramp-up 8 8 64: batches 8, 8, 8, 16, 16, 24 consume 80 samples (> 64), then 120 // 32 = 3.
+    assert train_iterations(None, 200, rampup_batch_size=(8, 8, 64), **batches) == 9

@@ -5,8 +5,8 @@ import torch
 
 from megatron.core import parallel_state as ps
 from tests.helpers.dist import run_distributed
-from tests.helpers.toy import Net, toy_data
 from tests.helpers.groups import current_groups
+from tests.helpers.toy import Net, toy_data
 
 
 def _reference_grads(x, y):

@@ -10,8 +10,8 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.dist import run_distributed
-from tests.helpers.toy import CLIP, LR, Net, WD, toy_data
 from tests.helpers.groups import current_groups
+from tests.helpers.toy import CLIP, LR, Net, WD, toy_data
 
 # loss multipliers per iteration: large and small gradients, an inf gradient, a NaN loss
 PLAN = [1.0, 40.0, 1e-3, "inf-grad", 20.0, "nan-loss", 3.0]
@@ -33,7 +33,8 @@ def _run(precision, clip, device_side, distributed=False):
     group = ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
     ddp = DistributedDataParallel(net, data_parallel_group=group, bucket_size=40,
                                   use_distributed_optimizer=distributed)
-    opt = get_megatron_optimizer(_config(precision, clip, distributed), [ddp], pg_collection=current_groups())
+    opt = get_megatron_optimizer(_config(precision, clip, distributed), [ddp],
+                                 pg_collection=current_groups())
     opt.device_side_step = device_side
     rank = ps.get_data_parallel_rank() if group is not None else 0
     dp = ps.get_data_parallel_world_size() if group is not None else 1

@@ -2,7 +2,6 @@
 micro-batches, every overlap; exact collective counts and sizes; optimizer-state bytes; saved
 weights equal the next forward's; a DP=4 checkpoint resumed at DP=2 continues the DP=4 run."""
 
-import types
 
 import pytest
 import torch
@@ -10,9 +9,9 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.dist import run_distributed
+from tests.helpers.groups import current_groups
 from tests.helpers.toy import (BUCKET, CLIP, LR, Net, WD, distrib_batch,
                                distrib_iteration, reference_adamw)
-from tests.helpers.groups import current_groups
 
 STEPS = 3
 
@@ -27,7 +26,8 @@ def _build(overlap_grad, overlap_param, bf16=False):
                                   use_distributed_optimizer=True,
                                   overlap_param_gather=overlap_param)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16,
-                                                 use_distributed_optimizer=True), [ddp], pg_collection=current_groups())
+                                                 use_distributed_optimizer=True), [ddp],
+                                 pg_collection=current_groups())
     return net, ddp, opt
 
 
@@ -97,8 +97,9 @@ def test_equals_adamw_counts_and_state_bytes(dp):
 
 
 def _args(folder, **kw):
-    return types.SimpleNamespace(save=str(folder), load=str(folder), keep_last_checkpoints=None,
-                                 finetune=False, no_load_optim=False, no_load_rng=True, **kw)
+    from megatron.config import CheckpointConfig
+
+    return CheckpointConfig(save=str(folder), load=str(folder), no_load_rng=True, **kw)
 
 
 def _save_then_continue(folder, steps_before, steps_after):
@@ -110,8 +111,8 @@ def _save_then_continue(folder, steps_before, steps_after):
     net, ddp, opt = _build(True, True)
     for step in range(steps_before):
         distrib_iteration(ddp, opt, step, 2)
-    checkpointing.save_checkpoint(steps_before, [ddp], opt, None, _args(folder),
-                                  consumed_train_samples=0, consumed_valid_samples=0)
+    checkpointing.save_checkpoint(steps_before, [ddp], opt, None, _args(folder), current_groups(),
+                                  run_flags={}, consumed_train_samples=0, consumed_valid_samples=0)
     assert all(b.param_handle is None for b in ddp.buffers[0].buckets)  # save waited for them
     seen = {}
 
@@ -121,7 +122,7 @@ def _save_then_continue(folder, steps_before, steps_after):
     handle = net.register_forward_hook(capture)
     losses = [distrib_iteration(ddp, opt, steps_before + k, 2)[0] for k in range(steps_after)]
     handle.remove()
-    path = checkpointing.get_checkpoint_name(str(folder), steps_before)
+    path = checkpointing.checkpoint_name_of(str(folder), steps_before, current_groups())
     saved = torch.load(path, weights_only=True)["model"]
     for k, v in seen["w"].items():
         assert torch.equal(saved[k], v), k
@@ -133,7 +134,8 @@ def _resume(folder, steps_before, steps_after):
 
     ps.initialize_model_parallel(1, 1)
     _, ddp, opt = _build(True, True)
-    loaded = checkpointing.load_checkpoint([ddp], opt, None, _args(folder))
+    loaded = checkpointing.load_checkpoint([ddp], opt, None, _args(folder), current_groups(),
+                                           run_flags={})
     assert loaded["iteration"] == steps_before
     return [distrib_iteration(ddp, opt, steps_before + k, 4)[0] for k in range(steps_after)]
 

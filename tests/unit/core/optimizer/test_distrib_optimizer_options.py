@@ -2,7 +2,6 @@
 checkpoints converted between the plain and the distributed optimizer (both directions, fp32 and
 bf16, continuing exactly as the saving run), and --distributed-checkpointing accepted and reported."""
 
-import types
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.arguments import base_argv, check
 from tests.helpers.dist import run_distributed
-from tests.helpers.toy import BUCKET, CLIP, LR, Net, WD, distrib_iteration
 from tests.helpers.groups import current_groups
+from tests.helpers.toy import BUCKET, CLIP, LR, Net, WD, distrib_iteration
 
 
 def _build(distributed, bf16=False, fp32_reduction=True):
@@ -25,7 +24,8 @@ def _build(distributed, bf16=False, fp32_reduction=True):
                                   accumulate_allreduce_grads_in_fp32=fp32_reduction,
                                   overlap_grad_reduce=distributed, overlap_param_gather=distributed)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16,
-                                                 use_distributed_optimizer=distributed), [ddp], pg_collection=current_groups())
+                                                 use_distributed_optimizer=distributed), [ddp],
+                                 pg_collection=current_groups())
     return ddp, opt
 
 
@@ -54,8 +54,9 @@ def test_bf16_gradient_reduction_reduces_in_bf16_and_trains():
 
 
 def _args(folder):
-    return types.SimpleNamespace(save=str(folder), load=str(folder), keep_last_checkpoints=None,
-                                 finetune=False, no_load_optim=False, no_load_rng=True)
+    from megatron.config import CheckpointConfig
+
+    return CheckpointConfig(save=str(folder), load=str(folder), no_load_rng=True)
 
 
 def _convert(folder):
@@ -71,11 +72,14 @@ def _convert(folder):
             ddp, opt = _build(saver, bf16)
             for step in range(2):
                 distrib_iteration(ddp, opt, step, 2)
-            checkpointing.save_checkpoint(2, [ddp], opt, None, _args(path),
-                                          consumed_train_samples=0, consumed_valid_samples=0)
+            checkpointing.save_checkpoint(2, [ddp], opt, None, _args(path), current_groups(),
+                                          run_flags={}, consumed_train_samples=0,
+                                          consumed_valid_samples=0)
             whole = [distrib_iteration(ddp, opt, step, 2)[0] for step in (2, 3)]
             ddp, opt = _build(not saver, bf16)
-            assert checkpointing.load_checkpoint([ddp], opt, None, _args(path))["iteration"] == 2
+            loaded = checkpointing.load_checkpoint([ddp], opt, None, _args(path), current_groups(),
+                                                   run_flags={})
+            assert loaded["iteration"] == 2
             resumed = [distrib_iteration(ddp, opt, step, 2)[0] for step in (2, 3)]
             out[(bf16, saver)] = (whole, resumed)
     return out

@@ -127,9 +127,17 @@ def test_bad_values_raise_naming_the_flag(kwargs, match):
 
 
 def test_build_from_args_counts_samples_like_megatron():
+    """The configuration turns the lengths into samples once (megatron.config.builder); the
+    scheduler built from it counts them like Megatron."""
     from argparse import Namespace
 
-    from megatron.core.optimizer import build_opt_param_scheduler
+    from megatron.config.builder import build_scheduler_config
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import build_opt_param_scheduler as build
+
+    def build_opt_param_scheduler(opt, args):
+        optimizer = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay)
+        return build(opt, optimizer, build_scheduler_config(args))
 
     opt = FakeOptimizer()
     args = Namespace(lr=1.0, min_lr=0.1, lr_decay_style="linear", train_iters=110, train_samples=None,

@@ -9,8 +9,8 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.dist import run_distributed
-from tests.helpers.toy import CLIP, LR, Net, STEPS, WD, reference_adamw, toy_data
 from tests.helpers.groups import current_groups
+from tests.helpers.toy import CLIP, LR, Net, STEPS, WD, reference_adamw, toy_data
 
 
 def _reference_params(steps):
@@ -90,7 +90,8 @@ def _zero_grad_step(model, opt):
 def test_no_weight_decay_on_1d_params():
     torch.manual_seed(0)
     net = Net()
-    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0.0), [net], pg_collection=current_groups())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0.0), [net],
+                                 pg_collection=current_groups())
     decay, no_decay = opt.param_groups
     assert {id(p) for p in decay["params"]} == {id(p) for p in net.parameters() if p.dim() == 2}
     assert decay["weight_decay"] == 0.5 and no_decay["weight_decay"] == 0.0
@@ -141,7 +142,8 @@ def test_state_dict_round_trip_resumes_identically(bf16):
 def test_bf16_reload_model_params_and_bad_config():
     torch.manual_seed(0)
     net = Net().to(torch.bfloat16)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [net], pg_collection=current_groups())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [net],
+                                 pg_collection=current_groups())
     with torch.no_grad():
         net.fc.weight.fill_(0.5)
     opt.reload_model_params()
@@ -152,7 +154,8 @@ def test_bf16_reload_model_params_and_bad_config():
     with pytest.raises(ValueError, match="--lr"):
         OptimizerConfig()
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
-        get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [net], pg_collection=current_groups())
+        get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [net],
+                               pg_collection=current_groups())
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -166,7 +169,8 @@ def test_a_nonfinite_gradient_skips_the_step(clip, bf16):
     torch.manual_seed(0)
     net = Net().to(torch.bfloat16) if bf16 else Net()
     ddp = DistributedDataParallel(net, data_parallel_group=None)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=clip, bf16=bf16), [ddp], pg_collection=current_groups())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=clip, bf16=bf16), [ddp],
+                                 pg_collection=current_groups())
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     x, y = toy_data(4)
     for poison in (True, False):
@@ -198,7 +202,8 @@ def test_clipping_folds_into_the_fused_step(bf16):
         net = Net().to(torch.bfloat16) if bf16 else Net()
         ddp = DistributedDataParallel(net, data_parallel_group=None)
         opt = get_megatron_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP, bf16=bf16,
-                                                     log_num_zeros_in_grad=count_zeros), [ddp], pg_collection=current_groups())
+                                                     log_num_zeros_in_grad=count_zeros), [ddp],
+ pg_collection=current_groups())
         seen = []
         step = opt.optimizer.step
 

@@ -180,7 +180,8 @@ def _llama_pipelined(tp, pp, tied, m):
         forward_step_func=forward_step, data_iterator=iter(batches), model=stage,
         num_microbatches=m, seq_length=s, micro_batch_size=b, config=pcfg, pg_collection=groups)
 
-    whole = LlamaModel(config, pg_collection=groups)  # same TP partition, every layer: the reference
+    whole = LlamaModel(config,
+                       pg_collection=groups)  # same TP partition, every layer: the reference
     ref_losses = schedules.forward_backward_no_pipelining(
         forward_step_func=forward_step, data_iterator=iter(batches), model=whole,
         num_microbatches=m, seq_length=s, micro_batch_size=b, config=PipelineConfig(hidden_size=32),

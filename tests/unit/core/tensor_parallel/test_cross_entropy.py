@@ -85,8 +85,8 @@ def test_single_process_matches_torch():
         vocab_parallel_cross_entropy(logits, target, tp_group=None),
         F.cross_entropy(logits.view(-1, V), target.view(-1), reduction="none").view(S, B))
     # uniform logits: loss = ln(V) whatever the smoothing
-    flat = vocab_parallel_cross_entropy(torch.zeros(1, 1, V), torch.zeros(1, 1, dtype=torch.long), 0.3,
-                                        tp_group=None)
+    flat = vocab_parallel_cross_entropy(torch.zeros(1, 1, V), torch.zeros(1, 1, dtype=torch.long),
+                                        0.3, tp_group=None)
     assert math.isclose(flat.item(), math.log(V), rel_tol=1e-6)
 
 

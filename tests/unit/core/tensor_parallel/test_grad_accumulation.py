@@ -8,8 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation
 from megatron.model.llama import LlamaModel
-from tests.helpers.model import batch, small_config
 from tests.helpers.groups import current_groups
+from tests.helpers.model import batch, small_config
 
 
 def _weight_with_main_grad(shape, dtype=torch.float32, seed=0):
@@ -37,7 +37,8 @@ def _linear_and_embedding(dtype):
 def _forward(w, table, x, ids, fusion=True):
     from megatron.core.tensor_parallel.layers import _Embedding
     hidden = x + _Embedding.apply(ids, table, fusion)  # the table's rows get d hidden = dY W
-    return linear_with_grad_accumulation(hidden, w, gradient_accumulation_fusion=fusion, tp_group=None)
+    return linear_with_grad_accumulation(hidden, w, gradient_accumulation_fusion=fusion,
+                                         tp_group=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,7 +108,8 @@ class _CountWeightSizedAdds(TorchDispatchMode):
 
 def _ddp_main_grads(config, micro_batches):
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(LlamaModel(config, pg_collection=current_groups()), data_parallel_group=None)
+    ddp = DistributedDataParallel(LlamaModel(config, pg_collection=current_groups()),
+                                  data_parallel_group=None)
     counter = _CountWeightSizedAdds((config.padded_vocab_size, config.hidden_size))
     for _ in range(2):  # the second iteration starts from a reset buffer
         ddp.zero_grad_buffer()

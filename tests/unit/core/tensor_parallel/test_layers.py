@@ -198,8 +198,8 @@ def test_single_process_layers_and_errors():
         ColumnParallelLinear(H, FFN, init_method=_init, gather_output=True, sequence_parallel=True,
                              tp_group=None)
     with pytest.raises(ValueError, match="input_is_parallel"):
-        RowParallelLinear(FFN, H, init_method=_init, input_is_parallel=False, sequence_parallel=True,
-                          tp_group=None)
+        RowParallelLinear(FFN, H, init_method=_init, input_is_parallel=False,
+                          sequence_parallel=True, tp_group=None)
     layer = RowParallelLinear(FFN, H, init_method=_init, params_dtype=torch.bfloat16, tp_group=None)
     assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
 

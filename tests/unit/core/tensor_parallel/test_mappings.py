@@ -53,7 +53,8 @@ def _mappings_world(tp):
     y, g = _run(lambda t: m.scatter_to_tensor_model_parallel_region(t, group), x, part_last, r)
     eq(y, x.chunk(tp, -1)[r])
     eq(g, _scattered_grad(r, part_last, tp, -1))
-    y, g = _run(lambda t: m.gather_from_tensor_model_parallel_region(t, group), x, shape[:2] + (shape[2] * tp,), r)
+    y, g = _run(lambda t: m.gather_from_tensor_model_parallel_region(t, group), x,
+                shape[:2] + (shape[2] * tp,), r)
     eq(y, torch.cat(xs, -1))
     eq(g, _dy(r, shape[:2] + (shape[2] * tp,)).chunk(tp, -1)[r])
     # sequence parallel: scatter / gather / reduce-scatter along the first dim

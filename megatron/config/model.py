@@ -1,0 +1,102 @@
+"""The model section of the configuration: shape and numerics of a LLaMA model.
+
+Each field's docstring names its flag (or says how it is derived), its unit and the flag's
+default; the dataclass defaults serve models built in code (tests, tools, benchmarks) and may
+differ (no dropout, for one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a LLaMA model (Touvron et al. 2023), what ``LlamaModel`` reads."""
+
+    num_layers: int
+    """``--num-layers``: transformer layers of the whole model (all pipeline stages). Required."""
+    hidden_size: int
+    """``--hidden-size``: model width h. Required."""
+    ffn_hidden_size: int
+    """``--ffn-hidden-size``: SwiGLU inner width (LLaMA-2 7B: 11008); flag default
+    ``int(4h * 2/3 / 64) * 64`` (Megatron's rule, filled by validation)."""
+    num_attention_heads: int
+    """``--num-attention-heads``: query heads. Required."""
+    padded_vocab_size: int
+    """Derived: vocabulary rows of the embedding and output layer, the tokenizer's vocabulary
+    padded to a multiple of ``--make-vocab-size-divisible-by`` x TP
+    (``megatron.tokenizer.vocab_size_with_padding``)."""
+    max_position_embeddings: int
+    """``--max-position-embeddings``: longest sequence (tokens) the rotary tables cover; flag
+    default ``--seq-length``."""
+    num_query_groups: Optional[int] = None
+    """``--num-query-groups`` (with ``--group-query-attention``): key/value heads (GQA); equals
+    ``num_attention_heads`` for plain multi-head attention (the default)."""
+    kv_channels: Optional[int] = None
+    """``--kv-channels``: per-head width; default ``hidden_size // num_attention_heads``."""
+    norm_epsilon: float = 1e-5
+    """``--norm-epsilon`` / ``--layernorm-epsilon``: RMSNorm epsilon. Default 1e-5."""
+    rotary_base: float = 10000.0
+    """``--rotary-base``: RoPE theta (10000; 500000 for Llama 3). Default 10000."""
+    rope_scaling: Optional[dict] = None
+    """Derived from ``--use-rope-scaling`` and ``--rope-scaling-*``: None, or HuggingFace's
+    Llama-3.1 dict (``rope_type`` llama3, ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``)."""
+    hidden_dropout: float = 0.0
+    """``--hidden-dropout``: dropout probability of the hidden states. Flag default 0.1."""
+    attention_dropout: float = 0.0
+    """``--attention-dropout``: dropout probability of the attention weights. Flag default 0.1."""
+    init_method_std: float = 0.02
+    """``--init-method-std``: std of the normal init; output projections use
+    ``std / sqrt(2 * num_layers)``. Default 0.02."""
+    untie_embeddings_and_output_weights: bool = True
+    """``--untie-embeddings-and-output-weights`` (implied by ``--causal-lm``): a separate output
+    layer (LLaMA) instead of the input embedding's weight. Flag default off (tied)."""
+    add_bias_linear: bool = False
+    """``--disable-bias-linear`` turns it off: biases on linear layers (False for LLaMA). Flag
+    default on."""
+    params_dtype: torch.dtype = torch.float32
+    """Derived from ``--bf16`` / ``--fp16``: dtype of the model parameters (fp32 otherwise)."""
+    tensor_model_parallel_size: int = 1
+    """``--tensor-model-parallel-size``: TP the model is partitioned over (the parallel section
+    holds the same flag). Default 1."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: norms and dropout on ``[s/TP, b, h]`` (off at TP = 1; the parallel
+    section holds the same flag). Default off."""
+    recompute_granularity: Optional[str] = None
+    """``--recompute-granularity`` (``--recompute-activations`` = selective): None, ``selective``
+    (the parts named by ``recompute_modules`` inside each layer) or ``full`` (whole layers);
+    see :mod:`megatron.model.recompute`. Default None."""
+    recompute_method: Optional[str] = None
+    """``--recompute-method``: with full granularity, ``uniform`` (groups of
+    ``recompute_num_layers`` layers) or ``block`` (the first ``recompute_num_layers`` layers of
+    each stage / model chunk). Default None."""
+    recompute_num_layers: Optional[int] = None
+    """``--recompute-num-layers``: layers per group (uniform) or recomputed layers per stage
+    (block). Default None."""
+    recompute_modules: Optional[tuple] = None
+    """``--recompute-modules``: what selective recompute recomputes (``core_attn``, ``act``,
+    ``layernorm``, ``mlp``); default None, meaning ``core_attn act layernorm``."""
+    seed: int = 1234
+    """``--seed``: base seed of the layout-independent weight initialisation (the training
+    section holds the same flag). Default 1234."""
+    gradient_accumulation_fusion: bool = True
+    """``--no-gradient-accumulation-fusion`` turns it off: weight gradients accumulate straight
+    into the DDP ``main_grad`` buffers (:mod:`megatron.core.tensor_parallel.grad_accumulation`).
+    Default on."""
+
+    def __post_init__(self):
+        if self.recompute_modules is not None:
+            object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.kv_channels is None:
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

@@ -310,7 +310,8 @@ def _add_distributed_args(parser):
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--reduce-bucket-size", type=float, default=None,
-                   help="gradient bucket size in elements (e.g. 2e8); default one large bucket")
+                   help="gradient bucket size in elements (e.g. 2e8); default Megatron-Core's "
+                        "max(4e7, 1e6 x DP), one bucket for small models")
     g.add_argument("--distributed-checkpointing", action="store_true")
     g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
                    help="set by the launcher; default $LOCAL_RANK")

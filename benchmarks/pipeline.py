@@ -176,7 +176,7 @@ def _world(pp, cases, tf_s, tb_s, repeats):
 
 def measure(pp: int, cases: list, tf_s: float, tb_s: float, repeats: int) -> list:
     """Rows for ``cases`` [(v, m)] at PP=``pp``: measured, from-order and theoretical bubble."""
-    from tests.dist import run_distributed
+    from tests.helpers.dist import run_distributed
 
     per_rank = run_distributed(pp, _world, pp, cases, tf_s, tb_s, repeats, timeout=600)
     rows = []

@@ -1,0 +1,384 @@
+"""Writing and reading :class:`~megatron.core.dist_checkpointing.mapping.ShardedTensor` boxes with
+``torch.distributed.checkpoint`` (DCP), resharding on load.
+
+Files (DCP's ``FileSystemWriter``): ``__R_0.distcp`` per writing rank R (each box one
+``torch.save`` record, concatenated) and ``.metadata``, written last by rank 0 of the group once
+every rank has written: the global shape, dtype and boxes of every key, and where each box lies.
+
+On load every rank names the boxes it wants, in any layout; DCP intersects them with the saved
+boxes and reads the overlaps into the wanted tensors in place. Our planners replace DCP's default
+ones so a rank can hold several boxes of one key (flat ranges of the distributed optimizer) and
+no state-dict flattening or pickled Python objects are involved.
+
+Nothing in the files is executed: ``.metadata`` is a pickle, read here by an unpickler that builds
+only DCP's metadata classes, torch sizes and dtypes, and refuses anything else naming the file and
+the global; boxes are read with ``torch.load(weights_only=True)``; file names in the metadata must
+be plain ``__R_K.distcp`` names inside the checkpoint folder. Each stored record is read once
+however many wanted boxes overlap it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import os
+import pickle
+import re
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+METADATA_FILE = ".metadata"
+_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
+
+
+class CheckpointFormatError(RuntimeError):
+    """A distributed checkpoint is unreadable, refused, or does not hold what the model needs."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a distributed checkpoint failed on some rank (e.g. a full disk)."""
+
+
+def _first_failure(exc: CheckpointException) -> Tuple[int, BaseException]:
+    """The lowest failing rank of DCP's exception and its own exception."""
+    rank = min(exc.failures)
+    failure = exc.failures[rank]
+    return rank, failure[0] if isinstance(failure, tuple) else failure
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when torch.distributed is not initialized: that is
+    what we mean then."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# Saving ------------------------------------------------------------------------------------------
+
+def _index(t: ShardedTensor) -> MetadataIndex:
+    return MetadataIndex(t.key, torch.Size(t.global_offset))
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Writes the boxes with ``replica_id == 0`` given at construction (the state dict DCP passes
+    is empty); DCP's global step then checks that the boxes of every key cover it without
+    overlap, and we refuse a box that two ranks both claim (a bug in choosing writers)."""
+
+    def __init__(self, tensors: Sequence[ShardedTensor]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._boxes: Dict[MetadataIndex, torch.Tensor] = {}
+        self._items: List[WriteItem] = []
+        for t in tensors:
+            if t.replica_id:
+                continue
+            index = _index(t)
+            if index in self._boxes:
+                raise ValueError(f"{t.key}: two boxes at offset {t.global_offset} on one rank")
+            self._boxes[index] = t.data
+            self._items.append(WriteItem(
+                index=index, type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(t.global_offset),
+                                               sizes=torch.Size(t.data.shape)),
+                    properties=TensorProperties.create_from_tensor(t.data),
+                    size=torch.Size(t.global_shape))))
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(list(self._items))
+        return self.plan
+
+    def _dedup_save_plans(self, all_plans: List[SavePlan]) -> List[SavePlan]:
+        seen = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                if item.index in seen:
+                    raise ValueError(f"{item.index.fqn}: the box at offset {list(item.index.offset)} "
+                                     f"is written by ranks {seen[item.index]} and {rank}")
+                seen[item.index] = rank
+        return all_plans
+
+    def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        for key, md in metadata.state_dict_metadata.items():  # DCP checks this only for >1 rank
+            covered = sum(math.prod(c.sizes) for c in md.chunks)
+            if covered != math.prod(md.size):
+                raise ValueError(f"{key}: the boxes written cover {covered} of the "
+                                 f"{math.prod(md.size)} elements of shape {list(md.size)}")
+        return plans, metadata
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._boxes[write_item.index]
+
+
+def save(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None,
+         thread_count: int = 1) -> None:
+    """Write this rank's boxes into ``directory``. Collective over ``process_group`` (every rank
+    of it calls this with its own boxes; None: the default group, or one process without
+    ``torch.distributed``).
+
+    Args:
+        tensors: the boxes this rank holds; those with ``replica_id > 0`` are not written here.
+        directory: the checkpoint folder (created if missing).
+        thread_count: writer threads (and files) per rank.
+
+    Raises:
+        CheckpointWriteError: on every rank when a write failed on any (e.g. a full disk), naming
+            the lowest failing rank and its error.
+    """
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
+                              thread_count=thread_count)
+    try:
+        with _single_process_quiet():
+            dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors),
+                     process_group=process_group, no_dist=not dist.is_initialized())
+    except CheckpointException as exc:
+        rank, cause = _first_failure(exc)
+        if isinstance(cause, ValueError):  # the boxes given do not make a checkpoint (a bug)
+            raise ValueError(f"{directory}: {cause}") from None
+        raise CheckpointWriteError(f"rank {rank} could not write its part of {directory}: "
+                                   f"{type(cause).__name__}: {cause}") from None
+
+
+# Reading the metadata ---------------------------------------------------------------------------
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # builds torch.strided from its name
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else (see the module docstring)."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointFormatError(
+            f"{self.path} asks to build {module}.{name}, which is not part of a distributed "
+            "checkpoint's metadata: refused (nothing from a checkpoint is executed)")
+
+
+def read_metadata(directory: str) -> Metadata:
+    """DCP's metadata of the checkpoint in ``directory`` (see the module docstring).
+
+    Raises:
+        CheckpointFormatError: missing, truncated or refused (names the file and the reason).
+    """
+    path = os.path.join(directory, METADATA_FILE)
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except CheckpointFormatError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{path} does not exist: {directory} is not a complete "
+                                    "distributed checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - pickle raises many types for damaged files
+        raise CheckpointFormatError(f"cannot read {path}: {type(exc).__name__}: {exc} (a "
+                                    "truncated or damaged file)") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointFormatError(f"{path} does not hold distributed-checkpoint metadata")
+    for info in metadata.storage_data.values():
+        if not _DATA_FILE.fullmatch(str(info.relative_path)):
+            raise CheckpointFormatError(f"{path} names the data file {info.relative_path!r}; "
+                                        "only __R_K.distcp files in the folder are read")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointFormatError(f"{path}: records written with stream transforms "
+                                        f"{info.transform_descriptors} are not read")
+    return metadata
+
+
+def tensor_shapes(metadata: Metadata) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """``{key: (global shape, dtype)}`` of every tensor in the checkpoint."""
+    return {k: (tuple(md.size), md.properties.dtype)
+            for k, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+
+
+# Loading ----------------------------------------------------------------------------------------
+
+class _Reader(FileSystemReader):
+    """``FileSystemReader`` with the safe metadata reader (the metadata read before, passed in),
+    and each stored record read once (``torch.load(weights_only=True)``) for all the wanted
+    boxes that overlap it."""
+
+    def __init__(self, directory: str, metadata: Metadata):
+        super().__init__(directory)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if kwargs.get("rank") is not None:  # DCP's per-rank fallback: we never write those
+            raise CheckpointFormatError("no per-rank metadata")
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        by_record: Dict[MetadataIndex, list] = {}
+        for item in plan.items:
+            by_record.setdefault(item.storage_index, []).append(item)
+        records = sorted(by_record, key=lambda i: (self.storage_data[i].relative_path,
+                                                   self.storage_data[i].offset))
+        handles = {}
+        try:
+            for index in records:
+                info = self.storage_data[index]
+                f = handles.get(info.relative_path)
+                if f is None:
+                    f = handles[info.relative_path] = open(
+                        os.path.join(str(self.path), info.relative_path), "rb")
+                f.seek(info.offset)
+                data = f.read(info.length)
+                if len(data) != info.length:
+                    raise CheckpointFormatError(
+                        f"{os.path.join(str(self.path), info.relative_path)} ends before the "
+                        f"record of {index.fqn} (byte {info.offset + info.length}): truncated")
+                stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                for item in by_record[index]:
+                    part = stored
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        part = part.narrow(dim, start, length)
+                    planner.resolve_tensor(item).copy_(part)
+        finally:
+            for f in handles.values():
+                f.close()
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class _LoadPlanner(LoadPlanner):
+    """Reads into the given boxes (``dest_index.index`` is the box's position in the list)."""
+
+    def __init__(self, tensors: Sequence[ShardedTensor]):
+        self._targets = list(tensors)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for i, t in enumerate(self._targets):
+            md = self.metadata.state_dict_metadata[t.key]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(t.global_offset),
+                                         sizes=torch.Size(t.data.shape))
+            reads = create_read_items_for_chunk_list(t.key, md, [chunk])
+            covered = sum(math.prod(r.lengths) for r in reads)
+            if covered != t.data.numel():
+                raise CheckpointFormatError(
+                    f"{t.key}: the checkpoint holds {covered} of the {t.data.numel()} elements of "
+                    f"the box at {list(t.global_offset)} of shape {list(t.data.shape)}")
+            items += [dataclasses.replace(r, dest_index=dataclasses.replace(r.dest_index, index=i))
+                      for r in reads]
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointFormatError(f"{read_item.dest_index.fqn}: pickled objects in a "
+                                    "distributed checkpoint are not read")
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        box = self._targets[read_item.dest_index.index].data
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            box = box.narrow(dim, start, length)
+        return box
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+
+def check_fits(tensors: Sequence[ShardedTensor], metadata: Metadata,
+               directory: str) -> List[ShardedTensor]:
+    """The boxes to read: each checked against the checkpoint's keys and global shapes;
+    resizable ones (padded vocabularies) clipped to the rows saved, those outside them dropped.
+
+    Raises:
+        CheckpointFormatError: a key missing from the checkpoint, or a global shape that differs
+            (names the key and both shapes).
+    """
+    saved = tensor_shapes(metadata)
+    out = []
+    for t in tensors:
+        if t.key not in saved:
+            near = sorted(k for k in saved if k.split(".")[0] == t.key.split(".")[0])[:3]
+            raise CheckpointFormatError(
+                f"{directory} holds no tensor {t.key} (it holds e.g. {near}): the checkpoint "
+                "was saved from another model or without this state")
+        shape = saved[t.key][0]
+        if t.resizable and shape[1:] == t.global_shape[1:] and shape[0] != t.global_shape[0]:
+            t = t.clipped_rows(shape[0])
+            if t is None:
+                continue
+        if shape != tuple(t.global_shape):
+            raise CheckpointFormatError(
+                f"{directory}: tensor {t.key} has global shape {list(shape)} in the checkpoint but "
+                f"{list(t.global_shape)} in the model; the model flags (sizes, vocabulary) must "
+                "match the run that saved it")
+        out.append(t)
+    return out
+
+
+def load(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None,
+         metadata: Optional[Metadata] = None) -> None:
+    """Fill this rank's boxes in place from the checkpoint in ``directory``, whatever layout saved
+    it. Collective over ``process_group`` (see :func:`save`).
+
+    Args:
+        tensors: the boxes wanted (replicas included); checked by :func:`check_fits`.
+        metadata: the folder's :func:`read_metadata`, if already read.
+
+    Raises:
+        CheckpointFormatError: see :func:`check_fits` and :func:`read_metadata`; a record that
+            cannot be read (truncated, refused), on every rank.
+    """
+    metadata = metadata or read_metadata(directory)
+    wanted = check_fits(tensors, metadata, directory)
+    try:
+        with _single_process_quiet():
+            dcp.load({}, storage_reader=_Reader(directory, metadata), planner=_LoadPlanner(wanted),
+                     process_group=process_group, no_dist=not dist.is_initialized())
+    except CheckpointException as exc:
+        rank, cause = _first_failure(exc)
+        if isinstance(cause, CheckpointFormatError):
+            raise CheckpointFormatError(str(cause)) from None
+        raise CheckpointFormatError(f"rank {rank} could not read {directory}: "
+                                    f"{type(cause).__name__}: {cause}") from None

@@ -1,0 +1,128 @@
+"""Boxes of global tensors: whole local tensors and flat ranges of them (every range of small
+shapes, fused row blocks, partitions along either dimension), and the choice of writers."""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ParamSharding, ShardedTensor, balance_writers
+
+
+def _assemble(boxes, shapes):
+    """Global tensors (NaN where no box wrote) from boxes; each element written at most once."""
+    out = {k: torch.full(s, float("nan")) for k, s in shapes.items()}
+    for b in boxes:
+        assert tuple(b.global_shape) == shapes[b.key]
+        region = out[b.key][tuple(slice(o, o + n) for o, n in zip(b.global_offset, b.data.shape))]
+        assert torch.isnan(region).all(), f"{b.key}: element written twice"
+        region.copy_(b.data)
+    return out
+
+
+def _shardings(tp):
+    """A fused [q; k; v] weight (rows 4, 2, 2 per rank), a row-parallel weight, a norm."""
+    return [("fused", [ParamSharding.row_blocks([("q", 4), ("k", 2), ("v", 2)], (8, 3), r, tp)
+                       for r in range(tp)]),
+            ("row", [ParamSharding.partition("w", (5, 2), 1, r, tp) for r in range(tp)]),
+            ("norm", [ParamSharding.partition("n", (7,), None, r, tp, replica_id=int(r > 0))
+                      for r in range(tp)])]
+
+
+def _globals(kind, tp, rng):
+    if kind == "fused":
+        return {"p.q": torch.randn(4 * tp, 3, generator=rng),
+                "p.k": torch.randn(2 * tp, 3, generator=rng),
+                "p.v": torch.randn(2 * tp, 3, generator=rng)}
+    if kind == "row":
+        return {"p.w": torch.randn(5, 2 * tp, generator=rng)}
+    return {"p.n": torch.randn(7, generator=rng)}
+
+
+def _local(kind, full, rank, tp):
+    if kind == "fused":
+        return torch.cat([full["p.q"].chunk(tp)[rank], full["p.k"].chunk(tp)[rank],
+                          full["p.v"].chunk(tp)[rank]])
+    if kind == "row":
+        return full["p.w"].chunk(tp, dim=1)[rank].contiguous()
+    return full["p.n"].clone()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_whole_tensors_are_their_slices_of_the_global_tensors(tp):
+    rng = torch.Generator().manual_seed(0)
+    for kind, shardings in _shardings(tp):
+        full = _globals(kind, tp, rng)
+        boxes = [b for r, s in enumerate(shardings) for b in s.boxes(_local(kind, full, r, tp), "p.")
+                 if not b.replica_id]
+        got = _assemble(boxes, {k: tuple(v.shape) for k, v in full.items()})
+        for key in full:
+            assert torch.equal(got[key], full[key]), (kind, key)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_flat_range_is_at_most_three_boxes_per_region_with_the_right_values(tp):
+    rng = torch.Generator().manual_seed(1)
+    for kind, shardings in _shardings(tp):
+        full = _globals(kind, tp, rng)
+        for rank, sharding in enumerate(shardings):
+            local = _local(kind, full, rank, tp)
+            n = local.numel()
+            for start, stop in itertools.combinations(range(n + 1), 2):
+                flat = local.reshape(-1)[start:stop].clone()
+                boxes = sharding.flat_boxes(start, stop, flat, "p.")
+                assert len(boxes) <= 3 * len(sharding.regions)
+                assert sum(b.data.numel() for b in boxes) == stop - start
+                for b in boxes:
+                    assert b.data.data_ptr() >= flat.data_ptr()  # views of the flat values
+                    index = tuple(slice(o, o + m) for o, m in zip(b.global_offset, b.data.shape))
+                    assert torch.equal(b.data, full[b.key][index]), (kind, start, stop, b)
+
+
+def test_flat_ranges_of_all_ranks_rebuild_the_global_tensors():
+    """Distributed-optimizer pieces: ranges of each rank's local tensor, cut at odd places."""
+    rng = torch.Generator().manual_seed(2)
+    tp = 2
+    for kind, shardings in _shardings(tp):
+        full = _globals(kind, tp, rng)
+        boxes = []
+        for rank, sharding in enumerate(shardings):
+            local = _local(kind, full, rank, tp).reshape(-1)
+            cuts = [0, 5, 6, 11, local.numel()] if local.numel() > 11 else [0, 3, local.numel()]
+            for a, b in zip(cuts, cuts[1:]):
+                boxes += [x for x in sharding.flat_boxes(a, b, local[a:b], "p.") if not x.replica_id]
+        got = _assemble(boxes, {k: tuple(v.shape) for k, v in full.items()})
+        for key in full:
+            assert torch.equal(got[key], full[key])
+
+
+def test_bad_boxes_and_ranges_are_refused():
+    with pytest.raises(ValueError, match=r"outside the global shape"):
+        ShardedTensor("k", torch.zeros(2, 2), (3, 2), (2, 0))
+    with pytest.raises(ValueError, match=r"dimensions of the global shape"):
+        ShardedTensor("k", torch.zeros(2), (3, 2), (0, 0))
+    sharding = ParamSharding.partition("w", (4, 3), 0, 0, 1)
+    with pytest.raises(ValueError, match=r"elements \[5, 20\)"):
+        sharding.flat_boxes(5, 20, torch.zeros(15), "")
+    with pytest.raises(ValueError, match=r"3-D parameter"):
+        ParamSharding.partition("x", (2, 2, 2), None, 0, 1).flat_boxes(0, 2, torch.zeros(2), "")
+
+
+def test_resizable_rows_are_clipped():
+    box = ShardedTensor("emb", torch.arange(12.).view(4, 3), (8, 3), (4, 0), resizable=True)
+    clipped = box.clipped_rows(6)
+    assert clipped.global_shape == (6, 3) and torch.equal(clipped.data, box.data[:2])
+    assert box.clipped_rows(4) is None
+
+
+def test_writers_are_balanced_and_unique():
+    sizes = [100, 70, 60, 30, 30, 5, 1]
+    boxes = [ShardedTensor(f"t{i}", torch.zeros(n), (n,), (0,)) for i, n in enumerate(sizes)]
+    boxes.append(ShardedTensor("replica", torch.zeros(50), (50,), (0,), replica_id=1))
+    per_rank = [balance_writers(boxes, r, 3) for r in range(3)]
+    for i in range(len(sizes)):
+        assert sum(p[i].replica_id == 0 for p in per_rank) == 1  # exactly one writer
+    assert all(p[-1].replica_id == 1 for p in per_rank)  # a replica everywhere stays one
+    written = [sum(b.nbytes for b in p if not b.replica_id) for p in per_rank]
+    assert written == [400, 400, 384]  # 100 | 70+30 | 60+30+5+1 elements of 4 bytes
+    assert balance_writers(boxes, 0, 1) == boxes

@@ -81,6 +81,14 @@ class SelfAttention(torch.nn.Module):
                 **common)
         self.recompute_core_attn = "core_attn" in selective_modules(config)
 
+    def fused_row_blocks(self):
+        """The logical blocks of this rank's fused rows, for checkpoints in global coordinates
+        (:mod:`megatron.model.sharded_state`): ``{parameter: [(block, local rows)]}``."""
+        d = self.kv_channels
+        rows = [("query", self.heads_per_partition * d), ("key", self.groups_per_partition * d),
+                ("value", self.groups_per_partition * d)]
+        return {"query_key_value.weight": rows, "query_key_value.bias": rows}
+
     def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
                 attention_mask: Optional[torch.Tensor] = None,
                 inference_params=None) -> torch.Tensor:

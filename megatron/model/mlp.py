@@ -100,6 +100,13 @@ class SwiGLUMLP(TensorParallelGroupMixin, torch.nn.Module):
         self.recompute_mlp = "mlp" in modules
         self.recompute_act = "act" in modules and not self.recompute_mlp
 
+    def fused_row_blocks(self):
+        """The logical blocks of this rank's fused rows, for checkpoints in global coordinates
+        (:mod:`megatron.model.sharded_state`): ``{parameter: [(block, local rows)]}``."""
+        rows = self.dense_h_to_4h.weight.shape[0] // 2
+        blocks = [("gate", rows), ("up", rows)]
+        return {"dense_h_to_4h.weight": blocks, "dense_h_to_4h.bias": blocks}
+
     @staticmethod
     def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         return swiglu(gate_up)

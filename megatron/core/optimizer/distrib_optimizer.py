@@ -262,6 +262,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
+    def sharded_state_dict(self, shardings):
+        """The pieces of this rank's shards as boxes of global tensors (``--ckpt-format
+        torch_dist``; :mod:`megatron.core.optimizer.sharded_state`)."""
+        from megatron.core.optimizer.sharded_state import distributed_sharded_state
+        return distributed_sharded_state(self, shardings)
+
+    def sharded_load_targets(self, shardings, saved_keys: set):
+        """The boxes of this rank's shards a load fills, and the ``finish(common)`` installing
+        them (any saving layout: DCP reshards)."""
+        from megatron.core.optimizer.sharded_state import distributed_load_targets
+        return distributed_load_targets(self, shardings, saved_keys)
+
     def parameter_state(self) -> dict:
         """This rank's shard state, layout-independent (padding dropped): ``{"params": {name:
         {"range": [start, end], "param": fp32 main piece, "exp_avg": ..., "exp_avg_sq": ...}},

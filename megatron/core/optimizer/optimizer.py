@@ -310,6 +310,25 @@ class MegatronOptimizer:
         on_device = forced if forced is not None else bool(params) and params[0].is_cuda
         return on_device and self._fused_step() and not self.config.log_num_zeros_in_grad
 
+    def sharded_state_dict(self, shardings):
+        """This rank's state in global coordinates (``--ckpt-format torch_dist``; see
+        :mod:`megatron.core.optimizer.sharded_state`).
+
+        Args:
+            shardings: ``{model parameter: ParamSharding}`` (:func:`megatron.model.sharded_state.model_shardings`).
+
+        Returns:
+            a :class:`~megatron.core.optimizer.sharded_state.ShardedState` (boxes are views).
+        """
+        from megatron.core.optimizer.sharded_state import plain_sharded_state
+        return plain_sharded_state(self, shardings)
+
+    def sharded_load_targets(self, shardings, saved_keys: set):
+        """The boxes a load fills, and the ``finish(common)`` that installs them as this
+        optimizer's state; ``saved_keys`` are the checkpoint's tensor keys."""
+        from megatron.core.optimizer.sharded_state import plain_load_targets
+        return plain_load_targets(self, shardings, saved_keys)
+
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""
 

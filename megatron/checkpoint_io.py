@@ -59,25 +59,46 @@ def verify_checksums(path: str, what: str = "file") -> None:
         UnreadableFileError: the archive's structure is broken, or a record's bytes differ from
             its CRC (names the file and the record).
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     try:
         with open(path, "rb") as f, zipfile.ZipFile(f) as archive, \
                 _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ) as data:
-            records = [i for i in archive.infolist() if i.CRC != 0]  # 0: written without a CRC
-            for info in records:
-                if info.compress_type != zipfile.ZIP_STORED:  # not torch's; zipfile checks it
-                    with archive.open(info) as record:
-                        while record.read(_CHUNK):
-                            pass
-            stored = [i for i in records if i.compress_type == zipfile.ZIP_STORED]
-            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-                for _ in pool.map(lambda info: _check_stored_record(data, info, path, what),
-                                  stored):
-                    pass
+            _verify_archive(archive, data, path, what)
     except (zipfile.BadZipFile, struct.error, ValueError, OSError) as exc:
         raise UnreadableFileError(f"cannot read {what} {path}: damaged zip archive ({exc}); "
                                   "it was not loaded") from None
+
+
+def verify_bytes_checksums(data: bytes, name: str, what: str = "record") -> None:
+    """:func:`verify_checksums` for a ``torch.save`` archive held in memory (one record of a
+    distributed checkpoint's ``__R_K.distcp`` file); ``name`` says where it came from."""
+    import io
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            _verify_archive(archive, data, name, what)
+    except (zipfile.BadZipFile, struct.error, ValueError) as exc:
+        raise UnreadableFileError(f"cannot read {what} {name}: damaged zip archive ({exc}); "
+                                  "it was not loaded") from None
+
+
+def _verify_archive(archive: zipfile.ZipFile, data, name: str, what: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    records = [i for i in archive.infolist() if i.CRC != 0]  # 0: written without a CRC
+    for info in records:
+        if info.compress_type != zipfile.ZIP_STORED:  # not torch's; zipfile checks it
+            with archive.open(info) as record:
+                while record.read(_CHUNK):
+                    pass
+    stored = [i for i in records if i.compress_type == zipfile.ZIP_STORED]
+    big = [i for i in stored if i.compress_size >= _CHUNK]
+    for info in stored:  # small records (pickles, a box of a distributed checkpoint) inline
+        if info not in big:
+            _check_stored_record(data, info, name, what)
+    if big:
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, len(big))) as pool:
+            for _ in pool.map(lambda info: _check_stored_record(data, info, name, what), big):
+                pass
 
 
 def _check_stored_record(data, info: zipfile.ZipInfo, path: str, what: str) -> None:

@@ -1,9 +1,10 @@
 """Asynchronous saving: copy the boxes to host memory, write them in a background thread.
 
-The training loop pays for the copy only (:func:`stage_to_host`: a clone on CPU; on CUDA a copy
-into pinned host buffers reused from one save to the next) and goes on while
-:class:`BackgroundWrite` runs the write (``torch.distributed.checkpoint``'s collectives included)
-in a thread. The write's collectives must run on a process group of their own (a gloo group made
+:class:`BackgroundWrite` makes the host copy (:func:`stage_to_host`: a clone on CPU; on CUDA a
+copy into pinned host buffers reused from one save to the next) while the training loop runs
+the next forward and backward passes, then runs the write (``torch.distributed.checkpoint``'s
+collectives included); the loop waits only if the copy is not done when its next optimizer step
+is due. The write's collectives must run on a process group of their own (a gloo group made
 for checkpoints): the training loop keeps issuing its own collectives meanwhile, and two threads
 must never issue collectives on one group. Writing releases the GIL (file writes), so the loop
 keeps most of its speed.
@@ -15,6 +16,7 @@ collective.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable, List, Optional, Sequence
@@ -66,30 +68,62 @@ def stage_to_host(tensors: Sequence[ShardedTensor],
     return out
 
 
+WRITER_NICENESS = 10  # Megatron-LM's default for its checkpoint worker (--async-ckpt-cpu-priority)
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux schedules threads one by one): the training
+    loop's threads come first, the writer takes what they leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       min(19, os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICENESS))
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
+
+
 class BackgroundWrite:
-    """One write running in a daemon thread (a crash of the process abandons it, which the
-    staging folder makes harmless).
+    """One save running in a daemon thread (a crash of the process abandons it, which the staging
+    folder makes harmless): first ``stage()`` (the host copy), then ``write(staged)``.
+
+    The copy reads the live tensors while the training loop runs the next forward and backward
+    passes, which do not change them; the loop must call :meth:`wait_staged` before the next
+    optimizer step, which does (torchtitan's ``maybe_wait_for_staging``).
 
     Args:
-        write: the function to run; its exception, if any, is kept and re-raised by
-            :meth:`result`.
+        stage: returns the host copies (:func:`stage_to_host`).
+        write: writes them; its exception, or ``stage``'s, is kept in ``error``.
     """
 
-    def __init__(self, write: Callable[[], None]):
+    def __init__(self, stage: Callable[[], list], write: Callable[[list], None]):
         self.error: Optional[BaseException] = None
         self.started = time.perf_counter()
         self.seconds: Optional[float] = None
-        self._thread = threading.Thread(target=self._run, args=(write,), daemon=True,
+        self.staged_seconds: Optional[float] = None
+        self._staged = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(stage, write), daemon=True,
                                         name="checkpoint-writer")
         self._thread.start()
 
-    def _run(self, write) -> None:
+    def _run(self, stage, write) -> None:
         try:
-            write()
+            try:
+                staged = stage()  # at full priority: the next optimizer step waits for it
+            finally:
+                self.staged_seconds = time.perf_counter() - self.started
+                self._staged.set()
+            _lower_priority()
+            write(staged)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             self.error = exc
         finally:
             self.seconds = time.perf_counter() - self.started
+
+    def wait_staged(self) -> float:
+        """Block until the host copy is complete (the live tensors may change again); the
+        seconds waited."""
+        start = time.perf_counter()
+        self._staged.wait()
+        return time.perf_counter() - start
 
     def state(self) -> int:
         """``RUNNING``, ``DONE`` or ``FAILED`` (non-blocking)."""
@@ -98,6 +132,6 @@ class BackgroundWrite:
         return FAILED if self.error is not None else DONE
 
     def wait(self) -> int:
-        """Block until the write ends; its state."""
+        """Block until the save ends; its state."""
         self._thread.join()
         return self.state()

@@ -12,9 +12,10 @@ no state-dict flattening or pickled Python objects are involved.
 
 Nothing in the files is executed: ``.metadata`` is a pickle, read here by an unpickler that builds
 only DCP's metadata classes, torch sizes and dtypes, and refuses anything else naming the file and
-the global; boxes are read with ``torch.load(weights_only=True)``; file names in the metadata must
-be plain ``__R_K.distcp`` names inside the checkpoint folder. Each stored record is read once
-however many wanted boxes overlap it.
+the global; each box is a ``torch.save`` archive whose CRC-32s are checked before
+``torch.load(weights_only=True)`` (:mod:`megatron.checkpoint_io`: a flipped bit is refused, not
+loaded); file names in the metadata must be plain ``__R_K.distcp`` names inside the checkpoint
+folder. Each stored record is read once however many wanted boxes overlap it.
 """
 
 from __future__ import annotations
@@ -132,8 +133,34 @@ class _SavePlanner(DefaultSavePlanner):
         return self._boxes[write_item.index]
 
 
-def save(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None,
-         thread_count: int = 1) -> None:
+class _Writer(FileSystemWriter):
+    """``FileSystemWriter`` writing this rank's boxes one after the other into one file, each
+    copied out of a larger storage just before it is written and dropped after: peak extra
+    memory one box (DCP's own loop keeps every such copy until the file is done: 2.35 GiB for a
+    1.1 B-parameter model's weights, whose q/k/v and gate/up boxes are views)."""
+
+    def write_data(self, plan: SavePlan, planner) -> "torch.futures.Future":
+        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in plan.items:
+                data = planner.resolve_data(item).detach().cpu()
+                if data.untyped_storage().nbytes() != data.nbytes:
+                    data = data.clone()  # torch.save writes a view's whole storage
+                results.append(_write_item(self.transforms, stream, data, item, name,
+                                           self.serialization_format))
+                del data
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        fut = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+
+def save(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None) -> None:
     """Write this rank's boxes into ``directory``. Collective over ``process_group`` (every rank
     of it calls this with its own boxes; None: the default group, or one process without
     ``torch.distributed``).
@@ -141,14 +168,12 @@ def save(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None
     Args:
         tensors: the boxes this rank holds; those with ``replica_id > 0`` are not written here.
         directory: the checkpoint folder (created if missing).
-        thread_count: writer threads (and files) per rank.
 
     Raises:
         CheckpointWriteError: on every rank when a write failed on any (e.g. a full disk), naming
             the lowest failing rank and its error.
     """
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
-                              thread_count=thread_count)
+    writer = _Writer(directory, single_file_per_rank=True, sync_files=True)
     try:
         with _single_process_quiet():
             dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors),
@@ -266,8 +291,9 @@ class _Reader(FileSystemReader):
                 if len(data) != info.length:
                     raise CheckpointFormatError(
                         f"{os.path.join(str(self.path), info.relative_path)} ends before the "
-                        f"record of {index.fqn} (byte {info.offset + info.length}): truncated")
-                stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                        f"record of {index.fqn} (byte {info.offset + info.length}): truncated.")
+                stored = _load_record(data, os.path.join(str(self.path), info.relative_path),
+                                      index, info.offset)
                 for item in by_record[index]:
                     part = stored
                     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
@@ -279,6 +305,26 @@ class _Reader(FileSystemReader):
         fut = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+
+def _load_record(data: bytes, path: str, index: MetadataIndex, offset: int) -> torch.Tensor:
+    """One stored box: its CRCs checked (:mod:`megatron.checkpoint_io`), then
+    ``torch.load(weights_only=True)``."""
+    from megatron.checkpoint_io import UnreadableFileError, verify_bytes_checksums
+
+    name = f"{path} (the record of {index.fqn} at byte {offset})"
+    try:
+        verify_bytes_checksums(data, name, "distributed checkpoint data")
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except UnreadableFileError as exc:
+        raise CheckpointFormatError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a refused or damaged pickle
+        raise CheckpointFormatError(
+            f"cannot read distributed checkpoint data {name}: {type(exc).__name__}; it is "
+            "damaged, or holds objects other than tensors (refused: nothing in it ran)") from None
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointFormatError(f"{name} holds a {type(value).__name__}, not a tensor")
+    return value
 
 
 class _LoadPlanner(LoadPlanner):
@@ -358,13 +404,15 @@ def check_fits(tensors: Sequence[ShardedTensor], metadata: Metadata,
 
 
 def load(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None,
-         metadata: Optional[Metadata] = None) -> None:
+         metadata: Optional[Metadata] = None, single_process: bool = False) -> None:
     """Fill this rank's boxes in place from the checkpoint in ``directory``, whatever layout saved
     it. Collective over ``process_group`` (see :func:`save`).
 
     Args:
         tensors: the boxes wanted (replicas included); checked by :func:`check_fits`.
         metadata: the folder's :func:`read_metadata`, if already read.
+        single_process: read in this process alone, without collectives (a tool, or a rank
+            reading on its own).
 
     Raises:
         CheckpointFormatError: see :func:`check_fits` and :func:`read_metadata`; a record that
@@ -375,7 +423,8 @@ def load(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None
     try:
         with _single_process_quiet():
             dcp.load({}, storage_reader=_Reader(directory, metadata), planner=_LoadPlanner(wanted),
-                     process_group=process_group, no_dist=not dist.is_initialized())
+                     process_group=process_group,
+                     no_dist=single_process or not dist.is_initialized())
     except CheckpointException as exc:
         rank, cause = _first_failure(exc)
         if isinstance(cause, CheckpointFormatError):

@@ -126,13 +126,22 @@ def load_args_from_checkpoint(args) -> list[str]:
                               f"has no {TRACKER_FILENAME}")
     iteration, release = found
     folder = get_checkpoint_dir(args.load, iteration, release)
-    shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
-    if not shards:
-        raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
-    saved = read_saved_args(shards[0])
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    layout = ()
+    if torch_dist.is_torch_dist_checkpoint(folder):
+        saved = dict(torch_dist.read_common(folder).get("args") or {})
+        # It loads at any layout: the run's parallel sizes stay its own.
+        layout = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size")
+    else:
+        shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
+        if not shards:
+            raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
+        saved = read_saved_args(shards[0])
     changed = []
     for name in CHECKPOINT_MODEL_ARGS:
-        if name in saved and hasattr(args, name):
+        if name in saved and hasattr(args, name) and name not in layout:
             setattr(args, name, saved[name])
             changed.append(name)
     return changed
@@ -330,8 +339,19 @@ def _add_checkpointing_args(parser):
                    help="load weights only; iteration and optimizer start afresh")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model shape from the checkpoint's saved arguments")
-    g.add_argument("--ckpt-format", default="torch",
-                   help="only 'torch' (Megatron's legacy iter_*/mp_rank_* layout)")
+    g.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                   help="format written by --save: 'torch' (Megatron's legacy iter_*/mp_rank_* "
+                        "files, one per TP x PP rank) or 'torch_dist' (distributed: every rank "
+                        "writes its shards of layout-free tensors; loads at any TP/PP/DP layout)")
+    g.add_argument("--async-save", action="store_true",
+                   help="torch_dist: write checkpoints in the background while training goes on")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="accepted for Megatron-LM's scripts: --load always detects the format")
+    g.add_argument("--ckpt-convert-format", default=None, choices=["torch", "torch_dist"],
+                   help="load --load, save it in this format under --ckpt-convert-save/FORMAT, "
+                        "and exit without training")
+    g.add_argument("--ckpt-convert-save", default=None,
+                   help="folder for --ckpt-convert-format (the checkpoint goes into FOLDER/FORMAT)")
     g.add_argument("--keep-last-checkpoints", type=int, default=None)
 
 

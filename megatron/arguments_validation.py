@@ -39,6 +39,8 @@ IGNORED_FLAGS = {
     "use_cpu_initialization": ("--use-cpu-initialization", "weights are always initialised on "
                                "CPU (layout-independent initialisation)"),
     "data_impl": ("--data-impl", "the mmap .bin/.idx format is the only one"),
+    "auto_detect_ckpt_format": ("--auto-detect-ckpt-format", "--load always detects the format "
+                                "of the checkpoint it reads (torch or torch_dist)"),
     "job_name": ("--job-name", "it is only recorded in the saved arguments"),
     "log_timers_to_tensorboard": ("--log-timers-to-tensorboard",
                                   "the iteration-time scalar is always written"),
@@ -386,11 +388,20 @@ def _validate_distributed_optimizer(args):
 
 
 def _validate_checkpointing(args):
-    if args.ckpt_format != "torch":
-        raise ValueError(f"--ckpt-format ({args.ckpt_format}) is not supported: only 'torch' "
-                         f"(Megatron's legacy iter_XXXXXXX/mp_rank_XX layout); use --ckpt-format "
-                         f"torch or convert the checkpoint")
-    for flag, needs in (("save_interval", "save"), ("finetune", "load"),
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ValueError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format "
+                         f"{args.ckpt_format}): legacy checkpoints are written synchronously")
+    if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
+        raise ValueError("--ckpt-convert-format and --ckpt-convert-save go together: give both "
+                         "(e.g. --ckpt-convert-format torch_dist --ckpt-convert-save DIR)")
+    if args.ckpt_convert_format is not None:
+        if args.load is None:
+            raise ValueError(f"--ckpt-convert-format {args.ckpt_convert_format} needs --load DIR "
+                             "(the checkpoint to convert)")
+        if os.path.abspath(args.ckpt_convert_save) == os.path.abspath(args.load):
+            raise ValueError(f"--ckpt-convert-save ({args.ckpt_convert_save}) must differ from "
+                             "--load: the converted checkpoint goes into a folder of its own")
+    for flag, needs in (("save_interval", "save"), ("finetune", "load"), ("async_save", "save"),
                         ("use_checkpoint_args", "load"), ("no_load_optim", "load"),
                         ("no_load_rng", "load"), ("keep_last_checkpoints", "save"),
                         ("exit_signal_handler", "save")):

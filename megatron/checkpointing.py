@@ -281,6 +281,10 @@ def _looks_complete(folder: str) -> bool:
     format: a truncated file lacks the central directory at its end), no temporary files left."""
     import zipfile
 
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    if torch_dist.is_torch_dist_checkpoint(folder):
+        return torch_dist.looks_complete(folder)
     shards = glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))
     stray = glob.glob(os.path.join(folder, "mp_rank_*", "*.tmp"))
     return bool(shards) and not stray and all(zipfile.is_zipfile(f) for f in shards)
@@ -340,11 +344,15 @@ def check_state_dict_shapes(model_state: dict, ckpt_state: dict, path: str) -> N
 
 
 def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_collection, *,
-                    run_flags: dict) -> dict:
-    """Load ``config.load`` into the model (and optimizer, scheduler, RNG unless told otherwise).
+                    run_flags: dict, group=None) -> dict:
+    """Load ``config.load`` into the model (and optimizer, scheduler, RNG unless told otherwise),
+    whichever format it has: legacy (at the layout it was saved with) or ``torch_dist`` (at any
+    layout; :mod:`megatron.checkpointing_torch_dist`, over the checkpoints' gloo ``group``, made
+    here when None).
 
     ``--finetune`` and ``release`` checkpoints load the weights only and start at iteration 0;
-    ``--no-load-optim`` / ``--no-load-rng`` skip those parts.
+    ``--no-load-optim`` / ``--no-load-rng`` skip those parts. Without optimizer state loaded, the
+    optimizer's fp32 main parameters are refreshed from the loaded weights.
 
     Args:
         config: the run's :class:`~megatron.config.CheckpointConfig` (``load``, ``finetune``,
@@ -372,6 +380,12 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
                   "starting from scratch", flush=True)
         return fresh
     iteration, release = found
+    folder = get_checkpoint_dir(load_dir, iteration, release)
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    if torch_dist.is_torch_dist_checkpoint(folder):
+        return _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
+                                pg_collection, group)
     path = checkpoint_name_of(load_dir, iteration, pg_collection, release)
     device = next(unwrap_model(model_chunks[0]).parameters()).device
     error = None
@@ -393,6 +407,24 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
         print(f" loaded checkpoint from {load_dir} at iteration "
               f"{'release' if release else iteration}", flush=True)
     return result
+
+
+def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config, pg_collection,
+                     group) -> dict:
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    made = group is None
+    if made:
+        group = torch_dist.checkpoint_group()
+    try:
+        return torch_dist.load_checkpoint(folder, model_chunks, optimizer, opt_param_scheduler,
+                                          config, torch_dist.Layout.of(pg_collection, optimizer),
+                                          group)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}{last_complete_hint(config.load, folder)}") from None
+    finally:
+        if made:
+            dist.destroy_process_group(group)
 
 
 def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
@@ -473,6 +505,10 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        # The fp32 main params were copied from the weights before the load: without optimizer
+        # state they must follow the loaded weights, or the first step would restore the old ones.
+        optimizer.reload_model_params()
     if not weights_only and not config.no_load_rng:
         states = state.get("rng_state")
         if not states:

@@ -45,6 +45,7 @@ FLAGS_NOT_IN_CONFIG = {
     "rope_scaling_original_max_position_embeddings": "becomes ModelConfig.rope_scaling",
     "mock_data": "refused by validation (not supported yet)",
     "local_rank": "set by the launcher; the device follows $LOCAL_RANK as torchrun sets it",
+    "auto_detect_ckpt_format": "no effect: --load always detects the format it reads",
     "use_checkpoint_args": "main() applies it to the namespace before validation "
                            "(megatron.arguments.load_args_from_checkpoint)",
     # Accepted without effect and reported once (megatron.arguments_validation.IGNORED_FLAGS):
@@ -196,5 +197,5 @@ def build_config(args, *, vocab_size: int):
                   scheduler=build_scheduler_config(args),
                   training=build_training_config(args),
                   data=_from_args(DataConfig, args, **paths),
-                  checkpoint=_from_args(CheckpointConfig, args),
+                  checkpoint=_from_args(CheckpointConfig, args, true_vocab_size=vocab_size),
                   logging=_from_args(LoggingConfig, args))

@@ -1,4 +1,4 @@
-"""The checkpoint section of the configuration: Megatron's legacy layout, what to save and load."""
+"""The checkpoint section of the configuration: the formats, what to save and load."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Where checkpoints go and come from (``--ckpt-format torch``: ``iter_XXXXXXX/mp_rank_*``)
-    and which parts are saved and loaded."""
+    """Where checkpoints go and come from (``iter_XXXXXXX/`` in either format) and which parts
+    are saved and loaded."""
 
     save: Optional[str] = None
     """``--save``: checkpoint folder to write. Default None (no checkpoints)."""
@@ -28,7 +28,18 @@ class CheckpointConfig:
     finetune: bool = False
     """``--finetune``: load the weights only; iteration and optimizer start afresh. Default off."""
     ckpt_format: str = "torch"
-    """``--ckpt-format``: only ``torch`` (Megatron's legacy layout). Default torch."""
+    """``--ckpt-format``: ``torch`` (Megatron's legacy layout, one file per TP x PP rank) or
+    ``torch_dist`` (distributed: layout-free shards, loaded at any layout). Default torch."""
+    async_save: bool = False
+    """``--async-save``: write ``torch_dist`` checkpoints in the background. Default off."""
+    ckpt_convert_format: Optional[str] = None
+    """``--ckpt-convert-format``: save the loaded checkpoint in this format under
+    ``--ckpt-convert-save/FORMAT`` and stop. Default None (train)."""
+    ckpt_convert_save: Optional[str] = None
+    """``--ckpt-convert-save``: the folder of ``--ckpt-convert-format``. Default None."""
     keep_last_checkpoints: Optional[int] = None
     """``--keep-last-checkpoints``: delete older checkpoints, keeping this many. Default None
     (all)."""
+    true_vocab_size: Optional[int] = None
+    """Derived: the tokenizer's vocabulary before padding, recorded in checkpoints (HF export;
+    a torch_dist load at another padding checks it)."""

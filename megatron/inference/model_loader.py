@@ -27,6 +27,12 @@ def checkpoint_args(load_dir: str) -> dict:
     if found is None:
         raise CheckpointError(f"--load {load_dir} has no latest_checkpointed_iteration.txt")
     folder = get_checkpoint_dir(load_dir, *found)
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    if torch_dist.is_torch_dist_checkpoint(folder):
+        common = torch_dist.read_common(folder)
+        return dict(common.get("args") or {}, ckpt_format="torch_dist",
+                    true_vocab_size=common.get("true_vocab_size"))
     shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
     if not shards:
         raise CheckpointError(f"{folder} holds no mp_rank_*/model_optim_rng.pt")
@@ -59,7 +65,7 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
     Args:
         load_dir: the checkpoint folder (``--load``).
         pg_collection: the process groups of ``initialize_model_parallel`` with the
-            checkpoint's TP and PP sizes.
+            checkpoint's TP and PP sizes (any sizes for a ``--ckpt-format torch_dist`` one).
         device: where the parameters go (default CPU).
 
     Returns:
@@ -72,6 +78,13 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
     saved = checkpoint_args(load_dir)
     tp, pp = pg_collection.tp.size, pg_collection.pp.size
     want = (saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1))
+    if saved.get("ckpt_format") == "torch_dist":  # loads at any layout
+        want = (tp, pp)
+        saved = dict(saved, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if saved.get("true_vocab_size"):  # the vocabulary padded as this TP size pads it
+            from megatron.tokenizer import vocab_size_with_padding
+            saved["padded_vocab_size"] = vocab_size_with_padding(
+                saved["true_vocab_size"], saved.get("make_vocab_size_divisible_by", 128), tp)
     if (tp, pp) != want:
         raise CheckpointError(f"{load_dir} was saved at TP={want[0]}, PP={want[1]} but this run has "
                               f"TP={tp}, PP={pp}; reshard with tools/checkpoint/convert.py --loader "

@@ -110,3 +110,28 @@ def model_sharded_tensors(model_chunks, tp_rank: int, tp_size: int, prefix: str 
         for local, sharding in param_shardings(chunk, tp_rank, tp_size).items():
             boxes += sharding.boxes(named[local].data, prefix)
     return boxes
+
+
+# Fused parameters of our modules and the global tensors they are saved as (module docstring).
+_FUSED = {"self_attention.query_key_value": ("self_attention.query", "self_attention.key",
+                                             "self_attention.value"),
+          "mlp.dense_h_to_4h": ("mlp.gate", "mlp.up")}
+
+
+def single_process_state_dict(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The state dict of a TP = PP = 1 model from whole global tensors ``{key: tensor}`` (keys
+    without the ``model.`` prefix): the fused weights rebuilt in their TP = 1 layout (the blocks
+    concatenated)."""
+    block_of = {block: (fused, blocks) for fused, blocks in _FUSED.items() for block in blocks}
+    out = {}
+    for key, value in tensors.items():
+        match = re.fullmatch(r"(layers\.\d+\.)(\w+\.\w+)\.(\w+)", key)
+        if match is None or match.group(2) not in block_of:
+            out[key] = value
+            continue
+        layer, block, suffix = match.groups()
+        fused, blocks = block_of[block]
+        if f"{layer}{fused}.{suffix}" not in out:
+            out[f"{layer}{fused}.{suffix}"] = torch.cat(
+                [tensors[f"{layer}{b}.{suffix}"] for b in blocks], dim=0)
+    return out

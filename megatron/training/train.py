@@ -10,7 +10,9 @@ a model provider, a forward step and a datasets provider.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing
+from megatron import checkpointing_torch_dist as torch_dist
 from megatron.config import checkpoint_args
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.model.flops import num_floating_point_operations as model_flops
@@ -86,9 +89,10 @@ def num_floating_point_operations(config, batch_size: int) -> float:
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *,
                config, schedule_config, num_microbatches: int, global_batch_size: int,
-               pg_collection):
+               pg_collection, before_optimizer_step=None):
     """One iteration: forward/backward over ``num_microbatches`` micro-batches, optimizer step,
-    lr step by ``global_batch_size`` samples.
+    lr step by ``global_batch_size`` samples. ``before_optimizer_step()``, if given, runs between
+    the backward and the step (``--async-save`` waits there for its host copy).
 
     Returns:
         ``(losses {key: float} on the last stage else {}, skipped 0|1, grad_norm, num_zeros)``.
@@ -106,6 +110,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     # all-reduce, so an inf/NaN loss skips the step on every rank alike. A device tensor, and the
     # losses are read on the host only after the step: on CUDA nothing waits for the GPU before
     # the optimizer's kernels are queued.
+    if before_optimizer_step is not None:
+        before_optimizer_step()
     update_successful, grad_norm, num_zeros = optimizer.step(
         nonfinite_loss=nonfinite_loss_flag(losses) if last_stage else False)
     reduced = reduce_loss_dicts(losses) if last_stage else {}
@@ -146,7 +152,8 @@ class _Trainer:
     """The loop's collaborators, so each step of the loop reads as one line."""
 
     def __init__(self, config, pg_collection, device, forward_step_func, model, optimizer,
-                 scheduler, iterators, schedule_config, state: TrainState, start_time: float):
+                 scheduler, iterators, schedule_config, state: TrainState, start_time: float,
+                 checkpoint_group=None):
         self.config, self.groups, self.device = config, pg_collection, device
         self.forward_step_func = forward_step_func
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -168,6 +175,12 @@ class _Trainer:
                                    start_time, device)
         self.timeout = config.parallel.distributed_timeout_minutes
         self.nan_streak = 0  # consecutive skipped non-finite iterations (bf16/fp32)
+        self.saver = None  # --ckpt-format torch_dist: keeps the pending --async-save
+        checkpoint = config.checkpoint
+        if checkpoint.save and checkpoint.ckpt_format == "torch_dist":
+            self.saver = torch_dist.TorchDistSaver(
+                checkpoint.save, checkpoint_group, device, async_save=checkpoint.async_save,
+                keep_last=checkpoint.keep_last_checkpoints)
         self._reset_window()
 
     def _reset_window(self):
@@ -186,10 +199,12 @@ class _Trainer:
                     self.forward_step_func, self.train_it, self.model, self.optimizer,
                     self.scheduler, config=self.config, schedule_config=self.schedule_config,
                     num_microbatches=self.microbatches.get(), global_batch_size=batch,
-                    pg_collection=self.groups)
+                    pg_collection=self.groups,
+                    before_optimizer_step=self.saver.wait_for_staging if self.saver else None)
             elapsed = time.perf_counter() - start
             st.iteration += 1
             st.consumed_train_samples += batch
+            self.finalize_save(blocking=False)
             self._record(losses, skipped, grad_norm, elapsed, batch)
             self._stop_after_nan_streak(skipped)
             if (training.eval_interval and st.iteration % training.eval_interval == 0
@@ -203,12 +218,14 @@ class _Trainer:
             if training.exit_interval and st.iteration % training.exit_interval == 0:
                 if checkpoint.save and not saved:
                     self.save()
+                self.finalize_save(blocking=True)
                 print_rank_0(f"exiting program at iteration {st.iteration}")
                 return False
             reason = self.exit.check()  # every rank agrees: all stop after the same iteration
             if reason:
                 if checkpoint.save and not saved:
                     self.save()
+                self.finalize_save(blocking=True)
                 print_rank_0(f"exiting program at iteration {st.iteration} "
                              + ("after receiving SIGTERM" if reason == "signal" else
                                 f"after {training.exit_duration_in_mins:g} minutes "
@@ -217,6 +234,7 @@ class _Trainer:
         if checkpoint.save and st.iteration > 0 and (
                 not checkpoint.save_interval or st.iteration % checkpoint.save_interval != 0):
             self.save()
+        self.finalize_save(blocking=True)
         return True
 
     def _record(self, losses, skipped, grad_norm, elapsed, batch):
@@ -306,14 +324,63 @@ class _Trainer:
     def save(self):
         st = self.state
         start = time.perf_counter()
+        if self.saver is not None:
+            self.finalize_save(blocking=True)  # the pending save first (and its message)
         with collective_guard(f"the checkpoint save of iteration {st.iteration}", self.timeout):
-            folder = checkpointing.save_checkpoint(
-                st.iteration, self.model, self.optimizer, self.scheduler, self.config.checkpoint,
-                self.groups, run_flags=self.run_flags,
-                consumed_train_samples=st.consumed_train_samples,
-                consumed_valid_samples=st.consumed_valid_samples)
+            folder = save_checkpoint(self.config.checkpoint, st, self.model, self.optimizer,
+                                     self.scheduler, self.groups, self.run_flags, self.saver)
+        if folder is None:
+            print_rank_0(f"  checkpoint of iteration {st.iteration:7d} handed to the background "
+                         f"writer [ t {time.perf_counter() - start:.2f}s ]")
+            return
         print_rank_0(f"  successfully saved checkpoint at iteration {st.iteration:7d} to {folder} "
                      f"[ t {time.perf_counter() - start:.2f}s ]")
+
+    def finalize_save(self, blocking: bool) -> None:
+        """``--async-save``: publish the pending checkpoint once every rank has written it (one
+        all-reduce per iteration while one is pending; see megatron/checkpointing_torch_dist.py)."""
+        if self.saver is None or self.saver.pending is None:
+            return
+        pending = self.saver.pending
+        with collective_guard(f"the background save of iteration {pending.iteration}", self.timeout):
+            folder = self.saver.finalize(blocking)
+        if folder is not None:
+            print_rank_0(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to "
+                         f"{folder} in the background [ written in "
+                         f"{pending.write.seconds or 0.0:.2f}s, published at iteration "
+                         f"{self.state.iteration} ]")
+
+
+def save_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_collection,
+                    run_flags: dict, saver=None):
+    """Save ``state.iteration`` in ``config.ckpt_format`` (a
+    :class:`~megatron.config.CheckpointConfig`) under ``config.save``: legacy, or torch_dist with
+    ``saver`` (made here when None: synchronous). Returns the published folder, or None for an
+    asynchronous save."""
+    consumed = dict(consumed_train_samples=state.consumed_train_samples,
+                    consumed_valid_samples=state.consumed_valid_samples)
+    if config.ckpt_format != "torch_dist":
+        return checkpointing.save_checkpoint(state.iteration, model, optimizer, scheduler, config,
+                                             pg_collection, run_flags=run_flags, **consumed)
+    return saver.save(state.iteration, model, optimizer, scheduler, config,
+                      torch_dist.Layout.of(pg_collection, optimizer), run_flags=run_flags,
+                      **consumed)
+
+
+def _convert_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_collection,
+                        device, group) -> None:
+    """``--ckpt-convert-format F --ckpt-convert-save DIR``: save what ``--load`` loaded in format F
+    under ``DIR/F`` (Megatron-LM's behaviour), then stop without training."""
+    checkpoint = config.checkpoint
+    target = os.path.join(checkpoint.ckpt_convert_save, checkpoint.ckpt_convert_format)
+    converted = dataclasses.replace(checkpoint, save=target, async_save=False,
+                                    ckpt_format=checkpoint.ckpt_convert_format)
+    saver = torch_dist.TorchDistSaver(target, group, device)
+    folder = save_checkpoint(converted, state, model, optimizer, scheduler, pg_collection,
+                             checkpoint_args(config), saver)
+    print_rank_0(f" converted checkpoint {checkpoint.load} (iteration {state.iteration}) to "
+                 f"--ckpt-format {checkpoint.ckpt_convert_format} in {folder}; load it with "
+                 f"--load {target}")
 
 
 def pretrain(config, *, model_provider, forward_step_func, datasets_provider) -> dict:
@@ -335,7 +402,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
     """
     start_time = time.time()  # --exit-duration-in-mins counts from here
     device, created_group, groups = initialize_megatron(config)
-    trainer = None
+    trainer = ckpt_group = None
     timeout = config.parallel.distributed_timeout_minutes
     try:
         model, optimizer, scheduler = builders.setup_model_and_optimizer(
@@ -344,20 +411,27 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
             print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "
                          "compiled per rank (torch.compile)")
         state = TrainState()
+        if config.checkpoint.save or config.checkpoint.load:
+            ckpt_group = torch_dist.checkpoint_group(timeout)
         if config.checkpoint.load:
             with collective_guard("the checkpoint load", timeout):
                 loaded = checkpointing.load_checkpoint(model, optimizer, scheduler,
                                                        config.checkpoint, groups,
-                                                       run_flags=checkpoint_args(config))
+                                                       run_flags=checkpoint_args(config),
+                                                       group=ckpt_group)
             state.iteration = loaded["iteration"]
             state.consumed_train_samples = loaded["consumed_train_samples"]
             state.consumed_valid_samples = loaded["consumed_valid_samples"]
+        if config.checkpoint.ckpt_convert_format:
+            _convert_checkpoint(config, state, model, optimizer, scheduler, groups, device,
+                                ckpt_group)
+            return state.history
         iterators = builders.build_data_iterators(config, datasets_provider, groups,
                                                   state.consumed_train_samples,
                                                   state.consumed_valid_samples)
         trainer = _Trainer(config, groups, device, forward_step_func, model, optimizer, scheduler,
                            iterators, builders.schedule_config(config, model, groups, optimizer),
-                           state, start_time)
+                           state, start_time, ckpt_group)
         print_rank_0(f" training from iteration {state.iteration} to "
                      f"{config.training.num_iterations}")
         completed = trainer.run()
@@ -379,4 +453,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
     finally:
         if trainer is not None:
             trainer.exit.restore()
+        abandoned = trainer is not None and trainer.saver is not None and trainer.saver.pending
+        if ckpt_group is not None and not abandoned:  # a writer left running keeps its group
+            dist.destroy_process_group(ckpt_group)
         shutdown(created_group)

@@ -132,6 +132,37 @@ def test_sigkill_everything_then_resume_is_bitwise_identical(setup):
     assert len(ckpt.complete_checkpoints(save)) == 2  # --keep-last-checkpoints 2
 
 
+def test_sigkill_during_an_async_torch_dist_write_keeps_the_previous_checkpoint(setup):
+    """--async-save: every process killed while the background writer is in the middle of the
+    second checkpoint; the first stays published and complete, the half-written one is never
+    read, and the restart resumes from the first with the undisturbed run's losses (dropout
+    on: RNG states restored too)."""
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    root, argv, reference = setup
+    save = str(root / "async_ckpt")
+    flags = ["--save", save, "--load", save, "--save-interval", "3", "--ckpt-format",
+             "torch_dist", "--async-save"]
+    run = Run(root / "async_killed", argv(*flags), env={"RELIABILITY_WRITE_DELAY": "0.3"})
+    staged = os.path.join(save, "iter_0000006.tmp")
+    deadline = time.time() + 240
+    while not (os.path.isdir(staged) and any(f.endswith(".distcp") for f in os.listdir(staged))):
+        assert time.time() < deadline and run.proc.poll() is None, run.log()[-3000:]
+        time.sleep(0.05)
+    run.kill_all()
+    run.wait()
+    assert ckpt.find_checkpoint(save) == (3, False)
+    assert torch_dist.looks_complete(os.path.join(save, "iter_0000003"))
+    assert not torch_dist.looks_complete(staged)  # half written: no .metadata yet
+    again = Run(root / "async_resumed", argv(*flags))
+    assert again.wait() == 0, again.log()[-3000:]
+    history = again.history(1)
+    assert history["iteration"] == list(range(4, ITERS + 1))
+    assert _losses_from(history, 4) == _losses_from(reference, 4)
+    assert history["grad norm"] == reference["grad norm"][3:]
+    assert not os.path.exists(staged) and ckpt.find_checkpoint(save) == (ITERS, False)
+
+
 def test_elastic_restart_after_a_rank_dies_finishes_with_the_same_losses(setup):
     root, argv, reference = setup
     save = str(root / "elastic_ckpt")

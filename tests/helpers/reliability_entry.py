@@ -8,6 +8,8 @@ Environment (all optional):
         RELIABILITY_FAULT_RANK (default 1), only in the first torchrun attempt
         (TORCHELASTIC_RESTART_COUNT 0), so an elastic restart runs undisturbed.
     RELIABILITY_STEP_DELAY: seconds to sleep before each train step (results unchanged).
+    RELIABILITY_WRITE_DELAY: seconds to sleep after each record a distributed checkpoint writes
+        (torch.distributed.checkpoint's ``_write_item``), so a test can kill during a write.
 """
 
 import json
@@ -65,6 +67,18 @@ def main():
             return real(*args, **kwargs)
 
         train.train_step = slow
+    write_delay = float(os.environ.get("RELIABILITY_WRITE_DELAY", "0"))
+    if write_delay and first_attempt:
+        import torch.distributed.checkpoint.filesystem as fs
+
+        real_write = fs._write_item
+
+        def slow_write(*args, **kwargs):
+            result = real_write(*args, **kwargs)
+            time.sleep(write_delay)
+            return result
+
+        fs._write_item = slow_write
     history = pretrain_llama.main(sys.argv[1:])
     if out:
         keep = {k: history[k] for k in ("iteration", "lm loss", "grad norm", "valid")}

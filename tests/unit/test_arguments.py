@@ -89,7 +89,15 @@ ERRORS = [
      r"--kv-channels"),
     (["--train-samples", "80"], 1, r"exactly one of --train-iters and --train-samples"),
     (["--bf16", "--fp16"], 1, r"--bf16 and --fp16 are mutually exclusive"),
-    (["--ckpt-format", "torch_dist"], 1, r"--ckpt-format \(torch_dist\) is not supported"),
+    (["--async-save", "--save", "{prefix}_ckpt"], 1,
+     r"--async-save needs --ckpt-format torch_dist \(got --ckpt-format torch\)"),
+    (["--async-save", "--ckpt-format", "torch_dist"], 1, r"--async-save needs --save DIR"),
+    (["--ckpt-convert-format", "torch_dist"], 1,
+     r"--ckpt-convert-format and --ckpt-convert-save go together"),
+    (["--ckpt-convert-format", "torch", "--ckpt-convert-save", "{prefix}_out"], 1,
+     r"--ckpt-convert-format torch needs --load DIR"),
+    (["--ckpt-convert-format", "torch", "--ckpt-convert-save", "{prefix}_in", "--load",
+      "{prefix}_in"], 1, r"--ckpt-convert-save \(.*_in\) must differ from --load"),
     (["--normalization", "LayerNorm"], 1, r"--normalization \(LayerNorm\) is not supported.*RMSNorm"),
     (["--position-embedding-type", "learned_absolute"], 1,
      r"--position-embedding-type \(learned_absolute\) is not supported.*rope"),
@@ -245,7 +253,7 @@ def test_configs_from_args(files):
 # Flags whose whole meaning is checked or derived by validate_args itself (LLaMA-only choices,
 # aliases that imply another flag).
 VALIDATION_ONLY = {"normalization", "position_embedding_type", "swiglu", "no_position_embedding",
-                   "causal_lm", "group_query_attention", "ckpt_format"}
+                   "causal_lm", "group_query_attention"}
 VALIDATION_ONLY |= {"recompute_activations"}  # becomes --recompute-granularity selective
 # Megatron-LLaMA's flag: sets --use-distributed-optimizer and both overlaps.
 VALIDATION_ONLY |= {"overlapped_distributed_optimizer"}

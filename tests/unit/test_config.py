@@ -69,7 +69,8 @@ def test_every_flag_lands_in_a_field_and_every_field_names_its_flag():
     assert all(len(reason) > 10 for reason in cfg.FLAGS_NOT_IN_CONFIG.values())
     # Accepted-and-ignored flags are listed, except the one recorded in the checkpoints' args.
     assert sorted(d for d in IGNORED_FLAGS if d in fields) == ["job_name"]
-    assert derived == {"padded_vocab_size", "rope_scaling", "params_dtype", "world_size",
+    assert derived == {"padded_vocab_size", "true_vocab_size", "rope_scaling", "params_dtype",
+                       "world_size",
                        "data_parallel_size", "num_microbatches", "num_iterations",
                        "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"}
 

@@ -107,14 +107,18 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
 
 def load_checkpoint(args):
     """``(meta, stream)`` of the checkpoint under ``args.load_dir`` (see ``convert.py``)."""
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    tracker = os.path.join(args.load_dir, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(tracker):
+        folder = get_checkpoint_dir(args.load_dir, *read_metadata(tracker))
+        if torch_dist.is_torch_dist_checkpoint(folder):
+            return load_torch_dist(folder, args)
     folder, shards, tp, pp = find_shards(args.load_dir)
     foreign = identify(shards[(0, 0)])
     if foreign is not None:
         return load_megatron_lm(foreign, shards, tp, pp, args)
-    if any(v is not None for k, v in foreign_overrides(args).items() if k != "true_vocab_size"):
-        raise CheckpointError(f"{args.load_dir} is one of our checkpoints, which record their "
-                              "norm epsilon, RoPE theta and positions: drop --norm-epsilon, "
-                              "--rotary-base and --max-position-embeddings")
+    _refuse_overrides(args)
     first = load_torch_file(shards[(0, 0)])
     saved = first.get("args")
     if not isinstance(saved, dict):
@@ -145,6 +149,35 @@ def load_checkpoint(args):
     stages = [[lambda t=t, p=p, key=key: load_torch_file(shards[(t, p)])[key] for t in range(tp)]
               for key in chunks for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
+
+
+def _refuse_overrides(args) -> None:
+    if any(v is not None for k, v in foreign_overrides(args).items() if k != "true_vocab_size"):
+        raise CheckpointError(f"{args.load_dir} is one of our checkpoints, which record their "
+                              "norm epsilon, RoPE theta and positions: drop --norm-epsilon, "
+                              "--rotary-base and --max-position-embeddings")
+
+
+def load_torch_dist(folder: str, args):
+    """``(meta, stream)`` of one of our ``--ckpt-format torch_dist`` checkpoints: its global
+    tensors read whole in this process, streamed as one TP = PP = 1 stage (fused QKV and
+    gate/up rebuilt from their global q/k/v and gate/up tensors)."""
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    if getattr(args, "include_optimizer", False):
+        raise CheckpointError(f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load "
+                              "reads it, optimizer included, at any TP/PP/DP layout; convert its "
+                              "weights only (drop --include-optimizer)")
+    _refuse_overrides(args)
+    from megatron.model.sharded_state import single_process_state_dict
+
+    common = torch_dist.read_common(folder)
+    state = single_process_state_dict(torch_dist.read_tensors(folder))
+    embedding = state["word_embeddings.weight"]
+    meta = meta_from_args(common["args"], embedding.shape[0],
+                          getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"))
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 
 
 def load_megatron_lm(foreign, shards, tp: int, pp: int, args):

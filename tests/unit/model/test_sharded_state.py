@@ -7,6 +7,7 @@ import torch
 
 from megatron.model.initialization import from_fused_layout
 from tests.helpers.dist import run_distributed
+from tests.helpers.groups import current_groups
 from tests.helpers.model import small_config
 
 
@@ -23,7 +24,7 @@ def _tp_rank(config):
     from megatron.model.llama import LlamaModel
 
     parallel_state.initialize_model_parallel(2, 1)
-    model = LlamaModel(config.replace(tensor_model_parallel_size=2))
+    model = LlamaModel(config.replace(tensor_model_parallel_size=2), pg_collection=current_groups())
     return _boxes(model, dist.get_rank(), 2)
 
 
@@ -31,7 +32,7 @@ def _expected(config):
     """The TP=1 model's tensors under the global names."""
     from megatron.model.llama import LlamaModel
 
-    model = LlamaModel(config)
+    model = LlamaModel(config, pg_collection=current_groups())
     d, nh, ng, f = (config.kv_channels, config.num_attention_heads, config.num_query_groups,
                     config.ffn_hidden_size)
     out = {}
@@ -82,8 +83,11 @@ def test_pipeline_stages_use_global_layer_numbers_and_write_the_tied_embedding_o
 
     config = small_config(num_layers=4, untie_embeddings_and_output_weights=False)
     _, expected = _expected(config)
-    first = LlamaModel(config, pre_process=True, post_process=False, layer_numbers=[1, 2])
-    last = LlamaModel(config, pre_process=False, post_process=True, layer_numbers=[3, 4])
+    groups = current_groups()
+    first = LlamaModel(config, pg_collection=groups, pre_process=True, post_process=False,
+                       layer_numbers=[1, 2])
+    last = LlamaModel(config, pg_collection=groups, pre_process=False, post_process=True,
+                      layer_numbers=[3, 4])
     boxes = _boxes(first, 0, 1) + _boxes(last, 0, 1)
     assert [b[0] for b in _boxes(last, 0, 1)][:1] == ["model.layers.2.input_layernorm.weight"]
     head = [b for b in _boxes(last, 0, 1) if b[0] == "model.word_embeddings.weight"]

@@ -9,6 +9,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.helpers.dist import run_distributed
+from tests.helpers.groups import current_groups
 from tests.helpers.toy import BUCKET, CLIP, LR, Net, WD, distrib_iteration
 
 
@@ -20,7 +21,8 @@ def _distributed(bf16=True):
     ddp = DistributedDataParallel(net, data_parallel_group=ps.get_data_parallel_group(),
                                   bucket_size=BUCKET, use_distributed_optimizer=True)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16,
-                                                 use_distributed_optimizer=True), [ddp])
+                                                 use_distributed_optimizer=True), [ddp],
+                                 pg_collection=current_groups())
     return net, ddp, opt
 
 
@@ -105,7 +107,8 @@ def test_distributed_state_reads_back_as_plain_and_at_another_dp(tmp_path):
     torch.manual_seed(0)
     net = Net().to(torch.bfloat16)  # plain bf16 optimizer, one process, no torch.distributed
     plain = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
-                                                   bf16=True), [net])
+                                                   bf16=True), [net],
+                                   pg_collection=current_groups())
     common["param_groups"][0]["lr"] = 0.123  # hyperparameters come from the checkpoint
     _load(plain, net, directory, common)
     got = _plain_state(plain, net)
@@ -143,7 +146,8 @@ def test_plain_state_loads_into_the_distributed_optimizer(tmp_path):
 
     torch.manual_seed(0)
     net = Net()  # fp32: the main params are the weights, saved once as model.<key>
-    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP), [net])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP), [net],
+                                 pg_collection=current_groups())
     net(torch.randn(4, 8)).square().mean().backward()
     for p in net.parameters():
         p.main_grad = p.grad

@@ -108,9 +108,10 @@ def run_benchmark(name: str, quick: bool) -> list:
 
 
 # "measured" / "theory": a quantity beside its formula (bubble fraction, MB sent, state MB);
-# convert's "theory" is the model's size, "peak GiB" the conversion's peak anonymous memory.
+# convert's "theory" is the model's size, "peak GiB" the conversion's peak anonymous memory;
+# dist_checkpoint's "of ceiling" is a share of the disk's sequential write speed (GB/s).
 NUMERIC_COLUMNS = ("tokens/s", "TFLOP/s", "MFU", "reference tokens/s", "ratio", "of ceiling", "ms/step",
-                   "measured", "theory", "peak GiB", "seconds")
+                   "measured", "theory", "peak GiB", "seconds", "GB/s")
 
 
 def format_table(rows: list, previous: dict | None = None) -> str:

@@ -30,6 +30,9 @@ _recorder: Optional[Callable[[dict], None]] = None
 # torch >= 2.13 renamed the tensor collectives (the old names warn); same signatures.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The same two, for the other collectives of megatron.core (context-parallel attention).
+tensor_reduce_scatter = _reduce_scatter
+tensor_all_gather = _all_gather
 
 
 @contextlib.contextmanager

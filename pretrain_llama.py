@@ -1,4 +1,4 @@
-"""Pretrain LLaMA with tensor, pipeline and data parallelism (Megatron-LM's ``pretrain_gpt.py``).
+"""Pretrain LLaMA with tensor, context, pipeline and data parallelism (Megatron-LM's ``pretrain_gpt.py``).
 
 Launch: ``torchrun --nproc-per-node N pretrain_llama.py [Megatron flags]`` (see examples/).
 ``main(argv)`` is callable from Python with an argument list (tests run it inside process worlds).
@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from megatron import arguments
 from megatron.core import parallel_state as ps
+from megatron.core.context_parallel import (get_batch_on_this_cp_rank,
+                                            reduce_loss_for_context_parallel)
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
 
@@ -96,9 +98,14 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, data) -> None:
           "re-run tools/preprocess_data.py with this one")
 
 
-def get_batch(data_iterator, data, eod, device, vocab_size=None):
+def get_batch(data_iterator, data, eod, device, vocab_size=None, cp=None):
     """Next micro-batch: ``(tokens, labels, loss_mask, attention_mask, position_ids)`` on ``device``
     (``data``: the run's :class:`~megatron.config.DataConfig`, its masks and position flags).
+
+    Masks and positions are computed on the whole sequence; with a context-parallel group ``cp``
+    (a :class:`~megatron.core.process_groups.ParallelGroup` of CP > 1 ranks) every ``[b, s]``
+    tensor is then cut to this rank's ``s / CP`` tokens (Megatron-Core's
+    ``get_batch_on_this_cp_rank``), so positions stay each token's true one.
 
     Raises:
         ValueError: a token id outside ``[0, vocab_size)`` (when ``vocab_size`` is given).
@@ -111,24 +118,34 @@ def get_batch(data_iterator, data, eod, device, vocab_size=None):
     tokens, labels = tokens_[:, :-1].contiguous(), tokens_[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, eod, data.reset_position_ids, data.reset_attention_mask, data.eod_mask_loss)
-    return tokens, labels, loss_mask, attention_mask, position_ids
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+             "attention_mask": attention_mask, "position_ids": position_ids}
+    if cp is not None and cp.size > 1:
+        batch = get_batch_on_this_cp_rank(batch, cp.size, cp.rank)
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
+            batch["position_ids"])
 
 
 def loss_func(loss_mask, output_tensor):
     """Megatron-Core's loss: the sum of masked per-token losses and the token count; for logging,
     ``(sum, count)`` summed over the data x context-parallel group (the registry's: this entry
-    script is an edge of the program).
+    script is an edge of the program). Under context parallelism the sum is this rank's tokens'
+    and :func:`~megatron.core.context_parallel.reduce_loss_for_context_parallel` returns ``CP x``
+    it with the count of the whole micro-batch, which gives the unsplit gradients.
 
     Returns:
         ``(loss_sum, num_tokens, {"lm loss": (sum, count)})``; the schedule divides by the tokens
         and micro-batches, or by the global token count under ``--calculate-per-token-loss``.
     """
+    groups = ps.get_process_groups()
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1)
     loss = torch.stack([torch.sum(losses * mask), mask.sum()])
     reporting = loss.detach().clone()
-    dist.all_reduce(reporting, group=ps.get_process_groups().dp_cp.group)
-    return loss[0], loss[1].detach().to(torch.int64), {"lm loss": (reporting[0], reporting[1])}
+    dist.all_reduce(reporting, group=groups.dp_cp.group)
+    loss_sum, num_tokens = reduce_loss_for_context_parallel(
+        loss[0], loss[1].detach(), groups.cp.group if groups.cp.size > 1 else None)
+    return loss_sum, num_tokens.to(torch.int64), {"lm loss": (reporting[0], reporting[1])}
 
 
 def forward_step(data, eod, data_iterator, model, vocab_size=None):
@@ -137,7 +154,7 @@ def forward_step(data, eod, data_iterator, model, vocab_size=None):
     ``vocab_size``: the tokenizer's, to check token ids)."""
     device = next(model.parameters()).device
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, data, eod, device, vocab_size)
+        data_iterator, data, eod, device, vocab_size, cp=ps.get_process_groups().cp)
     # Stages without the output layer ignore the labels (the model knows its post_process).
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)

@@ -310,6 +310,13 @@ def _add_distributed_args(parser):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP: each sequence split over CP ranks (load-balanced causal split); "
+                        "WORLD_SIZE = TP x CP x PP x DP")
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="context-parallel attention: p2p (ring exchange of K/V blocks) or "
+                        "all_gather (Llama 3's all-gather of K/V; Megatron-LM's spelling "
+                        "allgather too); one value for every layer")
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"],
                    help="default nccl with CUDA, gloo on CPU")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,

@@ -65,6 +65,7 @@ def validate(args, world_size: int, defaults: dict, check_files: bool = True):
     _validate_parallel_layout(args, world_size)
     _validate_virtual_pipeline(args)
     _validate_sequence_parallel(args)
+    _validate_context_parallel(args)
     _validate_recompute(args)
     _validate_batch(args)
     _validate_training_length(args)
@@ -175,15 +176,59 @@ def _validate_model_shape(args):
 
 def _validate_parallel_layout(args, world_size):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size < 1 or world_size % (tp * pp):
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp < 1:
+        raise ValueError(f"--context-parallel-size ({cp}) must be >= 1")
+    model = tp * pp * cp
+    if world_size < 1 or world_size % model:
+        with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""
         raise ValueError(f"world size ({world_size}) must be divisible by "
                          f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size "
-                         f"({pp}) = {tp * pp}: change the sizes or the number of processes")
+                         f"({pp}){with_cp} = {model}: change the sizes or the number of processes")
     if args.num_layers % pp:
         raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({pp})")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // model
+
+
+# --cp-comm-type values: ours, Megatron-LM's spelling of the same, and Megatron-LM's not built here.
+_CP_COMM_ALIASES = {"p2p": "p2p", "all_gather": "all_gather", "allgather": "all_gather"}
+_CP_COMM_NOT_BUILT = ("a2a", "a2a+p2p")
+
+
+def _validate_context_parallel(args):
+    """Megatron-Core's context parallelism as built here: ``p2p`` or ``all_gather`` attention
+    (one for every layer), causal masks only, no attention dropout, sequence split in 2 CP
+    chunks (times TP under sequence parallelism). Normalizes ``cp_comm_type`` to one string."""
+    from megatron.core.context_parallel.split import check_context_parallel_seq_length
+
+    given = args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [
+        args.cp_comm_type]
+    for value in given:
+        if value in _CP_COMM_NOT_BUILT:
+            raise ValueError(f"--cp-comm-type {value} (all-to-all context parallelism) is not "
+                             f"supported; use p2p or all_gather")
+        if value not in _CP_COMM_ALIASES:
+            raise ValueError(f"--cp-comm-type {value} is not one of p2p, all_gather (allgather)")
+    kinds = sorted({_CP_COMM_ALIASES[v] for v in given})
+    if len(kinds) != 1:
+        raise ValueError(f"--cp-comm-type {' '.join(given)}: one communication type for every "
+                         f"layer is supported; give one of p2p, all_gather")
+    args.cp_comm_type = kinds[0]
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.reset_attention_mask:
+        raise ValueError(f"--reset-attention-mask is not supported with --context-parallel-size "
+                         f"({cp}): document masks are not split over context-parallel ranks; "
+                         f"remove one of the two flags (--reset-position-ids alone is supported)")
+    if args.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout ({args.attention_dropout}) must be 0 with "
+                         f"--context-parallel-size ({cp}): the split attention has no dropout; "
+                         f"pass --attention-dropout 0.0")
+    check_context_parallel_seq_length(args.seq_length, cp, args.tensor_model_parallel_size,
+                                      args.sequence_parallel)
 
 
 def _validate_virtual_pipeline(args):

@@ -7,13 +7,16 @@ Layout (Megatron-LM ``get_checkpoint_name``)::
     SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt    PP > 1
     SAVE/release/...                                       same, written by conversion tools
 
-One file per (tensor rank, pipeline rank), written by data-parallel rank 0. It holds ``model``
+One file per (tensor rank, pipeline rank), written by data-parallel rank 0 of context-parallel
+rank 0 (the other ranks of the DP x CP group hold replicas of the same weights, so a checkpoint
+loads at any DP and CP size). It holds ``model``
 (``model0``, ``model1``, ... with virtual stages), ``optimizer``, ``opt_param_scheduler``,
 ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``, ``args`` (a dict of plain
 JSON-compatible values, so ``torch.load(weights_only=True)`` reads it), ``rng_state`` and
-``checkpoint_version`` 3.0. With ``--use-distributed-optimizer`` every data-parallel rank also
-writes its optimizer shard ``distrib_optim_dp_DDD.pt`` beside it (per parameter name and element
-range, so a load at another DP size re-cuts the shards); ``optimizer`` then holds the common part.
+``checkpoint_version`` 3.0. With ``--use-distributed-optimizer`` every rank of the DP x CP group
+(the optimizer's sharding group) also writes its optimizer shard ``distrib_optim_dp_DDD.pt``
+beside it, ``DDD`` its rank in that group (per parameter name and element range, so a load at
+another DP or CP size re-cuts the shards); ``optimizer`` then holds the common part.
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a temporary name,
 flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name
@@ -163,7 +166,8 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     Args:
         config: the run's :class:`~megatron.config.CheckpointConfig` (``save``,
             ``no_save_optim``, ``no_save_rng``, ``keep_last_checkpoints``).
-        pg_collection: this rank's process groups (its shard's name; DP rank 0 writes it).
+        pg_collection: this rank's process groups (its shard's name; rank 0 of the DP x CP group
+            writes it).
         run_flags: the plain ``args`` dict the shard records
             (:func:`megatron.config.checkpoint_args` of the run's configuration).
 
@@ -175,7 +179,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             checkpoint and the tracker file stay untouched.
     """
     save_dir = config.save
-    dp = pg_collection.dp
+    dp, dp_cp = pg_collection.dp, pg_collection.dp_cp
     final_dir = get_checkpoint_dir(save_dir, iteration)
     staging = final_dir + ".tmp"
     device = next(unwrap_model(model_chunks[0]).parameters()).device
@@ -194,14 +198,14 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     if not config.no_save_rng:  # one per DP rank, as Megatron-LM keeps them
         rng_states = [None] * dp.size
         dist.all_gather_object(rng_states, get_rng_state(), group=dp.group)
-    if save_optim and hasattr(optimizer, "parameter_state"):  # distributed optimizer: per DP rank
-        shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp.rank))
+    if save_optim and hasattr(optimizer, "parameter_state"):  # distributed optimizer: per shard
+        shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp_cp.rank))
         try:
             os.makedirs(os.path.dirname(shard), exist_ok=True)
             _write_atomic(optimizer.parameter_state(), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
-    if dp.rank == 0:
+    if dp_cp.rank == 0:  # DP rank 0 of CP rank 0: the ranks of DP x CP hold the same weights
         state = {
             "args": {k: plain(v) for k, v in run_flags.items()},
             "checkpoint_version": CHECKPOINT_VERSION,

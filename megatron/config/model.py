@@ -68,6 +68,13 @@ class ModelConfig:
     sequence_parallel: bool = False
     """``--sequence-parallel``: norms and dropout on ``[s/TP, b, h]`` (off at TP = 1; the parallel
     section holds the same flag). Default off."""
+    context_parallel_size: int = 1
+    """``--context-parallel-size``: CP ranks each sequence is split over; attention then runs
+    :func:`megatron.core.context_parallel.context_parallel_attention` (the parallel section holds
+    the same flag). Default 1."""
+    cp_comm_type: str = "p2p"
+    """``--cp-comm-type``: ``p2p`` (ring exchange of K/V blocks) or ``all_gather`` (Llama 3's
+    all-gather of K/V); Megatron-LM's ``allgather`` is normalized by validation. Default p2p."""
     recompute_granularity: Optional[str] = None
     """``--recompute-granularity`` (``--recompute-activations`` = selective): None, ``selective``
     (the parts named by ``recompute_modules`` inside each layer) or ``full`` (whole layers);

@@ -8,11 +8,11 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Process layout: ``world_size = TP x PP x DP`` (Megatron-Core's rank order, see
+    """Process layout: ``world_size = TP x CP x PP x DP`` (Megatron-Core's rank order, see
     :mod:`megatron.core.process_groups`).
 
     Raises:
-        ValueError: if TP x PP x DP is not the world size.
+        ValueError: if TP x CP x PP x DP is not the world size.
     """
 
     world_size: int
@@ -21,8 +21,11 @@ class ParallelConfig:
     """``--tensor-model-parallel-size``: TP. Default 1."""
     pipeline_model_parallel_size: int = 1
     """``--pipeline-model-parallel-size``: PP. Default 1."""
+    context_parallel_size: int = 1
+    """``--context-parallel-size``: CP, ranks one sequence is split over (the load-balanced causal
+    split of :mod:`megatron.core.context_parallel`). Default 1."""
     data_parallel_size: int = 1
-    """Derived: DP = world size / (TP x PP), the one definition (validation computes it)."""
+    """Derived: DP = world size / (TP x CP x PP), the one definition (validation computes it)."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """``--virtual-pipeline-model-parallel-size`` (or derived from
     ``--num-layers-per-virtual-pipeline-stage``): model chunks per pipeline rank, the interleaved
@@ -53,9 +56,10 @@ class ParallelConfig:
     buffers and reduction. Default on."""
 
     def __post_init__(self):
-        product = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                   * self.data_parallel_size)
+        product = (self.tensor_model_parallel_size * self.context_parallel_size
+                   * self.pipeline_model_parallel_size * self.data_parallel_size)
         if product != self.world_size:
             raise ValueError(
-                f"TP ({self.tensor_model_parallel_size}) x PP ({self.pipeline_model_parallel_size})"
-                f" x DP ({self.data_parallel_size}) = {product} != world size ({self.world_size})")
+                f"TP ({self.tensor_model_parallel_size}) x CP ({self.context_parallel_size}) x PP "
+                f"({self.pipeline_model_parallel_size}) x DP ({self.data_parallel_size}) = "
+                f"{product} != world size ({self.world_size})")

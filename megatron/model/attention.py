@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import ModelConfig
+from megatron.core.context_parallel import context_parallel_attention
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_rng_tracker
@@ -33,6 +34,19 @@ def check_attention_config(config: ModelConfig) -> None:
                          f"--tensor-model-parallel-size ({tp}); use a smaller TP or more groups")
     if nh % ng:
         raise ValueError(f"--num-attention-heads ({nh}) must be divisible by --num-query-groups ({ng})")
+
+
+def _check_context_parallel_inputs(attention_mask, inference_params, dropout_p: float) -> None:
+    """Refuse what the split attention does not do (validation refuses the flags first)."""
+    if attention_mask is not None:
+        raise ValueError("context-parallel attention is causal only: an attention mask "
+                         "(--reset-attention-mask) is not supported with --context-parallel-size > 1")
+    if inference_params is not None:
+        raise ValueError("generation with a KV cache does not run under --context-parallel-size "
+                         "> 1; load the model with context-parallel size 1")
+    if dropout_p > 0.0:
+        raise ValueError(f"--attention-dropout ({dropout_p}) must be 0 with "
+                         "--context-parallel-size > 1")
 
 
 class SelfAttention(torch.nn.Module):
@@ -80,6 +94,10 @@ class SelfAttention(torch.nn.Module):
                 init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
                 **common)
         self.recompute_core_attn = "core_attn" in selective_modules(config)
+        # Context parallelism: this rank holds 2 of the 2 CP chunks of each sequence
+        # (megatron.core.context_parallel); attention communicates over the CP group.
+        self.cp_group = pg_collection.cp.group if pg_collection.cp.size > 1 else None
+        self.cp_comm_type = config.cp_comm_type
 
     def fused_row_blocks(self):
         """The logical blocks of this rank's fused rows, for checkpoints in global coordinates
@@ -138,6 +156,10 @@ class SelfAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         gqa = g != n
         dropout_p = self.attention_dropout if self.training else 0.0
+        if self.cp_group is not None:
+            _check_context_parallel_inputs(attention_mask, inference_params, dropout_p)
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type)
+            return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
         mask = None if attention_mask is None else ~attention_mask
         if dropout_p > 0.0:
             # Heads differ per tensor-parallel rank, so their dropout masks must too.

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron.config import ModelConfig
+from megatron.core.context_parallel import context_parallel_positions
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.fused_cross_entropy import linear_cross_entropy
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, TensorParallelGroupMixin,
@@ -33,6 +34,10 @@ def _check_config(config: ModelConfig, layer_numbers: Sequence[int], pg_collecti
     bad = [n for n in layer_numbers if not 1 <= n <= config.num_layers]
     if bad:
         raise ValueError(f"layer numbers {bad} outside 1..--num-layers ({config.num_layers})")
+    if pg_collection.cp.size != config.context_parallel_size:
+        raise ValueError(f"config.context_parallel_size ({config.context_parallel_size}) differs "
+                         f"from the size of the context-parallel group it is given "
+                         f"({pg_collection.cp.size}): pass the groups of initialize_model_parallel")
     tp = pg_collection.tp.size
     if tp != config.tensor_model_parallel_size:
         raise ValueError(f"config.tensor_model_parallel_size ({config.tensor_model_parallel_size}) "
@@ -54,12 +59,19 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
     states between the tensor-parallel blocks, and so the tensors passed between pipeline stages,
     are ``[s/T, b, h]``: this rank's contiguous sequence chunk; s must be divisible by T.
 
+    With context parallelism (``pg_collection.cp`` of CP > 1 ranks) every tensor of the stage
+    holds this rank's ``s/CP`` tokens, chunks ``i`` and ``2 CP - 1 - i`` of the sequence in ``2 CP``
+    (:mod:`megatron.core.context_parallel.split`; the caller splits ``input_ids``, ``labels`` and
+    ``position_ids``); attention is the exact split attention over the CP group, and sequence
+    parallelism splits the ``s/CP`` tokens again over TP.
+
     Args:
         config: the model configuration (its ``tensor_model_parallel_size`` must equal the size
-            of ``pg_collection.tp``).
+            of ``pg_collection.tp``, its ``context_parallel_size`` that of ``pg_collection.cp``).
         pg_collection: the process groups
             (:class:`~megatron.core.process_groups.ProcessGroupCollection`; the layers use its
-            ``tp``; ``ProcessGroupCollection.world_of_one()`` in a single process).
+            ``tp``, attention its ``cp``; ``ProcessGroupCollection.world_of_one()`` in a single
+            process).
         pre_process: this stage embeds tokens (first pipeline stage).
         post_process: this stage computes logits / loss (last pipeline stage).
         layer_numbers: global 1-based numbers of the stage's layers (default: all);
@@ -68,7 +80,7 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
 
     Raises:
         ValueError: heads, groups, ffn or vocabulary not divisible by TP; layer numbers out of
-            range; a config TP size that disagrees with the process groups.
+            range; a config TP or CP size that disagrees with the process groups.
     """
 
     def __init__(self, config: ModelConfig, *, pg_collection, pre_process: bool = True,
@@ -85,6 +97,9 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
         self.input_tensor = None
         # The layers ignore sequence_parallel at TP=1 (nothing to split); so does the model.
         self.sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
+        # Context parallelism: the stage sees s / CP tokens of each sequence (chunks cp_rank and
+        # 2 CP - 1 - cp_rank); only attention communicates over the CP group.
+        self.cp_size, self.cp_rank = pg_collection.cp.size, pg_collection.cp.rank
         self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base, config.rope_scaling)
 
         if pre_process:
@@ -165,8 +180,9 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
 
         Args:
             input_ids: ``[b, s]`` int64 token ids (first stage; ignored elsewhere, may be None).
-            position_ids: ``[b, s]`` int64 (None: ``0..s-1``; ``--reset-position-ids`` restarts
-                them at each document).
+            position_ids: ``[b, s]`` int64 (None: ``0..s-1``, or under context parallelism the
+                true positions of this rank's chunks; ``--reset-position-ids`` restarts them at
+                each document).
             attention_mask: None for causal attention, or bool ``[b, 1, s, s]``, True = masked out
                 (Megatron's convention; ``--reset-attention-mask``).
             labels: ``[b, s]`` int64 next-token targets (last stage).
@@ -204,7 +220,9 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
         if self.sequence_parallel:
             s *= tp
         if position_ids is None:
-            position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, s)
+            # This rank's tokens' true positions (0..s-1 at CP = 1).
+            position_ids = context_parallel_positions(s * self.cp_size, b, self.cp_size,
+                                                      self.cp_rank, hidden.device)
         rotary = self.rotary(position_ids)
         hidden = forward_layers(self.layers, hidden, rotary, attention_mask, inference_params,
                                 self.config, tp_group=self.tp_group)

@@ -65,6 +65,7 @@ def schedule_config(config, model_chunks, pg_collection, optimizer=None) -> Pipe
         calculate_per_token_loss=config.training.calculate_per_token_loss,
         tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
         sequence_parallel=config.model.sequence_parallel,
+        context_parallel_size=config.parallel.context_parallel_size,
         finalize_model_grads_func=partial(finalize_model_grads, pg_collection=pg_collection),
         # Interleaved: every chunk's reduction is held back until its last micro-batch.
         no_sync_func=(model_chunks[0].no_sync if len(model_chunks) == 1

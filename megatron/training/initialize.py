@@ -158,7 +158,8 @@ def initialize_megatron(config):
     created = initialize_distributed(parallel.distributed_backend, minutes)
     groups = parallel_state.initialize_model_parallel(
         parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-        parallel.virtual_pipeline_model_parallel_size, timeout=timedelta(minutes=minutes))
+        parallel.virtual_pipeline_model_parallel_size, timeout=timedelta(minutes=minutes),
+        context_parallel_size=parallel.context_parallel_size)
     set_random_seed(config.training.seed, groups)
     return device, created, groups
 

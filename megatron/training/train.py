@@ -279,7 +279,7 @@ class _Trainer:
             grad_norm=grad_norm, skipped=w["skipped"], nans=w["nans"],
             tflops_per_device=flops / (per_iter * 1e12 * world), mfu=mfu))
         if not self.memory_reported:
-            if self.groups.dp.rank == 0:
+            if self.groups.dp_cp.rank == 0:
                 print(memory_report(f"(after {st.iteration} iterations)", self.device), flush=True)
             self.memory_reported = True
         self._reset_window()

@@ -31,6 +31,23 @@ MASKED = ["--eod-mask-loss", "--calculate-per-token-loss", "--reset-position-ids
           "--reset-attention-mask"]
 
 
+# Context-parallel runs are held to rtol 1e-6 over 20 iterations: at lr 5e-3 rounding grows to
+# 1e-5 in the grad norm by iteration 13 in every layout (TP=2 too, measured), at 1e-3 it stays
+# at 1e-7. Vocabulary 128 padded to 160 rows at TP 1 and 2 (padded logits are in the loss).
+# Global batch 4 (2 micro-batches of 2 at DP = 1) keeps the 20 iterations cheap.
+CP_ITERS = 20
+CP_BASE = ["--train-iters", str(CP_ITERS), "--lr", "1e-3", "--min-lr", "1e-4",
+           "--global-batch-size", "4", "--make-vocab-size-divisible-by", "80",
+           "--eval-interval", "10", "--eval-iters", "1", *UNTIED]
+
+# Document positions and per-token loss; document masks are refused under CP.
+CP_MASKED = ["--eod-mask-loss", "--calculate-per-token-loss", "--reset-position-ids"]
+
+
+def cp_args(cp, comm_type="p2p"):
+    return ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
+
+
 def layout_args(tp, pp):
     return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
 
@@ -54,8 +71,17 @@ def e2e_argv(data_prefix, cache, *extra):
     return BASE + ["--data-path", data_prefix, "--data-cache-path", cache] + list(extra)
 
 
-def assert_close_history(a, b, name):
-    np.testing.assert_allclose(a["lm loss"], b["lm loss"], rtol=1e-5, err_msg=f"{name}: lm loss")
-    np.testing.assert_allclose(a["grad norm"], b["grad norm"], rtol=1e-5, err_msg=f"{name}: grad norm")
-    np.testing.assert_allclose([v for _, v in a["valid"]], [v for _, v in b["valid"]], rtol=1e-5,
+def assert_close_history(a, b, name, rtol=1e-5):
+    np.testing.assert_allclose(a["lm loss"], b["lm loss"], rtol=rtol, err_msg=f"{name}: lm loss")
+    np.testing.assert_allclose(a["grad norm"], b["grad norm"], rtol=rtol, err_msg=f"{name}: grad norm")
+    np.testing.assert_allclose([v for _, v in a["valid"]], [v for _, v in b["valid"]], rtol=rtol,
                                err_msg=f"{name}: validation loss")
+
+
+def history_tail(history, first_iteration):
+    """The part of ``history`` from ``first_iteration`` on (a resumed run's iterations)."""
+    keep = [i for i, it in enumerate(history["iteration"]) if it >= first_iteration]
+    return {"iteration": [history["iteration"][i] for i in keep],
+            "lm loss": [history["lm loss"][i] for i in keep],
+            "grad norm": [history["grad norm"][i] for i in keep],
+            "valid": [(it, v) for it, v in history["valid"] if it >= first_iteration]}

@@ -131,6 +131,26 @@ ERRORS = [
     (["--num-layers", "0"], 1, r"--num-layers \(0\) must be positive"),
     (["--data-impl", "lazy"], 1, r"--data-impl \(lazy\) is not supported"),
     (["--train-data-path", "{prefix}"], 1, r"--data-path and --train-data-path are mutually"),
+    (TWO + ["--context-parallel-size", "2"], 6,
+     r"world size \(6\) must be divisible by --tensor-model-parallel-size \(2\) x "
+     r"--pipeline-model-parallel-size \(1\) x --context-parallel-size \(2\) = 4"),
+    (["--context-parallel-size", "0"], 1, r"--context-parallel-size \(0\) must be >= 1"),
+    (["--context-parallel-size", "2", "--reset-attention-mask"], 2,
+     r"--reset-attention-mask is not supported with --context-parallel-size \(2\).*remove one"),
+    (["--context-parallel-size", "2"], 2,
+     r"--attention-dropout \(0.1\) must be 0 with --context-parallel-size \(2\).*"
+     r"--attention-dropout 0.0"),
+    (["--context-parallel-size", "3", "--attention-dropout", "0"], 3,
+     r"--seq-length \(256\) must be divisible by 2 x --context-parallel-size \(3\) = 6 .*"
+     r"252 or 258"),
+    (TWO + ["--context-parallel-size", "2", "--attention-dropout", "0", "--sequence-parallel",
+            "--seq-length", "252", "--max-position-embeddings", "252"], 4,
+     r"--seq-length \(252\) must be divisible by 2 x --context-parallel-size \(2\) x "
+     r"--tensor-model-parallel-size \(2\) under --sequence-parallel = 8"),
+    (["--cp-comm-type", "a2a"], 1, r"--cp-comm-type a2a \(all-to-all context parallelism\) is "
+                                   r"not supported; use p2p or all_gather"),
+    (["--cp-comm-type", "ring"], 1, r"--cp-comm-type ring is not one of p2p, all_gather"),
+    (["--cp-comm-type", "p2p", "allgather"], 1, r"one communication type for every layer"),
 ]
 
 
@@ -139,6 +159,19 @@ def test_validation_errors_name_flag_value_and_fix(files, extra, world_size, mes
     argv = base_argv(files) + [a.replace("{prefix}", files["prefix"]) for a in extra]
     with pytest.raises(ValueError, match=message):
         check(argv, world_size)
+
+
+def test_context_parallel_layout_and_config(files):
+    cp = ["--context-parallel-size", "2", "--attention-dropout", "0"]
+    args = check(base_argv(files) + TWO + cp + ["--cp-comm-type", "allgather"], world_size=8)
+    assert (args.data_parallel_size, args.cp_comm_type) == (2, "all_gather")  # Megatron's spelling
+    c = cfg.build_config(args, vocab_size=32001)
+    assert c.parallel.context_parallel_size == c.model.context_parallel_size == 2
+    assert c.model.cp_comm_type == "all_gather" and c.parallel.data_parallel_size == 2
+    assert check(base_argv(files) + cp + ["--reset-position-ids"], 2).cp_comm_type == "p2p"
+    with pytest.raises(ValueError, match=r"TP \(1\) x CP \(2\) x PP \(1\) x DP \(2\) = 4 != "
+                                         r"world size \(2\)"):
+        cfg.ParallelConfig(world_size=2, context_parallel_size=2, data_parallel_size=2)
 
 
 def test_query_groups_without_gqa_flag(files):

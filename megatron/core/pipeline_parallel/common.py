@@ -27,6 +27,7 @@ class PipelineConfig:
             count to ``finalize_model_grads_func`` instead (``--calculate-per-token-loss``).
         sequence_parallel: activations are ``[s / TP, b, h]`` (``--sequence-parallel``).
         tensor_model_parallel_size: TP, used for the sequence-parallel shape.
+        context_parallel_size: CP: each rank holds ``s / CP`` tokens of every sequence.
         grad_sync_func: ``f(params)`` that starts the data-parallel gradient reduction of a model
             chunk (overlapped with the pipeline's cooldown); None when reduced in finalize.
         finalize_model_grads_func: ``f(model_chunks, *, num_tokens=None)`` called once after the last
@@ -44,6 +45,7 @@ class PipelineConfig:
     calculate_per_token_loss: bool = False
     sequence_parallel: bool = False
     tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
     grad_sync_func: Optional[Callable] = None
     finalize_model_grads_func: Optional[Callable] = None
     no_sync_func: Optional[Callable] = None
@@ -52,12 +54,14 @@ class PipelineConfig:
 
 
 def get_tensor_shape(seq_length: int, micro_batch_size: int, config: PipelineConfig) -> List[int]:
-    """``[s, b, h]`` of the activations between stages (``[s / TP, b, h]`` under sequence parallel).
+    """``[s, b, h]`` of the activations between stages: ``s`` is ``seq_length / CP`` (this
+    context-parallel rank's tokens), divided by TP again under sequence parallelism.
 
     Raises:
         ValueError: if sequence parallelism is on and ``seq_length`` is not divisible by TP.
     """
-    s = seq_length
+    # Validation checked the divisibility (megatron.core.context_parallel.split).
+    s = seq_length // config.context_parallel_size
     if config.sequence_parallel:
         tp = config.tensor_model_parallel_size
         if s % tp != 0:

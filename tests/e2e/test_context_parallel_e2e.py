@@ -1,0 +1,98 @@
+"""End to end: context parallelism through pretrain_llama.main(), against one process.
+
+fp32, dropout 0, clipping on every iteration, a padded vocabulary: over 20 iterations the losses,
+grad norms and validation losses of CP = 4 (both --cp-comm-type), CP = 2 x TP = 2 (p2p) with
+sequence parallelism and selective recompute, CP = 2 x PP = 2 (all_gather) with full recompute
+and CP = 2 x DP = 2 (p2p) with the distributed optimizer equal the single process within rtol
+1e-6. CP = 2 alone runs 10 iterations with each comm type (plain; per-token loss with
+--eod-mask-loss and --reset-position-ids and the distributed optimizer), saves, and the
+checkpoints resume at CP = 4 on the single process's trajectory to iteration 20; only
+context-parallel rank 0 writes the model file. Worlds are shared: a 1-, a 2- and a 4-rank world.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.pretrain import (CLIP, CP_BASE, CP_ITERS, CP_MASKED, assert_close_history,
+                                    cp_args, e2e_argv, history_tail, layout_args, run_many)
+
+RTOL = 1e-6
+HALF = CP_ITERS // 2
+
+
+@pytest.fixture(scope="module")
+def worlds(data_prefix, tmp_path_factory):
+    """Every run of the module, by name (the 1-, 2- and 4-rank worlds' last ranks)."""
+    cache = str(tmp_path_factory.mktemp("cp_cache"))
+    plain_ckpt, distopt_ckpt = (str(tmp_path_factory.mktemp(n)) for n in ("cp_plain", "cp_dopt"))
+
+    def argv(*extra):
+        return e2e_argv(data_prefix, cache, *CP_BASE, *extra)
+
+    save = ["--save-interval", str(HALF), "--exit-interval", str(HALF)]
+    out = dict(run_distributed(1, run_many, [("single", argv()),
+                                             ("single masked", argv(*CP_MASKED))], timeout=600)[0])
+    out.update(run_distributed(2, run_many, [
+        ("cp2 p2p first half", argv(*cp_args(2), "--save", plain_ckpt, *save)),
+        ("cp2 masked distopt first half", argv(*cp_args(2, "all_gather"), *CP_MASKED,
+                                               "--use-distributed-optimizer", "--save",
+                                               distopt_ckpt, *save)),
+    ], timeout=600)[1])
+    out.update(run_distributed(4, run_many, [
+        ("cp4 p2p", argv(*cp_args(4))),
+        ("cp4 all_gather", argv(*cp_args(4, "all_gather"))),
+        ("cp2 tp2 sp selective", argv(*cp_args(2), *layout_args(2, 1), "--sequence-parallel",
+                                      "--recompute-activations")),
+        ("cp2 pp2 full recompute", argv(*cp_args(2, "all_gather"), *layout_args(1, 2),
+                                        "--recompute-granularity", "full",
+                                        "--recompute-method", "uniform",
+                                        "--recompute-num-layers", "1")),
+        ("cp2 dp2 distopt", argv(*cp_args(2), "--use-distributed-optimizer")),
+        ("cp4 p2p second half", argv(*cp_args(4), "--load", plain_ckpt)),
+        ("cp4 masked distopt second half", argv(*cp_args(4), *CP_MASKED,
+                                                "--use-distributed-optimizer", "--load",
+                                                distopt_ckpt)),
+    ], timeout=600)[3])
+    out["checkpoint files"] = {name: sorted(os.listdir(os.path.join(path, f"iter_{HALF:07d}")))
+                               for name, path in (("plain", plain_ckpt), ("distopt", distopt_ckpt))}
+    out["distopt shard files"] = sorted(os.listdir(os.path.join(
+        distopt_ckpt, f"iter_{HALF:07d}", "mp_rank_00")))
+    return out
+
+
+def test_reference_trains_and_clips(worlds):
+    single = worlds["single"]
+    assert single["iteration"] == list(range(1, CP_ITERS + 1)) and np.isfinite(single["lm loss"]).all()
+    assert single["lm loss"][-1] < single["lm loss"][0]
+    assert [it for it, _ in single["valid"]] == [HALF, CP_ITERS, CP_ITERS]
+    for name in ("single", "single masked"):
+        assert min(worlds[name]["grad norm"]) > CLIP, worlds[name]["grad norm"]
+    assert worlds["single masked"]["lm loss"] != single["lm loss"]
+
+
+@pytest.mark.parametrize("name", ["cp4 p2p", "cp4 all_gather",
+                                  "cp2 tp2 sp selective", "cp2 pp2 full recompute",
+                                  "cp2 dp2 distopt"])
+def test_context_parallel_layouts_match_one_process(worlds, name):
+    assert worlds[name]["iteration"] == list(range(1, CP_ITERS + 1))
+    assert_close_history(worlds[name], worlds["single"], name, rtol=RTOL)
+
+
+def test_checkpoints_resume_at_another_context_parallel_size(worlds):
+    for first, second, reference in (
+            ("cp2 p2p first half", "cp4 p2p second half", "single"),
+            ("cp2 masked distopt first half", "cp4 masked distopt second half", "single masked")):
+        assert worlds[first]["iteration"] == list(range(1, HALF + 1))
+        assert worlds[second]["iteration"] == list(range(HALF + 1, CP_ITERS + 1))
+        np.testing.assert_allclose(worlds[first]["lm loss"], worlds[reference]["lm loss"][:HALF],
+                                   rtol=RTOL, err_msg=first)
+        assert_close_history(worlds[second], history_tail(worlds[reference], HALF + 1), second,
+                             rtol=RTOL)
+    # One model file per tensor/pipeline rank (CP rank 0 writes it); one optimizer shard per
+    # rank of the DP x CP group.
+    assert worlds["checkpoint files"] == {"plain": ["mp_rank_00"], "distopt": ["mp_rank_00"]}
+    assert worlds["distopt shard files"] == ["distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt",
+                                             "model_optim_rng.pt"]

@@ -6,7 +6,7 @@ Example (LLaMA-2 7B on 8 x 80 GB)::
         --global-batch-size 256 --seq-length 4096
 
 or with Megatron's model flags (``--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008
---num-attention-heads 32 --vocab-size 32000 ...``). It prints the ranked layouts (TP, PP, DP,
+--num-attention-heads 32 --vocab-size 32000 ...``). It prints the ranked layouts (TP, CP, PP, DP,
 micro-batch, recompute, sequence parallel, distributed optimizer) with their estimated memory and
 iteration time, the memory breakdown of the best one for every recompute / sequence-parallel
 setting, and the launch flags of the best one. The memory and cost models are documented in
@@ -47,6 +47,8 @@ def get_args(argv=None) -> argparse.Namespace:
     t.add_argument("--seq-length", type=int, required=True)
     t.add_argument("--fp32", action="store_true", help="fp32 model (default: --bf16)")
     t.add_argument("--no-sequence-parallel", action="store_true", help="do not consider --sequence-parallel")
+    t.add_argument("--no-context-parallel", action="store_true",
+                   help="do not consider --context-parallel-size > 1")
     h = p.add_argument_group("hardware and cost model")
     h.add_argument("--num-gpus", type=int, required=True)
     h.add_argument("--gpus-per-node", type=int, default=8)
@@ -112,7 +114,10 @@ def model_from_args(args) -> tuple:
 def launch_flags(config: ModelConfig, est, args) -> str:
     """The layout and model flags for ``pretrain_llama.py`` (data, tokenizer, lr left to the user)."""
     L = est.layout
-    flags = [f"--tensor-model-parallel-size {L.tp}", f"--pipeline-model-parallel-size {L.pp}",
+    flags = [f"--tensor-model-parallel-size {L.tp}", f"--pipeline-model-parallel-size {L.pp}"]
+    if L.cp > 1:  # the split attention has no dropout
+        flags += [f"--context-parallel-size {L.cp}", "--cp-comm-type p2p", "--attention-dropout 0.0"]
+    flags += [
              f"--micro-batch-size {L.micro_batch_size}", f"--global-batch-size {args.global_batch_size}",
              f"--seq-length {args.seq_length}", f"--num-layers {config.num_layers}",
              f"--hidden-size {config.hidden_size}", f"--ffn-hidden-size {config.ffn_hidden_size}",
@@ -154,7 +159,8 @@ def main(argv=None) -> int:
     try:
         ranked = rank_layouts(config, hw, args.global_batch_size, args.seq_length, bf16,
                               allow_sequence_parallel=not args.no_sequence_parallel,
-                              vocab_size=vocab, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                              vocab_size=vocab, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                              allow_context_parallel=not args.no_context_parallel)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -168,21 +174,22 @@ def main(argv=None) -> int:
         return 1
     print(f"\n{len(ranked)} layouts fit; the fastest {min(args.top, len(ranked))} "
           "(memory in GiB per rank, time in s per iteration):")
-    print("  TP  PP  DP  mbs    m  recompute  SP  distopt |  params   grads   optim    acts   total"
-          " |  iter_s  bubble  tp_comm  dp_comm  tokens/s/GPU")
+    print("  TP  CP  PP  DP  mbs    m  recompute  SP  distopt |  params   grads   optim    acts   total"
+          " |  iter_s  bubble  tp_comm  cp_comm  dp_comm  tokens/s/GPU")
     for r in ranked[:args.top]:
         L, m = r.layout, r.memory
         opt = m.optimizer_distributed if L.use_distributed_optimizer else m.optimizer
-        print(f"{L.tp:4d}{L.pp:4d}{L.dp:4d}{L.micro_batch_size:5d}{L.num_microbatches:5d}  {L.recompute:>9}"
-              f"  {'y' if L.sequence_parallel else 'n':>2}  {'y' if L.use_distributed_optimizer else 'n':>7} |"
+        print(f"{L.tp:4d}{L.cp:4d}{L.pp:4d}{L.dp:4d}{L.micro_batch_size:5d}{L.num_microbatches:5d}"
+              f"  {L.recompute:>9}  {'y' if L.sequence_parallel else 'n':>2}"
+              f"  {'y' if L.use_distributed_optimizer else 'n':>7} |"
               f"{_gib(m.parameters)} {_gib(m.gradients)} {_gib(opt)} {_gib(m.activations)} {_gib(m.total)} |"
-              f"{r.iteration_s:8.3f}{r.bubble_s:8.3f}{r.tp_comm_s:9.3f}{r.dp_comm_s:9.3f}"
+              f"{r.iteration_s:8.3f}{r.bubble_s:8.3f}{r.tp_comm_s:9.3f}{r.cp_comm_s:9.3f}{r.dp_comm_s:9.3f}"
               f"{tokens / r.iteration_s / args.num_gpus:14.0f}")
 
     best = ranked[0]
     L = best.layout
     tp_config = config_for_tp(config, L.tp, vocab, args.make_vocab_size_divisible_by)
-    print(f"\nmemory per rank of the best layout's TP={L.tp} PP={L.pp} DP={L.dp} micro-batch "
+    print(f"\nmemory per rank of the best layout's TP={L.tp} CP={L.cp} PP={L.pp} DP={L.dp} micro-batch "
           f"{L.micro_batch_size} (GiB; busiest stage, {min(L.pp, L.num_microbatches)} micro-batches in flight):")
     print(f"  parameters {_gib(best.memory.parameters)}   gradients (fp32 buffer) {_gib(best.memory.gradients)}"
           f"   optimizer {_gib(best.memory.optimizer)} plain / {_gib(best.memory.optimizer_distributed)} distributed")
@@ -196,11 +203,13 @@ def main(argv=None) -> int:
             row.append(_gib(estimate_memory(tp_config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=args.seq_length,
                                             micro_batch_size=L.micro_batch_size,
                                             num_microbatches=L.num_microbatches, bf16=bf16,
-                                            sequence_parallel=sp, recompute=recompute).activations))
+                                            sequence_parallel=sp, recompute=recompute,
+                                            cp=L.cp).activations))
         label = {"selective": "selective (default)", "full": "full (uniform, 1)"}.get(recompute, recompute)
         print(f"  {label:>22} {row[0]} {row[1]}")
     print(f"\nestimated iteration {best.iteration_s:.3f} s = compute {best.compute_s:.3f} + bubble "
-          f"{best.bubble_s:.3f} + TP {best.tp_comm_s:.3f} + PP {best.pp_comm_s:.3f} + DP {best.dp_comm_s:.3f}")
+          f"{best.bubble_s:.3f} + TP {best.tp_comm_s:.3f} + CP {best.cp_comm_s:.3f} + PP "
+          f"{best.pp_comm_s:.3f} + DP {best.dp_comm_s:.3f}")
     print("\nlaunch flags of the best layout:\n    " + launch_flags(config, best, args))
     return 0
 

@@ -7,7 +7,8 @@ the builders of the training program, tools and tests. What it returns, a frozen
 layers, schedules, gradient reduction, the optimizer and inference take the groups they use as
 arguments and never look them up here.
 
-Rank order and the worked 8-rank example: :mod:`megatron.core.process_groups`. Every rank creates
+Rank order and the worked examples (8 ranks TP=2 PP=2 DP=2; 16 ranks with context parallelism,
+TP=2 CP=2 PP=2 DP=2, its groups ``cp`` and ``dp_cp``): :mod:`megatron.core.process_groups`. Every rank creates
 every group in the same order (``torch.distributed.new_group`` is collective) and keeps the ones
 it belongs to; kinds with the same ranks share one communicator, and the context-parallel group of
 one (CP = 1) has none (``group`` None: nothing communicates over it).

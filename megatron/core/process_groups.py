@@ -28,6 +28,23 @@ Worked example, 8 ranks, TP=2, PP=2, DP=2 (CP=1)::
     pipeline groups:          [0, 4] [1, 5] [2, 6] [3, 7]
     model-parallel groups:    [0, 1, 4, 5] [2, 3, 6, 7]    (TP x PP, one per (DP, CP) rank)
     embedding groups:         [0, 4] [1, 5] [2, 6] [3, 7]  (first and last pipeline stage)
+
+Worked example with context parallelism, 16 ranks, TP=2, CP=2, PP=2, DP=2
+(``--context-parallel-size 2``)::
+
+    tensor-parallel groups:   [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]
+    context-parallel groups:  [0, 2] [1, 3] [4, 6] [5, 7] [8, 10] [9, 11] [12, 14] [13, 15]
+    data-parallel groups:     [0, 4] [1, 5] [2, 6] [3, 7] [8, 12] [9, 13] [10, 14] [11, 15]
+    data x context groups:    [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]
+    pipeline groups:          [0, 8] [1, 9] [2, 10] [3, 11] [4, 12] [5, 13] [6, 14] [7, 15]
+    model-parallel groups:    [0, 1, 8, 9] [2, 3, 10, 11] [4, 5, 12, 13] [6, 7, 14, 15]
+    embedding groups:         the pipeline groups (first and last stage)
+
+Ranks 0 and 2 hold the same weights (tensor rank 0 of stage 0) and the same micro-batches (data
+rank 0), each its half of every sequence: attention exchanges keys and values over the
+context-parallel group [0, 2]; the data loader reads by data-parallel rank (ranks 0, 2 read the
+same samples, 4 and 6 the next ones); gradients are reduced, and the distributed optimizer shards,
+over the data x context group [0, 2, 4, 6], whose four ranks all hold replicas of one model shard.
 """
 
 from __future__ import annotations
@@ -154,7 +171,8 @@ class ProcessGroupCollection:
         tp: tensor-parallel group.
         pp: pipeline-parallel group (ranks in stage order).
         dp: data-parallel group (the replicas of this rank's model shard).
-        cp: context-parallel group (a group of one while context parallelism is not built).
+        cp: context-parallel group: the ranks that split each sequence (``--context-parallel-size``;
+            a group of one without communicator at CP = 1).
         dp_cp: data x context-parallel group: gradients are reduced and the distributed
             optimizer shards over it (Megatron-Core's ``dp_cp``; equal to ``dp`` at CP = 1).
         model: model-parallel group (TP x PP: one full model).

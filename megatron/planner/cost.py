@@ -1,5 +1,5 @@
-"""Enumerate (TP, PP, DP, micro-batch, recompute, sequence parallel, distributed optimizer) layouts
-and rank the ones that fit by an estimated iteration time.
+"""Enumerate (TP, CP, PP, DP, micro-batch, recompute, sequence parallel, distributed optimizer)
+layouts and rank the ones that fit by an estimated iteration time.
 
 The cost model (deliberately simple; every term is printed so a user can disagree with it):
 
@@ -14,10 +14,17 @@ The cost model (deliberately simple; every term is printed so a user can disagre
   ``2 (t - 1) / t`` of the bytes at the intra-node bandwidth;
 * pipeline point-to-point: ``2 (m + p - 1)`` transfers of ``s * b * h`` activations on the
   critical path, at the inter-node bandwidth when stages span nodes;
-* data-parallel gradient reduction once per iteration: a ring all-reduce of the fp32 grad buffer
-  (``2 (d - 1) / d * 4 Psi`` bytes), or with the distributed optimizer a reduce-scatter of fp32
-  gradients plus an all-gather of the parameters (``(d - 1) / d * (4 + e) Psi``); the backward of
-  the last micro-batch hides it (overlap) and the rest is exposed.
+* context parallelism (``c`` ranks per sequence; every ``s`` above is then ``s / c``, the
+  per-rank tokens), fully exposed (an upper bound: the ring overlaps each transfer with a
+  block's attention): per layer and micro-batch ``(c - 1)`` key/value blocks
+  (``2 e b (s / c) g d / t`` bytes) forward, again in backward plus as many fp32 ``dK``/``dV``
+  blocks, one more forward with full recompute (the same volume for ``p2p`` and
+  ``all_gather``), at the intra-node bandwidth while ``t * c`` ranks fit a node;
+* data-parallel gradient reduction once per iteration, over the ``d x c`` ranks holding replicas:
+  a ring all-reduce of the fp32 grad buffer (``2 (n - 1) / n * 4 Psi`` bytes, ``n = d c``), or
+  with the distributed optimizer a reduce-scatter of fp32 gradients plus an all-gather of the
+  parameters (``(n - 1) / n * (4 + e) Psi``); the backward of the last micro-batch hides it
+  (overlap) and the rest is exposed.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class Layout:
     recompute: str
     sequence_parallel: bool
     use_distributed_optimizer: bool
+    cp: int = 1
+    """Context-parallel size: ranks each sequence is split over (``--context-parallel-size``)."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +80,12 @@ class Estimate:
     pp_comm_s: float
     dp_comm_s: float
     fits: bool
+    cp_comm_s: float = 0.0
 
     @property
     def iteration_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+        return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+                + self.cp_comm_s)
 
 
 def _divisors(n: int) -> List[int]:
@@ -97,25 +108,41 @@ def config_for_tp(config: ModelConfig, tp: int, vocab_size: Optional[int],
         vocab_size, make_vocab_size_divisible_by, tp))
 
 
-def enumerate_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int) -> Iterator[Layout]:
-    """Every layout with TP x PP x DP = GPUs, layers divisible by PP, global batch divisible by
-    micro-batch x DP, micro-batch a power of two."""
+def context_parallel_sizes(num_gpus: int, seq_length: Optional[int]) -> List[int]:
+    """CP sizes: divisors of the GPU count splitting ``seq_length`` into ``2 CP`` equal chunks
+    (only 1 when ``seq_length`` is None)."""
+    if seq_length is None:
+        return [1]
+    return [c for c in _divisors(num_gpus) if seq_length % (2 * c) == 0 or c == 1]
+
+
+def enumerate_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int,
+                      seq_length: Optional[int] = None) -> Iterator[Layout]:
+    """Every layout with TP x CP x PP x DP = GPUs, layers divisible by PP, global batch divisible
+    by micro-batch x DP, micro-batch a power of two; CP > 1 only given ``seq_length`` (split in
+    ``2 CP`` chunks, and in ``2 CP TP`` with sequence parallelism)."""
     for tp in tensor_parallel_sizes(config, min(hw.gpus_per_node, hw.num_gpus)):
-        for pp in _divisors(hw.num_gpus // tp) if hw.num_gpus % tp == 0 else []:
-            if config.num_layers % pp:
-                continue
-            dp = hw.num_gpus // (tp * pp)
-            if global_batch_size % dp:
-                continue
-            per_replica = global_batch_size // dp
-            mbs = 1
-            while mbs <= per_replica:
-                if per_replica % mbs == 0:
-                    for recompute in RECOMPUTE_CHOICES:
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            for dist_opt in ((False, True) if dp > 1 else (False,)):
-                                yield Layout(tp, pp, dp, mbs, per_replica // mbs, recompute, sp, dist_opt)
-                mbs *= 2
+        if hw.num_gpus % tp:
+            continue
+        for cp in context_parallel_sizes(hw.num_gpus // tp, seq_length):
+            for pp in _divisors(hw.num_gpus // (tp * cp)):
+                if config.num_layers % pp:
+                    continue
+                dp = hw.num_gpus // (tp * cp * pp)
+                if global_batch_size % dp:
+                    continue
+                per_replica = global_batch_size // dp
+                sps = [sp for sp in ((False, True) if tp > 1 else (False,))
+                       if not (sp and cp > 1 and seq_length % (2 * cp * tp))]
+                mbs = 1
+                while mbs <= per_replica:
+                    if per_replica % mbs == 0:
+                        for recompute in RECOMPUTE_CHOICES:
+                            for sp in sps:
+                                for dist_opt in ((False, True) if dp * cp > 1 else (False,)):
+                                    yield Layout(tp, pp, dp, mbs, per_replica // mbs, recompute,
+                                                 sp, dist_opt, cp)
+                    mbs *= 2
 
 
 def _ring(bytes_: float, n: int, bandwidth: float, factor: float = 2.0) -> float:
@@ -137,35 +164,46 @@ def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
     compute = flops / (hw.num_gpus * hw.peak_flops * hw.mfu)
     bubble = compute * (L.pp - 1) / L.num_microbatches
 
-    act_bytes = seq_length * L.micro_batch_size * config.hidden_size * e
+    local_seq = seq_length // L.cp  # tokens of each sequence on one context-parallel rank
+    act_bytes = local_seq * L.micro_batch_size * config.hidden_size * e
     collectives = 4 + (2 if L.recompute == "full" else 0)
-    tp_comm = (config.num_layers // L.pp) * L.num_microbatches * collectives * _ring(act_bytes, L.tp, hw.intra_node_bandwidth)
-    # Pipeline neighbours are TP x DP ranks apart (Megatron's rank order).
-    stages_cross_nodes = hw.num_gpus > hw.gpus_per_node and L.tp * L.dp >= hw.gpus_per_node
+    layer_steps = (config.num_layers // L.pp) * L.num_microbatches
+    tp_comm = layer_steps * collectives * _ring(act_bytes, L.tp, hw.intra_node_bandwidth)
+    # Pipeline neighbours are TP x CP x DP ranks apart (Megatron-Core's rank order).
+    replicas = L.dp * L.cp
+    stages_cross_nodes = hw.num_gpus > hw.gpus_per_node and L.tp * replicas >= hw.gpus_per_node
     pp_bw = hw.inter_node_bandwidth if stages_cross_nodes else hw.intra_node_bandwidth
     pp_comm = 2 * (L.num_microbatches + L.pp - 1) * act_bytes / pp_bw if L.pp > 1 else 0.0
+    cp_comm = 0.0
+    if L.cp > 1:
+        kv_block = 2 * L.micro_batch_size * local_seq * config.num_query_groups // L.tp * config.kv_channels
+        forwards = 2 if L.recompute == "full" else 1
+        per_layer = (L.cp - 1) * kv_block * ((forwards + 1) * e + 4)
+        cp_bw = hw.intra_node_bandwidth if L.tp * L.cp <= hw.gpus_per_node else hw.inter_node_bandwidth
+        cp_comm = layer_steps * per_layer / cp_bw
 
     psi = sum(max((param_numels(config, L.tp, L.pp, r) for r in {0, L.pp - 1}), key=sum))
-    dp_bw = hw.intra_node_bandwidth if L.tp * L.dp <= hw.gpus_per_node else hw.inter_node_bandwidth
+    dp_bw = hw.intra_node_bandwidth if L.tp * replicas <= hw.gpus_per_node else hw.inter_node_bandwidth
     if L.use_distributed_optimizer:
-        dp_total = _ring((4 + e) * psi, L.dp, dp_bw, factor=1.0)
+        dp_total = _ring((4 + e) * psi, replicas, dp_bw, factor=1.0)
     else:
-        dp_total = _ring(4 * psi, L.dp, dp_bw)
+        dp_total = _ring(4 * psi, replicas, dp_bw)
     last_backward = compute / L.num_microbatches * 2 / 3  # backward of the last micro-batch
     dp_comm = max(0.0, dp_total - last_backward)
 
     mem = estimate_memory(config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=seq_length,
                           micro_batch_size=L.micro_batch_size, num_microbatches=L.num_microbatches,
                           bf16=bf16, sequence_parallel=L.sequence_parallel, recompute=L.recompute,
-                          use_distributed_optimizer=L.use_distributed_optimizer, bucket_size=bucket_size)
+                          use_distributed_optimizer=L.use_distributed_optimizer, bucket_size=bucket_size,
+                          cp=L.cp)
     fits = mem.total + hw.reserved_memory <= hw.gpu_memory
-    return Estimate(L, mem, compute, bubble, tp_comm, pp_comm, dp_comm, fits)
+    return Estimate(L, mem, compute, bubble, tp_comm, pp_comm, dp_comm, fits, cp_comm)
 
 
 def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_length: int,
                  bf16: bool = True, allow_sequence_parallel: bool = True,
-                 vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128
-                 ) -> List[Estimate]:
+                 vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
+                 allow_context_parallel: bool = True) -> List[Estimate]:
     """Feasible layouts, fastest first (ties: less memory first).
 
     ``vocab_size`` (unpadded) re-pads the vocabulary for each TP size, as training would;
@@ -175,7 +213,8 @@ def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_
         ValueError: when no layout exists at all for these sizes (e.g. a global batch that no
             data-parallel size divides), naming the flags to change.
     """
-    layouts = [l for l in enumerate_layouts(config, hw, global_batch_size)
+    layouts = [l for l in enumerate_layouts(config, hw, global_batch_size,
+                                            seq_length if allow_context_parallel else None)
                if allow_sequence_parallel or not l.sequence_parallel]
     if not layouts:
         raise ValueError(f"no TP x PP x DP layout of {hw.num_gpus} GPUs divides --num-layers "

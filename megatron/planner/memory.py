@@ -9,6 +9,12 @@ grouped-query attention, SDPA/flash attention (no ``s x s`` scores or softmax st
 log-sum-exp per head and token instead), no dropout masks when dropout is 0. Recompute follows
 :mod:`megatron.model.recompute` (selective with its default modules, full uniform / block).
 tests/unit/planner/test_planner.py checks every activation count against the bytes autograd saves.
+Context parallelism (CP ranks per sequence) divides every activation by CP: a rank runs its
+``s / CP`` tokens through the same layers, and the split attention keeps what SDPA keeps for
+them (tests/unit/model/test_recompute.py asserts exactly 1/CP); the buffers that live only during
+one layer's attention are not counted (p2p: the next rank's key/value block and the fp32 output
+accumulator; all_gather: the keys and values of the whole sequence, ``2 e b s g d / t``).
+Gradients are reduced, and the distributed optimizer shards, over DP x CP ranks.
 
 Units: bytes unless a name says elements. Shapes: s = sequence, b = micro-batch, h = hidden,
 f = ffn hidden, n / g = query heads / key-value groups, d = per-head width, v = padded vocabulary,
@@ -238,11 +244,13 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
                     sequence_parallel: bool = False, recompute: str = "none",
                     recompute_method: str = "uniform", recompute_num_layers: int = 1,
                     use_distributed_optimizer: bool = False,
-                    bucket_size: Optional[int] = None) -> MemoryEstimate:
+                    bucket_size: Optional[int] = None, cp: int = 1) -> MemoryEstimate:
     """Per-rank memory of the busiest stage: the max over stages of weights + optimizer (the
     first or last stage, which hold the embedding / output layer) with the first stage's
-    activations (the most in-flight micro-batches)."""
+    activations (the most in-flight micro-batches). ``cp``: context-parallel size (activations
+    of ``seq_length / cp`` tokens; gradient buffer and optimizer shards over ``dp x cp``)."""
     e = 2 if bf16 else 4
+    seq_length, dp = seq_length // cp, dp * cp
     stages = [param_numels(config, tp, pp, r) for r in sorted({0, pp - 1})]
     numels = max(stages, key=sum)
     grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer

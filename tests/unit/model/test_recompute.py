@@ -1,6 +1,7 @@
 """Activation recompute: every setting equals none (loss and every gradient, also with dropout),
 and the activation bytes kept for backward per layer and micro-batch are exactly the formula's,
-for none / selective / full recompute, with and without sequence parallelism."""
+for none / selective / full recompute, with and without sequence parallelism, and with context
+parallelism (each rank keeps exactly 1/CP of the bytes, attention included)."""
 
 import pytest
 import torch
@@ -67,8 +68,9 @@ def test_every_recompute_setting_equals_none(dropout):
 S, B = 16, 2
 
 
-def _layer_bytes(config, tp, sp, setting):
-    """Bytes per layer and micro-batch (fp32) of ``setting`` on one TP rank, by formula.
+def _layer_bytes(config, tp, sp, setting, s=S):
+    """Bytes per layer and micro-batch (fp32) of ``setting`` on one TP rank holding ``s`` tokens
+    of each sequence (``S / CP`` under context parallelism), by formula.
 
     Per token, in elements: the replicated part (outside the tensor-parallel blocks; divided by
     TP with sequence parallelism) is the layer input x, each norm's 1/rms and output, and the
@@ -77,19 +79,20 @@ def _layer_bytes(config, tp, sp, setting):
     them among the query heads, nothing is repeated), the SDPA output (the dense layer's input
     is a view of it) and the log-sum-exp: ``(2 n/T + 2 g/T) d + n/T``. The MLP keeps gate_up
     and the product silu(gate) * up (silu(gate) is recomputed in backward): ``3 f/T``.
-    Selective recompute keeps only x, qkv, h1 and gate_up; full recompute only x.
+    Selective recompute keeps only x, qkv, h1 and gate_up; full recompute only x. The split
+    attention of context parallelism keeps what SDPA keeps, for the rank's tokens.
     """
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     n, g = config.num_attention_heads // tp, config.num_query_groups // tp
-    s_outside = S // tp if sp else S  # sequence length of the replicated tensors
+    s_outside = s // tp if sp else s  # sequence length of the replicated tensors
     qkv = (n + 2 * g) * d
     outside, core, mlp = 4 * h + 2, (2 * n + 2 * g) * d + n, 3 * f // tp
     if setting == "none":
-        elems = s_outside * outside + S * (core + mlp)
+        elems = s_outside * outside + s * (core + mlp)
     elif setting == "selective":
-        elems = s_outside * 2 * h + S * (qkv + 2 * f // tp)
+        elems = s_outside * 2 * h + s * (qkv + 2 * f // tp)
     elif setting == "selective-core_attn":
-        elems = s_outside * outside + S * (qkv + mlp)
+        elems = s_outside * outside + s * (qkv + mlp)
     elif setting == "full":
         elems = s_outside * h
     else:
@@ -104,17 +107,22 @@ MEMORY_SETTINGS = {"none": {}, "selective": SETTINGS["selective"],
 
 def _measure(config, num_layers=2):
     """Bytes kept for backward by ``num_layers`` layers run through the model's layer loop
-    (every layer keeps the same, so per layer is this divided by ``num_layers``)."""
+    (every layer keeps the same, so per layer is this divided by ``num_layers``); under context
+    parallelism on this rank's ``S / CP`` tokens."""
+    from megatron.core.context_parallel import context_parallel_positions
     from megatron.model.recompute import forward_layers
     from megatron.model.rotary import RotaryEmbedding
     from megatron.model.transformer import TransformerLayer
 
-    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=current_groups())
+    groups = current_groups()
+    layers = torch.nn.ModuleList(TransformerLayer(config, i + 1, pg_collection=groups)
                                  for i in range(num_layers))
-    tp = config.tensor_model_parallel_size
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     sp = config.sequence_parallel and tp > 1
-    x = torch.randn(S // tp if sp else S, B, config.hidden_size, requires_grad=True)
-    cos, sin = RotaryEmbedding(config.kv_channels)(torch.arange(S).expand(B, S))
+    s = S // cp
+    x = torch.randn(s // tp if sp else s, B, config.hidden_size, requires_grad=True)
+    cos, sin = RotaryEmbedding(config.kv_channels)(
+        context_parallel_positions(S, B, cp, groups.cp.rank))
     out, kept = saved_activation_bytes(
         lambda: forward_layers(layers, x, (cos, sin), None, None, config,
                                tp_group=current_groups().tp.group),
@@ -153,6 +161,24 @@ def test_activation_bytes_tp2_with_and_without_sequence_parallel():
     outside = 4 * S * B * (4 * config.hidden_size + 2)
     assert without["none"] - with_sp["none"] == outside - outside // tp
     assert with_sp["full"] * tp == without["full"]
+
+
+def _memory_cp_rank(cp):
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
+    model_parallel_manual_seed(5, 0)
+    base = small_config(context_parallel_size=cp)
+    return {name: _measure(base.replace(**changes)) // 2 for name, changes in MEMORY_SETTINGS.items()}
+
+
+def test_activation_bytes_per_rank_divide_by_context_parallel_size():
+    cp, config = 2, small_config()
+    unsplit = _memory_rank(1, False)
+    for rank, measured in enumerate(run_distributed(cp, _memory_cp_rank, cp)):
+        for name, got in measured.items():
+            assert got == _layer_bytes(config, 1, False, name, s=S // cp), (rank, name)
+            # Exactly 1/CP: the attention-free part (norms, residuals, MLP) as the attention.
+            assert got * cp == unsplit[name], (rank, name)
 
 
 def test_block_recompute_keeps_only_the_first_layers_inputs():

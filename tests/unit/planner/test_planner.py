@@ -1,5 +1,7 @@
 """The planner's memory model against real models: parameter, gradient-buffer and optimizer bytes
-exactly, activation bytes within 10% of the tensors autograd saves (saved_tensors_hooks)."""
+exactly (context parallelism included: buffers and distributed-optimizer shards over DP x CP),
+activation bytes within 10% of the tensors autograd saves (saved_tensors_hooks); context
+parallelism in the layouts, the cost model and the CLI."""
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from megatron.core import parallel_state as ps
 from megatron.model import get_layer_numbers
 from megatron.planner.cost import Hardware, estimate, enumerate_layouts, rank_layouts
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-from megatron.planner.memory import (activation_bytes_per_layer, grad_buffer_numel,
+from megatron.planner.memory import (activation_bytes_per_layer, estimate_memory, grad_buffer_numel,
                                      layers_activation_bytes, optimizer_state_bytes, param_numels,
                                      stage_activation_bytes)
 from tests.helpers.activation_memory import saved_activation_bytes
@@ -20,23 +22,24 @@ TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=88, num_attention_head
             num_query_groups=2, padded_vocab_size=128, max_position_embeddings=32)
 
 
-def _measure_weights(tp, pp, bf16, untie, bucket_size):
+def _measure_weights(tp, pp, bf16, untie, bucket_size, cp=1, distributed=False):
     """Build one stage wrapped in DDP, take one optimizer step; return measured and planned bytes."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.model.llama import LlamaModel
 
-    ps.initialize_model_parallel(tp, pp)
+    groups = ps.initialize_model_parallel(tp, pp, context_parallel_size=cp)
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = ModelConfig(**TINY, params_dtype=dtype, tensor_model_parallel_size=tp,
-                         untie_embeddings_and_output_weights=untie)
+                         untie_embeddings_and_output_weights=untie, context_parallel_size=cp)
     rank, size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     model = LlamaModel(config, pg_collection=current_groups(), pre_process=rank == 0,
                        post_process=rank == size - 1,
                        layer_numbers=get_layer_numbers(config.num_layers, size, rank))
-    ddp = DistributedDataParallel(model, data_parallel_group=ps.get_data_parallel_group(),
-                                  bucket_size=bucket_size)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16), [ddp],
+    ddp = DistributedDataParallel(model, data_parallel_group=groups.dp_cp.group,
+                                  bucket_size=bucket_size, use_distributed_optimizer=distributed)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16,
+                                                 use_distributed_optimizer=distributed), [ddp],
                                  pg_collection=current_groups())
     sum(p.float().square().sum() for p in model.parameters()).backward()
     ddp.finish_grad_sync()
@@ -50,11 +53,15 @@ def _measure_weights(tp, pp, bf16, untie, bucket_size):
         + sum(p.numel() * p.element_size() for g in getattr(opt, "fp32_from_float16_groups", [])
               for p in g),
     }
-    dp = ps.get_data_parallel_world_size()
+    if distributed:  # the shard's Adam moments and fp32 main params
+        measured["optimizer"] = opt.state_bytes()
     numels = param_numels(config, tp, pp, rank)
+    replicas = groups.dp_cp.size  # DP x CP ranks hold replicas of this shard
     planned = {"parameters": (2 if bf16 else 4) * sum(numels),
-               "gradients": 4 * grad_buffer_numel(numels, dp, bucket_size),
-               "optimizer": optimizer_state_bytes(numels, mixed_precision=bf16)}
+               "gradients": 4 * grad_buffer_numel(numels, replicas, bucket_size),
+               "optimizer": optimizer_state_bytes(numels, mixed_precision=bf16,
+                                                  distributed=distributed, dp=replicas,
+                                                  bucket_size=bucket_size)}
     return measured, planned
 
 
@@ -69,7 +76,9 @@ def _measure_cases(cases):
 def test_weights_gradients_optimizer_bytes_exact():
     cases = [(2, 1, False, True, None),   # TP=2, fp32
              (1, 2, True, False, None),   # PP=2, bf16 main params, tied copy on the last stage
-             (1, 1, True, True, 3000)]    # DP=2 with several DP-padded buckets
+             (1, 1, True, True, 3000),    # DP=2 with several DP-padded buckets
+             # CP=2: buffers padded for, and optimizer shards over, DP x CP = 2 ranks
+             (1, 1, True, True, 3000, 2, True)]
     for rank_results in run_distributed(2, _measure_cases, cases):
         for case, (measured, planned) in zip(cases, rank_results):
             assert measured == planned, case
@@ -204,6 +213,47 @@ def test_cost_model_terms_by_hand():
                                             + est.pp_comm_s + est.dp_comm_s)
 
 
+def test_context_parallel_memory_and_cost_terms():
+    """CP = 2: activations of s / 2 tokens (exactly 1/CP: tests/unit/model/test_recompute.py),
+    gradient buffer and optimizer shards over DP x CP; the cost model's K/V traffic by hand."""
+    config = ModelConfig(**TINY)
+    common = dict(tp=1, pp=1, micro_batch_size=2, num_microbatches=2, bf16=True,
+                  use_distributed_optimizer=True, bucket_size=1000)
+    split = estimate_memory(config, dp=2, seq_length=64, cp=2, **common)
+    unsplit = estimate_memory(config, dp=2, seq_length=64, **common)
+    assert split.activations == estimate_memory(config, dp=2, seq_length=32, **common).activations
+    assert split.activations < unsplit.activations
+    assert split.gradients == estimate_memory(config, dp=4, seq_length=64, **common).gradients
+    assert split.optimizer_distributed == estimate_memory(config, dp=4, seq_length=64,
+                                                          **common).optimizer_distributed
+    hw = Hardware(num_gpus=4, gpu_memory=1e12, peak_flops=1e12, mfu=0.5, gpus_per_node=4,
+                  intra_node_bandwidth=1e9, reserved_memory=0)
+    layouts = {(l.tp, l.cp, l.pp, l.dp, l.micro_batch_size, l.recompute, l.sequence_parallel,
+                l.use_distributed_optimizer): l for l in enumerate_layouts(config, hw, 8, 64)}
+    assert {k[1] for k in layouts} == {1, 2, 4}
+    est = estimate(config, layouts[(1, 4, 1, 1, 2, "none", False, True)], hw, 64)
+    # 3 other ranks' K/V blocks (2 x b x s/CP x g x d, bf16) forward and backward, fp32 dK/dV:
+    kv_block = 2 * 2 * 16 * 2 * 8
+    assert est.cp_comm_s == pytest.approx(2 * 4 * 3 * kv_block * (2 * 2 + 4) / 1e9)
+    assert est.iteration_s == pytest.approx(est.compute_s + est.bubble_s + est.tp_comm_s
+                                            + est.pp_comm_s + est.dp_comm_s + est.cp_comm_s)
+    # Sequences the split cannot cut (s % 2 CP) and sequence parallelism needing s % 2 CP TP.
+    assert {l.cp for l in enumerate_layouts(config, hw, 8, 12)} == {1, 2}
+    assert not [l for l in enumerate_layouts(config, hw, 8, 12) if l.cp == 2 and l.sequence_parallel]
+
+
+def test_long_sequences_need_context_parallelism():
+    config = ModelConfig(**TINY)
+    seq = 2 ** 16
+    roomy = Hardware(num_gpus=4, gpu_memory=1e15, gpus_per_node=4, reserved_memory=0)
+    least = min(r.memory.total for r in rank_layouts(config, roomy, 4, seq,
+                                                     allow_context_parallel=False))
+    hw = Hardware(num_gpus=4, gpu_memory=least * 0.9, gpus_per_node=4, reserved_memory=0)
+    ranked = rank_layouts(config, hw, 4, seq)
+    assert ranked and all(r.layout.cp > 1 for r in ranked)
+    assert rank_layouts(config, hw, 4, seq, allow_context_parallel=False) == []
+
+
 def test_rank_layouts_filters_by_memory_and_errors_clearly():
     config = ModelConfig(**TINY)
     hw = Hardware(num_gpus=4, gpu_memory=1e12, gpus_per_node=4, reserved_memory=0)
@@ -229,6 +279,13 @@ def test_plan_cli_prints_best_flags(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "launch flags of the best layout" in out and "--tensor-model-parallel-size" in out
     assert "--untie-embeddings-and-output-weights" in out and "--num-query-groups 2" in out
+    # A long sequence on small GPUs: only a context-parallel layout fits.
+    assert main(["--hf-config", str(cfg), "--num-gpus", "4", "--gpu-memory-gib", "0.35",
+                 "--global-batch-size", "4", "--seq-length", "65536", "--gpus-per-node", "4",
+                 "--reserved-gib", "0", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "--context-parallel-size" in out and "--attention-dropout 0.0" in out
+    assert "TP  CP  PP  DP" in out and "+ CP " in out
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert main(["--hf-config", str(bad), "--num-gpus", "4", "--gpu-memory-gib", "1",

@@ -53,7 +53,8 @@ def main(argv=None) -> list:
         tokenizer_type=args.tokenizer_type or saved.get("tokenizer_type"),
         tokenizer_model=args.tokenizer_model or saved.get("tokenizer_model"),
         tokenizer_name_or_path=args.tokenizer_name_or_path or saved.get("tokenizer_name_or_path"),
-        vocab_size=saved.get("true_vocab_size"))
+        # Converted checkpoints record true_vocab_size; pretrain_llama's record --vocab-size.
+        vocab_size=saved.get("true_vocab_size") or saved.get("vocab_size"))
     tokenizer = build_tokenizer(tok_args)
     device = select_device(args.distributed_backend)
     created = initialize_distributed(args.distributed_backend)

@@ -65,7 +65,10 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
     Args:
         load_dir: the checkpoint folder (``--load``).
         pg_collection: the process groups of ``initialize_model_parallel`` with the
-            checkpoint's TP and PP sizes (any sizes for a ``--ckpt-format torch_dist`` one).
+            checkpoint's TP and PP sizes (any sizes for a ``--ckpt-format torch_dist`` one) and
+            context-parallel size 1 (a checkpoint trained with ``--context-parallel-size`` holds the
+            same weights at every CP size: generation loads it at CP = 1; the KV-cache decoding
+            does not split sequences).
         device: where the parameters go (default CPU).
 
     Returns:
@@ -74,7 +77,12 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
     Raises:
         CheckpointError: the process layout differs from the checkpoint's (reshard it with
             ``tools/checkpoint/convert.py --loader megatron --saver megatron``).
+        ValueError: groups with a context-parallel size above 1.
     """
+    if pg_collection.cp.size > 1:
+        raise ValueError(f"generation does not run under context parallelism (the groups have "
+                         f"CP={pg_collection.cp.size}): initialize the groups with "
+                         f"context_parallel_size=1; the checkpoint loads at any CP size")
     saved = checkpoint_args(load_dir)
     tp, pp = pg_collection.tp.size, pg_collection.pp.size
     want = (saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1))

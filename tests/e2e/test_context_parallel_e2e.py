@@ -7,7 +7,8 @@ and CP = 2 x DP = 2 (p2p) with the distributed optimizer equal the single proces
 1e-6. CP = 2 alone runs 10 iterations with each comm type (plain; per-token loss with
 --eod-mask-loss and --reset-position-ids and the distributed optimizer), saves, and the
 checkpoints resume at CP = 4 on the single process's trajectory to iteration 20; only
-context-parallel rank 0 writes the model file. Worlds are shared: a 1-, a 2- and a 4-rank world.
+context-parallel rank 0 writes the model file; tools/generate.py samples from a CP = 2
+checkpoint (at CP = 1) and refuses CP groups. Worlds are shared: a 1-, a 2- and a 4-rank world.
 """
 
 import os
@@ -21,6 +22,19 @@ from tests.helpers.pretrain import (CLIP, CP_BASE, CP_ITERS, CP_MASKED, assert_c
 
 RTOL = 1e-6
 HALF = CP_ITERS // 2
+PROMPT = "5 17 42 7"
+
+
+def _train_then_generate(runs, load_dir):
+    """``run_many(runs)``, then tools/generate.py greedy on ``load_dir`` (a checkpoint trained at
+    CP = 2; generation runs at CP = 1 on the same weights): ``(histories, texts)``."""
+    import torch.distributed as dist
+    from tools.generate import main as generate
+
+    histories = run_many(runs)
+    texts = generate(["--load", load_dir, "--prompt", PROMPT, "--max-new-tokens", "3",
+                      "--greedy"])
+    return (histories, texts) if dist.get_rank() == dist.get_world_size() - 1 else None
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +55,7 @@ def worlds(data_prefix, tmp_path_factory):
                                                "--use-distributed-optimizer", "--save",
                                                distopt_ckpt, *save)),
     ], timeout=600)[1])
-    out.update(run_distributed(4, run_many, [
+    histories, out["generated"] = run_distributed(4, _train_then_generate, [
         ("cp4 p2p", argv(*cp_args(4))),
         ("cp4 all_gather", argv(*cp_args(4, "all_gather"))),
         ("cp2 tp2 sp selective", argv(*cp_args(2), *layout_args(2, 1), "--sequence-parallel",
@@ -55,7 +69,8 @@ def worlds(data_prefix, tmp_path_factory):
         ("cp4 masked distopt second half", argv(*cp_args(4), *CP_MASKED,
                                                 "--use-distributed-optimizer", "--load",
                                                 distopt_ckpt)),
-    ], timeout=600)[3])
+    ], plain_ckpt, timeout=600)[3]
+    out.update(histories)
     out["checkpoint files"] = {name: sorted(os.listdir(os.path.join(path, f"iter_{HALF:07d}")))
                                for name, path in (("plain", plain_ckpt), ("distopt", distopt_ckpt))}
     out["distopt shard files"] = sorted(os.listdir(os.path.join(
@@ -96,3 +111,22 @@ def test_checkpoints_resume_at_another_context_parallel_size(worlds):
     assert worlds["checkpoint files"] == {"plain": ["mp_rank_00"], "distopt": ["mp_rank_00"]}
     assert worlds["distopt shard files"] == ["distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt",
                                              "model_optim_rng.pt"]
+
+
+def test_generation_loads_a_context_parallel_checkpoint_at_cp1(worlds):
+    (text,) = worlds["generated"]
+    tokens = text.split()
+    assert tokens[:4] == PROMPT.split() and len(tokens) == 7
+    assert all(0 <= int(t) < 128 for t in tokens)
+
+
+def test_generation_refuses_context_parallel_groups():
+    from megatron.core.process_groups import ParallelGroup, ProcessGroupCollection
+    from megatron.inference.model_loader import load_model_for_inference
+
+    one = ParallelGroup.of_one(None, 0)
+    groups = ProcessGroupCollection(tp=one, pp=one, dp=one, cp=ParallelGroup(None, (0, 1), 0),
+                                    dp_cp=ParallelGroup(None, (0, 1), 0), model=one, embedding=one)
+    with pytest.raises(ValueError, match=r"generation does not run under context parallelism "
+                                         r"\(the groups have CP=2\)"):
+        load_model_for_inference("unused", groups)

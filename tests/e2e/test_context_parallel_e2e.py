@@ -130,3 +130,22 @@ def test_generation_refuses_context_parallel_groups():
     with pytest.raises(ValueError, match=r"generation does not run under context parallelism "
                                          r"\(the groups have CP=2\)"):
         load_model_for_inference("unused", groups)
+
+
+@pytest.mark.slow
+def test_cp2_tp2_pp2_matches_one_process(worlds, data_prefix, tmp_path_factory):
+    """8 ranks, CP=2 x TP=2 x PP=2: sequence parallelism with the ring; per-token loss with
+    the all-gather, the distributed optimizer over DP x CP and the interleaved schedule."""
+    cache = str(tmp_path_factory.mktemp("cp8_cache"))
+
+    def argv(*extra):
+        return e2e_argv(data_prefix, cache, *CP_BASE, *layout_args(2, 2), *extra)
+
+    out = run_distributed(8, run_many, [
+        ("plain", argv(*cp_args(2), "--sequence-parallel")),
+        ("masked", argv(*cp_args(2, "all_gather"), *CP_MASKED, "--use-distributed-optimizer",
+                        "--num-layers-per-virtual-pipeline-stage", "1")),
+    ], timeout=900)[7]
+    assert_close_history(out["plain"], worlds["single"], "CP=2 TP=2 PP=2 SP", rtol=RTOL)
+    assert_close_history(out["masked"], worlds["single masked"],
+                         "CP=2 TP=2 PP=2 masked distopt interleaved", rtol=RTOL)

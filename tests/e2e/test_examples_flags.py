@@ -49,8 +49,8 @@ def sandbox(tmp_path_factory):
     data.mkdir()
     files = {}
     for prefix in ("corpus_text_document", "shakespeare_text_document"):
-        # Enough tokens for every split of --split 969,30,1 at --seq-length 8192.
-        placeholder_dataset(str(data / prefix), num_docs=1000, tokens_per_doc=9000)
+        # Enough tokens for every split of --split 969,30,1 at --seq-length 32768 (a sparse .bin).
+        placeholder_dataset(str(data / prefix), num_docs=1000, tokens_per_doc=33000)
     for name in ("tokenizer.model", "tokenizer.model.v1", "shakespeare_plays.jsonl"):
         (data / name).write_bytes(b"")
     (root / "llama3_tokenizer").mkdir()

@@ -149,3 +149,26 @@ def test_cp2_tp2_pp2_matches_one_process(worlds, data_prefix, tmp_path_factory):
     assert_close_history(out["plain"], worlds["single"], "CP=2 TP=2 PP=2 SP", rtol=RTOL)
     assert_close_history(out["masked"], worlds["single masked"],
                          "CP=2 TP=2 PP=2 masked distopt interleaved", rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_bf16_context_parallel_is_as_close_as_tensor_parallel(data_prefix, tmp_path_factory):
+    """bf16, 20 iterations: CP=2 (both comm types) against one bf16 process, at the distance
+    bf16 rounding puts TP=2 from it (measured here: losses 2.7e-5, grad norms 1.1e-3 relative;
+    CP=2: 3.3e-5 and 1.2e-3)."""
+    cache = str(tmp_path_factory.mktemp("cp_bf16"))
+
+    def argv(*extra):
+        return e2e_argv(data_prefix, cache, *CP_BASE, "--bf16", *extra)
+
+    single = run_distributed(1, run_many, [("single", argv())], timeout=600)[0]["single"]
+    out = run_distributed(2, run_many, [("p2p", argv(*cp_args(2))),
+                                        ("all_gather", argv(*cp_args(2, "all_gather")))],
+                          timeout=600)[1]
+    for name in ("p2p", "all_gather"):
+        np.testing.assert_allclose(out[name]["lm loss"], single["lm loss"], rtol=1e-4, err_msg=name)
+        np.testing.assert_allclose(out[name]["grad norm"], single["grad norm"], rtol=5e-3,
+                                   err_msg=name)
+        np.testing.assert_allclose([v for _, v in out[name]["valid"]],
+                                   [v for _, v in single["valid"]], rtol=1e-4, err_msg=name)
+        assert out[name]["lm loss"] != single["lm loss"]  # bf16: not bitwise, as TP is not

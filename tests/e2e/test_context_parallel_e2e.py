@@ -3,8 +3,8 @@
 fp32, dropout 0, clipping on every iteration, a padded vocabulary: over 20 iterations the losses,
 grad norms and validation losses of CP = 4 (both --cp-comm-type), CP = 2 x TP = 2 (p2p) with
 sequence parallelism and selective recompute, CP = 2 x PP = 2 (all_gather) with full recompute
-and CP = 2 x DP = 2 (p2p) with the distributed optimizer equal the single process within rtol
-1e-6. CP = 2 alone runs 10 iterations with each comm type (plain; per-token loss with
+and CP = 2 x DP = 2 (p2p) with the distributed optimizer (both overlaps) equal the single process
+within rtol 1e-6. CP = 2 alone runs 10 iterations with each comm type (plain; per-token loss with
 --eod-mask-loss and --reset-position-ids and the distributed optimizer), saves, and the
 checkpoints resume at CP = 4 on the single process's trajectory to iteration 20; only
 context-parallel rank 0 writes the model file; tools/generate.py samples from a CP = 2
@@ -64,7 +64,8 @@ def worlds(data_prefix, tmp_path_factory):
                                         "--recompute-granularity", "full",
                                         "--recompute-method", "uniform",
                                         "--recompute-num-layers", "1")),
-        ("cp2 dp2 distopt", argv(*cp_args(2), "--use-distributed-optimizer")),
+        ("cp2 dp2 distopt", argv(*cp_args(2), "--use-distributed-optimizer",
+                                 "--overlap-grad-reduce", "--overlap-param-gather")),
         ("cp4 p2p second half", argv(*cp_args(4), "--load", plain_ckpt)),
         ("cp4 masked distopt second half", argv(*cp_args(4), *CP_MASKED,
                                                 "--use-distributed-optimizer", "--load",

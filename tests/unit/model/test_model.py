@@ -199,6 +199,8 @@ def test_get_layer_numbers():
     ({"num_attention_heads": 6, "num_query_groups": 4}, "--num-query-groups"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"tensor_model_parallel_size": 2}, "initialize_model_parallel"),
+    ({"context_parallel_size": 2}, r"context_parallel_size \(2\) differs from the size of the "
+                                   r"context-parallel group"),
 ])
 def test_bad_configs_fail_clearly(changes, match):
     with pytest.raises((ValueError, NotImplementedError, RuntimeError), match=match):

@@ -108,6 +108,17 @@ def _wait(requests) -> None:
         request.wait()
 
 
+def _ring_block(rank: int, source: int, c: int):
+    """``(query rows, key rows, causal)`` of what ``rank``'s chunks see of ``source``'s: all of
+    its own (causal), all queries against the first chunk of an earlier rank, the second chunk's
+    queries against both chunks of a later rank (module docstring)."""
+    if source == rank:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention with the ring (``p2p``) exchange of key/value blocks; see the module
     docstring. ``apply(q, k, v, group, scale)``; collective: point-to-point sends and receives
@@ -121,17 +132,13 @@ class RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
-            source = (ring.rank - step) % ring.size
-            if step == 0:
-                block, block_lse = attention_block_forward(q, kv[0], kv[1], True, scale)
+            rows, keys, causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, c)
+            block, block_lse = attention_block_forward(q[:, :, rows], kv[0, :, :, keys],
+                                                       kv[1, :, :, keys], causal, scale)
+            if step == 0:  # the diagonal block: every row, the running result starts here
                 out, lse = block.to(_accumulation_dtype(q.dtype)), block_lse.clone()
-            elif source < ring.rank:
-                block, block_lse = attention_block_forward(q, kv[0, :, :, :c], kv[1, :, :, :c],
-                                                           False, scale)
-                _merge_(out, lse, block, block_lse)
             else:
-                block, block_lse = attention_block_forward(q[:, :, c:], kv[0], kv[1], False, scale)
-                _merge_(out[:, :, c:], lse[:, :, c:], block, block_lse)
+                _merge_(out[:, :, rows], lse[:, :, rows], block, block_lse)
             if pending is not None:
                 _wait(pending[1])
                 kv = pending[0]
@@ -148,25 +155,14 @@ class RingAttention(torch.autograd.Function):
         dkv_pending = None
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
-            source = (ring.rank - step) % ring.size
+            rows, keys, causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, c)
+            dq_, dk_, dv_ = attention_block_backward(
+                dout[:, :, rows], q[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys],
+                out[:, :, rows], lse[:, :, rows], causal, scale)
+            dq[:, :, rows] += dq_
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            if step == 0:
-                dq_, dk_, dv_ = attention_block_backward(dout, q, kv[0], kv[1], out, lse, True, scale)
-                dq += dq_
-                dkv[0] += dk_
-                dkv[1] += dv_
-            elif source < ring.rank:
-                dq_, dk_, dv_ = attention_block_backward(dout, q, kv[0, :, :, :c], kv[1, :, :, :c],
-                                                         out, lse, False, scale)
-                dq += dq_
-                dkv[0, :, :, :c] += dk_
-                dkv[1, :, :, :c] += dv_
-            else:
-                dq_, dk_, dv_ = attention_block_backward(dout[:, :, c:], q[:, :, c:], kv[0], kv[1],
-                                                         out[:, :, c:], lse[:, :, c:], False, scale)
-                dq[:, :, c:] += dq_
-                dkv[0] += dk_
-                dkv[1] += dv_
+            dkv[0, :, :, keys] += dk_
+            dkv[1, :, :, keys] += dv_
             if dkv_pending is not None:
                 # The previous rank's partial sum for this same block, sent at its last step.
                 _wait(dkv_pending[1])

@@ -4,11 +4,13 @@ fp32, dropout 0, clipping on every iteration, a padded vocabulary: over 20 itera
 grad norms and validation losses of CP = 4 (both --cp-comm-type), CP = 2 x TP = 2 (p2p) with
 sequence parallelism and selective recompute, CP = 2 x PP = 2 (all_gather) with full recompute
 and CP = 2 x DP = 2 (p2p) with the distributed optimizer (both overlaps) equal the single process
-within rtol 1e-6. CP = 2 alone runs 10 iterations with each comm type (plain; per-token loss with
---eod-mask-loss and --reset-position-ids and the distributed optimizer), saves, and the
-checkpoints resume at CP = 4 on the single process's trajectory to iteration 20; only
-context-parallel rank 0 writes the model file; tools/generate.py samples from a CP = 2
-checkpoint (at CP = 1) and refuses CP groups. Worlds are shared: a 1-, a 2- and a 4-rank world.
+within rtol 1e-6. CP = 2 alone runs 10 iterations and saves: plain (resumed at CP = 1 and 4),
+per-token loss with --eod-mask-loss, --reset-position-ids and the distributed optimizer
+(resumed at CP = 4), and --ckpt-format torch_dist with the distributed optimizer (resumed at
+CP = 1 and 4); each resume follows the single process's trajectory to iteration 20. Only
+context-parallel rank 0 writes the legacy model file; tools/generate.py samples from a CP = 2
+checkpoint (at CP = 1) and refuses CP groups. Worlds are shared: a 2-, a 1- and a 4-rank world
+(the 2-rank world writes the checkpoints the others resume from).
 """
 
 import os
@@ -39,22 +41,30 @@ def _train_then_generate(runs, load_dir):
 
 @pytest.fixture(scope="module")
 def worlds(data_prefix, tmp_path_factory):
-    """Every run of the module, by name (the 1-, 2- and 4-rank worlds' last ranks)."""
+    """Every run of the module, by name (the 2-, 1- and 4-rank worlds' last ranks, in that order:
+    the 2-rank world writes the checkpoints the others resume from)."""
     cache = str(tmp_path_factory.mktemp("cp_cache"))
-    plain_ckpt, distopt_ckpt = (str(tmp_path_factory.mktemp(n)) for n in ("cp_plain", "cp_dopt"))
+    plain_ckpt, distopt_ckpt, dist_ckpt = (str(tmp_path_factory.mktemp(n))
+                                           for n in ("cp_plain", "cp_dopt", "cp_torch_dist"))
 
     def argv(*extra):
         return e2e_argv(data_prefix, cache, *CP_BASE, *extra)
 
     save = ["--save-interval", str(HALF), "--exit-interval", str(HALF)]
-    out = dict(run_distributed(1, run_many, [("single", argv()),
-                                             ("single masked", argv(*CP_MASKED))], timeout=600)[0])
-    out.update(run_distributed(2, run_many, [
+    torch_dist = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+    out = dict(run_distributed(2, run_many, [
         ("cp2 p2p first half", argv(*cp_args(2), "--save", plain_ckpt, *save)),
         ("cp2 masked distopt first half", argv(*cp_args(2, "all_gather"), *CP_MASKED,
                                                "--use-distributed-optimizer", "--save",
                                                distopt_ckpt, *save)),
+        ("cp2 torch_dist first half", argv(*cp_args(2), *torch_dist, "--save", dist_ckpt,
+                                           *save)),
     ], timeout=600)[1])
+    out.update(run_distributed(1, run_many, [
+        ("single", argv()), ("single masked", argv(*CP_MASKED)),
+        ("cp1 second half", argv("--load", plain_ckpt)),
+        ("cp1 torch_dist second half", argv(*torch_dist, "--load", dist_ckpt)),
+    ], timeout=600)[0])
     histories, out["generated"] = run_distributed(4, _train_then_generate, [
         ("cp4 p2p", argv(*cp_args(4))),
         ("cp4 all_gather", argv(*cp_args(4, "all_gather"))),
@@ -70,12 +80,14 @@ def worlds(data_prefix, tmp_path_factory):
         ("cp4 masked distopt second half", argv(*cp_args(4), *CP_MASKED,
                                                 "--use-distributed-optimizer", "--load",
                                                 distopt_ckpt)),
+        ("cp4 torch_dist second half", argv(*cp_args(4), *torch_dist, "--load", dist_ckpt)),
     ], plain_ckpt, timeout=600)[3]
     out.update(histories)
     out["checkpoint files"] = {name: sorted(os.listdir(os.path.join(path, f"iter_{HALF:07d}")))
                                for name, path in (("plain", plain_ckpt), ("distopt", distopt_ckpt))}
     out["distopt shard files"] = sorted(os.listdir(os.path.join(
         distopt_ckpt, f"iter_{HALF:07d}", "mp_rank_00")))
+    out["torch_dist files"] = sorted(os.listdir(os.path.join(dist_ckpt, f"iter_{HALF:07d}")))
     return out
 
 
@@ -98,15 +110,24 @@ def test_context_parallel_layouts_match_one_process(worlds, name):
 
 
 def test_checkpoints_resume_at_another_context_parallel_size(worlds):
-    for first, second, reference in (
-            ("cp2 p2p first half", "cp4 p2p second half", "single"),
-            ("cp2 masked distopt first half", "cp4 masked distopt second half", "single masked")):
+    """Both formats: saved at CP = 2, resumed at CP = 1 and CP = 4 (the model is replicated over
+    CP; the distributed optimizer's shards, cut over DP x CP = 2, are re-cut over 1 and 4)."""
+    for first, seconds, reference in (
+            ("cp2 p2p first half", ("cp1 second half", "cp4 p2p second half"), "single"),
+            ("cp2 masked distopt first half", ("cp4 masked distopt second half",),
+             "single masked"),
+            ("cp2 torch_dist first half",
+             ("cp1 torch_dist second half", "cp4 torch_dist second half"), "single")):
         assert worlds[first]["iteration"] == list(range(1, HALF + 1))
-        assert worlds[second]["iteration"] == list(range(HALF + 1, CP_ITERS + 1))
         np.testing.assert_allclose(worlds[first]["lm loss"], worlds[reference]["lm loss"][:HALF],
                                    rtol=RTOL, err_msg=first)
-        assert_close_history(worlds[second], history_tail(worlds[reference], HALF + 1), second,
-                             rtol=RTOL)
+        for second in seconds:
+            assert worlds[second]["iteration"] == list(range(HALF + 1, CP_ITERS + 1)), second
+            assert_close_history(worlds[second], history_tail(worlds[reference], HALF + 1),
+                                 second, rtol=RTOL)
+    # torch_dist: one set of DCP files and the plain common data, no per-rank legacy folders.
+    assert {"metadata.json", "common.pt", ".metadata"} <= set(worlds["torch_dist files"])
+    assert not any(f.startswith("mp_rank_") for f in worlds["torch_dist files"])
     # One model file per tensor/pipeline rank (CP rank 0 writes it); one optimizer shard per
     # rank of the DP x CP group.
     assert worlds["checkpoint files"] == {"plain": ["mp_rank_00"], "distopt": ["mp_rank_00"]}

@@ -109,9 +109,11 @@ def run_benchmark(name: str, quick: bool) -> list:
 
 # "measured" / "theory": a quantity beside its formula (bubble fraction, MB sent, state MB);
 # convert's "theory" is the model's size, "peak GiB" the conversion's peak anonymous memory;
-# dist_checkpoint's "of ceiling" is a share of the disk's sequential write speed (GB/s).
+# dist_checkpoint's "of ceiling" is a share of the disk's sequential write speed (GB/s);
+# context_parallel's "... ratio" columns are a rank's figure at CP over the one process's.
 NUMERIC_COLUMNS = ("tokens/s", "TFLOP/s", "MFU", "reference tokens/s", "ratio", "of ceiling", "ms/step",
-                   "measured", "theory", "peak GiB", "seconds", "GB/s")
+                   "measured", "theory", "peak GiB", "seconds", "GB/s", "peak MB ratio",
+                   "saved MB ratio", "cpu ms/step ratio")
 
 
 def format_table(rows: list, previous: dict | None = None) -> str:

@@ -19,6 +19,7 @@ from megatron.core.context_parallel import (get_batch_on_this_cp_rank,
                                             reduce_loss_for_context_parallel)
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
+from megatron.usage_error import UsageError, run_command
 
 def model_provider(config, pg_collection, device, *, pre_process=True, post_process=True,
                    vp_stage=None):
@@ -175,34 +176,72 @@ def train_valid_test_datasets_provider(config, train_val_test_num_samples):
         test_data_path=data.test_data_path)
 
 
+def configure(argv=None):
+    """Parse and validate the flags once and build the tokenizer and the frozen configuration:
+    everything that reads the command line, before any process group exists. Every rank does
+    the same and finds the same errors.
+
+    Returns:
+        ``(config, tokenizer)``.
+
+    Raises:
+        UsageError: a flag, or a file a flag names, is wrong (one line naming it and the fix).
+    """
+    from megatron.checkpoint_io import CheckpointError
+    from megatron.config import build_config
+    from megatron.tokenizer import build_tokenizer
+
+    args = arguments.parse_args(argv)
+    try:
+        if args.use_checkpoint_args:
+            arguments.load_args_from_checkpoint(args)
+        world_size = (dist.get_world_size() if dist.is_initialized()
+                      else int(os.environ.get("WORLD_SIZE", "1")))
+        arguments.validate_args(args, world_size)
+        tokenizer = build_tokenizer(args)
+    except UsageError:
+        raise
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:  # the flags' files
+        raise UsageError(str(exc)) from exc
+    config = build_config(args, vocab_size=tokenizer.vocab_size)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for message in arguments.report_ignored_flags(args):
+            print(f" WARNING: {message}", flush=True)
+    return config, tokenizer
+
+
 def main(argv=None):
     """Parse and validate the flags once, build the tokenizer and the frozen configuration, and
     train. Returns this rank's history (see ``megatron.training.pretrain``).
 
     Raises:
-        ValueError: an invalid flag combination or missing file, before anything is started.
+        UsageError: an invalid flag combination, a missing or unusable file, a ``--save`` folder
+            another job holds, a checkpoint that cannot be resumed as asked: before anything is
+            built where the flags alone tell, else agreed by every rank.
+        NonFiniteTrainingError: ``--max-consecutive-nan-iterations`` non-finite iterations in a
+            row (rank 0 has logged why and which checkpoint is the last good one).
     """
-    from megatron.config import build_config
-    from megatron.tokenizer import build_tokenizer
-
-    args = arguments.parse_args(argv)
-    if args.use_checkpoint_args:
-        arguments.load_args_from_checkpoint(args)
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    arguments.validate_args(args, world_size)
-    tokenizer = build_tokenizer(args)
-    config = build_config(args, vocab_size=tokenizer.vocab_size)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for message in arguments.report_ignored_flags(args):
-            print(f" WARNING: {message}", flush=True)
+    config, tokenizer = configure(argv)
     return pretrain(config, model_provider=model_provider,
                     forward_step_func=partial(forward_step, config.data, tokenizer.eod,
                                               vocab_size=tokenizer.vocab_size),
                     datasets_provider=train_valid_test_datasets_provider)
 
 
+def command(argv=None) -> int:
+    """The command line: :func:`main`, with a usage error as one line on one rank and status 2
+    (argparse's convention), a stop for non-finite iterations as status 1 without a traceback
+    (rank 0 logged the reason). Anything else is a crash and keeps its traceback."""
+    from megatron.training.train import NonFiniteTrainingError
+
+    try:
+        return run_command("pretrain_llama.py", main, argv)
+    except NonFiniteTrainingError:
+        return 1
+
+
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    # torchrun then shows the failing rank's traceback in its summary (the "root cause").
-    record(main)(sys.argv[1:])
+    # torchrun then shows a crashing rank's traceback in its summary (the "root cause").
+    sys.exit(record(command)(sys.argv[1:]))

@@ -2,8 +2,10 @@
 
 ``parse_args(argv)`` only parses; ``validate_args(args, world_size)`` checks every flag against the
 others and against the world size, fills the derived values (``data_parallel_size``,
-``global_batch_size`` default, ``ffn_hidden_size`` default, ...) and raises ``ValueError`` naming the
+``global_batch_size`` default, ``ffn_hidden_size`` default, ...) and raises an error naming the
 flag, its value and the fix. It runs before any process group is created or any file is written.
+Errors of both are :class:`~megatron.usage_error.UsageError` (a ``ValueError``): the entry script
+prints one line and exits 2.
 
 Every flag is one of: implemented; accepted with no effect here (listed by
 :func:`report_ignored_flags`, to be logged once); or refused with "not supported yet"
@@ -26,14 +28,24 @@ from typing import Callable, List, Optional
 
 from megatron import arguments_validation
 from megatron.tokenizer import add_tokenizer_args
+from megatron.usage_error import UsageError
 
 NOT_YET_SUPPORTED = arguments_validation.NOT_YET_SUPPORTED
 IGNORED_FLAGS = arguments_validation.IGNORED_FLAGS
 
-def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are :class:`UsageError` (one line, printed once by the entry point)
+    instead of a usage block and ``SystemExit`` on every rank."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None,
+                 prog: str = "pretrain_llama.py") -> argparse.ArgumentParser:
     """Return the parser with every group of flags (and the caller's extra ones)."""
-    parser = argparse.ArgumentParser(description="Megatron-style LLaMA pretraining arguments",
-                                     allow_abbrev=False)
+    parser = _Parser(prog=prog, description="Megatron-style LLaMA pretraining arguments",
+                     allow_abbrev=False)
     for add in (_add_network_size_args, _add_regularization_args, _add_training_args,
                 _add_kernel_args, _add_learning_rate_args, _add_mixed_precision_args,
                 _add_distributed_args, _add_checkpointing_args, _add_data_args,
@@ -49,7 +61,7 @@ def parse_args(argv: Optional[List[str]] = None,
     """Parse ``argv`` (``sys.argv[1:]`` when None). No validation: see :func:`validate_args`.
 
     Raises:
-        SystemExit: on unknown flags or malformed values (argparse's behaviour).
+        UsageError: on unknown flags or malformed values (argparse's message, one line).
     """
     return build_parser(extra_args_provider).parse_args(argv)
 
@@ -82,8 +94,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *,
         ``args`` itself.
 
     Raises:
-        ValueError: for any inconsistent, unsupported or missing flag or file; the message names
-            the flag, its value and the fix.
+        UsageError: (a ``ValueError``) for any inconsistent, unsupported, out-of-range or missing
+            flag or file; the message names the flag, its value and the fix.
     """
     return arguments_validation.validate(args, world_size, parser_defaults(), check_files)
 
@@ -294,8 +306,17 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--max-consecutive-nan-iterations", type=int, default=3,
-                   help="stop training after this many iterations in a row with inf/NaN loss or "
-                        "gradients (each one skipped); 0 = never stop")
+                   help="stop training after this many non-finite iterations in a row (inf/NaN "
+                        "loss or gradients; with --fp16, overflows at the lowest loss scale), each "
+                        "skipped; 0 = never stop")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="max_consecutive_nan_iterations",
+                   action="store_const", const=1,
+                   help="Megatron-LM's flag: stop at the first non-finite iteration "
+                        "(= --max-consecutive-nan-iterations 1)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="max_consecutive_nan_iterations",
+                   action="store_const", const=0,
+                   help="Megatron-LM's flag: never stop for non-finite iterations "
+                        "(= --max-consecutive-nan-iterations 0)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True,
                    help="fp32 gradient buffers and reduction (the default; Megatron's flag)")
     g.add_argument("--no-accumulate-allreduce-grads-in-fp32",

@@ -1,8 +1,11 @@
 """Checks and derived values behind ``megatron.arguments.validate_args``.
 
-Each ``_validate_*`` function checks one concern and raises ``ValueError`` naming the flag, its
-value and the fix, e.g. ``--num-attention-heads (32) must be divisible by
---tensor-model-parallel-size (3)``. Nothing here creates a process group or writes a file; the only
+Each ``_validate_*`` function checks one concern and raises
+:class:`~megatron.usage_error.UsageError` (a ``ValueError``) naming the flag, its value and the
+fix, e.g. ``--num-attention-heads (32) must be divisible by --tensor-model-parallel-size (3)``;
+the ranges of the numbers come first (:mod:`megatron.arguments_ranges`), so no rule reads a NaN or
+a negative size. A ``ValueError`` of a rule this module borrows (the model's attention and
+recompute rules, the data builder's checks) leaves :func:`validate` as a ``UsageError`` too. Nothing here creates a process group or writes a file; the only
 file-system access is checking that input files exist and reading each dataset's ``.idx``.
 
 Flag policy (issue 3, item 8): a flag is implemented, or listed in :data:`IGNORED_FLAGS` (accepted,
@@ -15,6 +18,9 @@ from __future__ import annotations
 import os
 import warnings
 from typing import List
+
+from megatron.arguments_ranges import check_ranges
+from megatron.usage_error import UsageError
 
 # dest -> (flag as users write it, the feature and issue that will build it).
 NOT_YET_SUPPORTED = {
@@ -56,8 +62,22 @@ HF_TOKENIZERS = ("HuggingFaceTokenizer", "PretrainedFromHF")
 
 
 def validate(args, world_size: int, defaults: dict, check_files: bool = True):
-    """Run every check in order and fill the derived values; see ``validate_args``."""
+    """Run every check in order and fill the derived values; see ``validate_args``.
+
+    Raises:
+        UsageError: the first check that fails.
+    """
+    try:
+        return _validate_all(args, world_size, defaults, check_files)
+    except UsageError:
+        raise
+    except ValueError as exc:  # a borrowed rule (attention, recompute, data): still the flags'
+        raise UsageError(str(exc)) from exc
+
+
+def _validate_all(args, world_size, defaults, check_files):
     _validate_required(args)
+    check_ranges(args, defaults)
     _validate_precision(args)
     _validate_not_yet_supported(args, defaults)
     _validate_llama_architecture(args)
@@ -76,6 +96,7 @@ def validate(args, world_size: int, defaults: dict, check_files: bool = True):
     _validate_distributed(args)
     _validate_distributed_optimizer(args)
     _validate_checkpointing(args)
+    _validate_resume(args, check_files)
     _validate_data(args, check_files)
     _validate_tokenizer(args, check_files)
     return args
@@ -88,35 +109,16 @@ def ignored_flag_messages(args, defaults: dict) -> List[str]:
             if getattr(args, dest, None) != defaults.get(dest)]
 
 
-def _require_positive(args, names):
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be positive")
-
-
 def _validate_required(args):
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "lr", "tokenizer_type"):
         if getattr(args, name) is None:
-            raise ValueError(f"--{name.replace('_', '-')} is required")
-    _require_positive(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                             "micro_batch_size", "global_batch_size", "ffn_hidden_size",
-                             "kv_channels", "max_position_embeddings", "num_query_groups",
-                             "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                             "train_iters", "train_samples", "log_interval", "eval_interval",
-                             "save_interval", "exit_interval", "distributed_timeout_minutes",
-                             "exit_duration_in_mins", "keep_last_checkpoints",
-                             "reduce_bucket_size", "norm_epsilon", "rotary_base"))
-    for name in ("hidden_dropout", "attention_dropout"):
-        p = getattr(args, name)
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"--{name.replace('_', '-')} ({p}) must be in [0, 1)")
+            raise UsageError(f"--{name.replace('_', '-')} is required")
 
 
 def _validate_precision(args):
     if args.bf16 and args.fp16:
-        raise ValueError("--bf16 and --fp16 are mutually exclusive: keep one (LLaMA: --bf16)")
+        raise UsageError("--bf16 and --fp16 are mutually exclusive: keep one (LLaMA: --bf16)")
     # bf16 gradients are accumulated and reduced in fp32 unless
     # --no-accumulate-allreduce-grads-in-fp32 asks for bf16 reduction.
 
@@ -126,19 +128,24 @@ def _validate_not_yet_supported(args, defaults):
         value = getattr(args, dest, None)
         if value != defaults.get(dest):
             shown = "" if isinstance(value, bool) else f" ({value})"
-            raise ValueError(f"{flag}{shown} is not supported yet ({feature}): remove the flag")
+            raise UsageError(f"{flag}{shown} is not supported yet ({feature}): remove the flag")
 
 
 def _validate_llama_architecture(args):
     if args.normalization != "RMSNorm":
-        raise ValueError(f"--normalization ({args.normalization}) is not supported: this codebase "
+        raise UsageError(f"--normalization ({args.normalization}) is not supported: this codebase "
                          f"implements LLaMA, use --normalization RMSNorm (or --RMSNorm)")
     if args.position_embedding_type != "rope":
-        raise ValueError(f"--position-embedding-type ({args.position_embedding_type}) is not "
+        raise UsageError(f"--position-embedding-type ({args.position_embedding_type}) is not "
                          f"supported: this codebase implements LLaMA, use "
                          f"--position-embedding-type rope (or --use-rotary-position-embeddings)")
     if args.causal_lm:
         args.untie_embeddings_and_output_weights = True
+    low, high = args.rope_scaling_low_freq_factor, args.rope_scaling_high_freq_factor
+    if args.use_rope_scaling and not high > low:
+        raise UsageError(f"--rope-scaling-high-freq-factor ({high}) must be above "
+                         f"--rope-scaling-low-freq-factor ({low}) with --use-rope-scaling (Llama "
+                         "3.1's smooth band lies between them); Llama 3.1 uses 4 and 1")
 
 
 def _validate_model_shape(args):
@@ -147,29 +154,29 @@ def _validate_model_shape(args):
     heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
     if args.group_query_attention:
         if args.num_query_groups is None:
-            raise ValueError("--group-query-attention needs --num-query-groups "
+            raise UsageError("--group-query-attention needs --num-query-groups "
                              "(the number of key/value heads)")
     elif args.num_query_groups not in (None, heads):
-        raise ValueError(f"--num-query-groups ({args.num_query_groups}) is given without "
+        raise UsageError(f"--num-query-groups ({args.num_query_groups}) is given without "
                          f"--group-query-attention: add --group-query-attention")
     else:
         args.num_query_groups = heads
     check_attention_config(args)  # heads and query groups split over TP, groups divide heads
     if args.kv_channels is None:
         if args.hidden_size % heads:
-            raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
+            raise UsageError(f"--hidden-size ({args.hidden_size}) must be divisible by "
                              f"--num-attention-heads ({heads}), or give --kv-channels")
         args.kv_channels = args.hidden_size // heads
     if args.ffn_hidden_size is None:
         # Megatron's SwiGLU default: 2/3 of 4h, rounded down to a multiple of 64.
         args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
     if args.ffn_hidden_size % tp:
-        raise ValueError(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+        raise UsageError(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
                          f"--tensor-model-parallel-size ({tp})")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
-        raise ValueError(f"--seq-length ({args.seq_length}) must be <= "
+        raise UsageError(f"--seq-length ({args.seq_length}) must be <= "
                          f"--max-position-embeddings ({args.max_position_embeddings}): raise "
                          f"--max-position-embeddings or shorten --seq-length")
 
@@ -178,15 +185,15 @@ def _validate_parallel_layout(args, world_size):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = getattr(args, "context_parallel_size", 1)
     if cp < 1:
-        raise ValueError(f"--context-parallel-size ({cp}) must be >= 1")
+        raise UsageError(f"--context-parallel-size ({cp}) must be >= 1")
     model = tp * pp * cp
     if world_size < 1 or world_size % model:
         with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""
-        raise ValueError(f"world size ({world_size}) must be divisible by "
+        raise UsageError(f"world size ({world_size}) must be divisible by "
                          f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size "
                          f"({pp}){with_cp} = {model}: change the sizes or the number of processes")
     if args.num_layers % pp:
-        raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
+        raise UsageError(f"--num-layers ({args.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({pp})")
     args.world_size = world_size
     args.data_parallel_size = world_size // model
@@ -207,24 +214,24 @@ def _validate_context_parallel(args):
         args.cp_comm_type]
     for value in given:
         if value in _CP_COMM_NOT_BUILT:
-            raise ValueError(f"--cp-comm-type {value} (all-to-all context parallelism) is not "
+            raise UsageError(f"--cp-comm-type {value} (all-to-all context parallelism) is not "
                              f"supported; use p2p or all_gather")
         if value not in _CP_COMM_ALIASES:
-            raise ValueError(f"--cp-comm-type {value} is not one of p2p, all_gather (allgather)")
+            raise UsageError(f"--cp-comm-type {value} is not one of p2p, all_gather (allgather)")
     kinds = sorted({_CP_COMM_ALIASES[v] for v in given})
     if len(kinds) != 1:
-        raise ValueError(f"--cp-comm-type {' '.join(given)}: one communication type for every "
+        raise UsageError(f"--cp-comm-type {' '.join(given)}: one communication type for every "
                          f"layer is supported; give one of p2p, all_gather")
     args.cp_comm_type = kinds[0]
     cp = args.context_parallel_size
     if cp == 1:
         return
     if args.reset_attention_mask:
-        raise ValueError(f"--reset-attention-mask is not supported with --context-parallel-size "
+        raise UsageError(f"--reset-attention-mask is not supported with --context-parallel-size "
                          f"({cp}): document masks are not split over context-parallel ranks; "
                          f"remove one of the two flags (--reset-position-ids alone is supported)")
     if args.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout ({args.attention_dropout}) must be 0 with "
+        raise UsageError(f"--attention-dropout ({args.attention_dropout}) must be 0 with "
                          f"--context-parallel-size ({cp}): the split attention has no dropout; "
                          f"pass --attention-dropout 0.0")
     check_context_parallel_seq_length(args.seq_length, cp, args.tensor_model_parallel_size,
@@ -245,22 +252,22 @@ def _validate_virtual_pipeline(args):
     flag = (f"--num-layers-per-virtual-pipeline-stage ({per_chunk})" if per_chunk is not None
             else f"--virtual-pipeline-model-parallel-size ({vp})")
     if (per_chunk is not None and per_chunk < 1) or (vp is not None and vp < 1):
-        raise ValueError(f"{flag} must be >= 1")
+        raise UsageError(f"{flag} must be >= 1")
     if pp == 1:
-        raise ValueError(f"{flag} (the interleaved pipeline schedule) needs "
+        raise UsageError(f"{flag} (the interleaved pipeline schedule) needs "
                          f"--pipeline-model-parallel-size > 1: raise it or remove the flag")
     if per_chunk is not None:
         if per_stage % per_chunk:
-            raise ValueError(f"{flag} must divide the layers of a pipeline stage, --num-layers "
+            raise UsageError(f"{flag} must divide the layers of a pipeline stage, --num-layers "
                              f"({args.num_layers}) / --pipeline-model-parallel-size ({pp}) = "
                              f"{per_stage}")
         if vp is not None and vp != per_stage // per_chunk:
-            raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) gives "
+            raise UsageError(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) gives "
                              f"{per_stage // per_chunk} virtual stages per pipeline rank, but "
                              f"--virtual-pipeline-model-parallel-size is {vp}: pass one of them")
         vp = per_stage // per_chunk
     elif per_stage % vp:
-        raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by "
+        raise UsageError(f"--num-layers ({args.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({pp}) x {flag} = {pp * vp}")
     args.num_layers_per_virtual_pipeline_stage = per_stage // vp if vp > 1 else None
     args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
@@ -282,7 +289,7 @@ def _validate_interleaved_microbatches(args):
     for what, batch in batches:
         count = num_microbatches(batch, args.micro_batch_size, args.data_parallel_size)
         if count % pp:
-            raise ValueError(
+            raise UsageError(
                 f"number of micro-batches ({count}: {what} ({batch}) / "
                 f"(--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                 f"({args.data_parallel_size}))) must be divisible by "
@@ -302,7 +309,7 @@ def _validate_sequence_parallel(args):
         args.sequence_parallel = False
         return
     if args.seq_length % tp:
-        raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
+        raise UsageError(f"--seq-length ({args.seq_length}) must be divisible by "
                          f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
 
 
@@ -311,7 +318,7 @@ def _validate_recompute(args):
 
     if args.recompute_activations:
         if args.recompute_granularity not in (None, "selective"):
-            raise ValueError("--recompute-activations means --recompute-granularity selective; "
+            raise UsageError("--recompute-activations means --recompute-granularity selective; "
                              f"it contradicts --recompute-granularity {args.recompute_granularity}")
         args.recompute_granularity = "selective"
     layers = args.num_layers // args.pipeline_model_parallel_size
@@ -327,17 +334,17 @@ def _validate_batch(args):
         args.global_batch_size = mbs * dp
     gbs = args.global_batch_size
     if gbs % (mbs * dp):
-        raise ValueError(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
+        raise UsageError(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
                          f"({mbs}) x data-parallel size ({dp}) = {mbs * dp}")
 
 
 def _validate_training_length(args):
     if (args.train_iters is None) == (args.train_samples is None):
-        raise ValueError("give exactly one of --train-iters and --train-samples "
+        raise UsageError("give exactly one of --train-iters and --train-samples "
                          f"(got --train-iters {args.train_iters}, "
                          f"--train-samples {args.train_samples})")
     if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters ({args.eval_iters}) must be >= 0 (0 = no evaluation)")
+        raise UsageError(f"--eval-iters ({args.eval_iters}) must be >= 0 (0 = no evaluation)")
 
 
 def _validate_rampup(args):
@@ -351,16 +358,16 @@ def _validate_rampup(args):
     try:
         args.rampup_batch_size = [int(x) for x in args.rampup_batch_size]
     except ValueError:
-        raise ValueError(f"--rampup-batch-size ({shown}) takes three integers: START INCR "
+        raise UsageError(f"--rampup-batch-size ({shown}) takes three integers: START INCR "
                          f"SAMPLES") from None
     if args.train_iters is not None:
-        raise ValueError(f"--rampup-batch-size ({shown}) needs sample-based training (as in "
+        raise UsageError(f"--rampup-batch-size ({shown}) needs sample-based training (as in "
                          f"Megatron-LM): replace --train-iters ({args.train_iters}) by "
                          f"--train-samples, and --lr-*-iters by --lr-*-samples")
     start, incr, _ = args.rampup_batch_size
     per_step = args.micro_batch_size * args.data_parallel_size
     if start % per_step or incr % per_step:
-        raise ValueError(f"--rampup-batch-size ({shown}): START and INCR must be multiples of "
+        raise UsageError(f"--rampup-batch-size ({shown}): START and INCR must be multiples of "
                          f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                          f"({args.data_parallel_size}) = {per_step}")
     # The calculator's own checks (START <= global, INCR divides).
@@ -369,46 +376,41 @@ def _validate_rampup(args):
 
 
 def _validate_loss_scaling(args):
-    _require_positive(args, ("loss_scale", "initial_loss_scale", "min_loss_scale",
-                             "loss_scale_window", "hysteresis"))
-    if args.max_consecutive_nan_iterations < 0:
-        raise ValueError(f"--max-consecutive-nan-iterations ({args.max_consecutive_nan_iterations})"
-                         f" must be >= 0 (0 = never stop)")
     if not args.fp16:
         return
     if args.loss_scale is None and args.min_loss_scale > args.initial_loss_scale:
-        raise ValueError(f"--min-loss-scale ({args.min_loss_scale}) must be <= "
+        raise UsageError(f"--min-loss-scale ({args.min_loss_scale}) must be <= "
                          f"--initial-loss-scale ({args.initial_loss_scale})")
     if not args.accumulate_allreduce_grads_in_fp32:
-        raise ValueError("--no-accumulate-allreduce-grads-in-fp32 goes with --bf16 only: fp16 "
+        raise UsageError("--no-accumulate-allreduce-grads-in-fp32 goes with --bf16 only: fp16 "
                          "gradients are accumulated and reduced in fp32 (fp16 sums overflow); "
                          "remove the flag or use --bf16")
 
 
 def _validate_learning_rate(args):
     if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+        raise UsageError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters or args.lr_warmup_samples:
-            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples "
+            raise UsageError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples "
                              "are mutually exclusive: keep one")
         if not 0.0 <= args.lr_warmup_fraction <= 1.0:
-            raise ValueError(f"--lr-warmup-fraction ({args.lr_warmup_fraction}) must be in [0, 1]")
+            raise UsageError(f"--lr-warmup-fraction ({args.lr_warmup_fraction}) must be in [0, 1]")
     # As Megatron: the schedule is counted in the same unit as the training length.
     if args.train_iters is not None:
         if args.lr_decay_samples is not None or args.lr_warmup_samples:
-            raise ValueError("--lr-decay-samples / --lr-warmup-samples go with --train-samples; "
+            raise UsageError("--lr-decay-samples / --lr-warmup-samples go with --train-samples; "
                              "with --train-iters use --lr-decay-iters / --lr-warmup-iters")
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
     else:
         if args.lr_decay_iters is not None or args.lr_warmup_iters:
-            raise ValueError("--lr-decay-iters / --lr-warmup-iters go with --train-iters; "
+            raise UsageError("--lr-decay-iters / --lr-warmup-iters go with --train-iters; "
                              "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
         if args.lr_decay_samples is None:
             args.lr_decay_samples = args.train_samples
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+        raise UsageError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                          "are mutually exclusive: keep one")
 
 
@@ -427,24 +429,24 @@ def _validate_distributed_optimizer(args):
         args.overlap_grad_reduce = True
         args.overlap_param_gather = True
     if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (plain data "
+        raise UsageError("--overlap-param-gather needs --use-distributed-optimizer (plain data "
                          "parallelism has no parameter all-gather): add it, or use "
                          "--overlapped-distributed-optimizer")
 
 
 def _validate_checkpointing(args):
     if args.async_save and args.ckpt_format != "torch_dist":
-        raise ValueError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format "
+        raise UsageError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format "
                          f"{args.ckpt_format}): legacy checkpoints are written synchronously")
     if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
-        raise ValueError("--ckpt-convert-format and --ckpt-convert-save go together: give both "
+        raise UsageError("--ckpt-convert-format and --ckpt-convert-save go together: give both "
                          "(e.g. --ckpt-convert-format torch_dist --ckpt-convert-save DIR)")
     if args.ckpt_convert_format is not None:
         if args.load is None:
-            raise ValueError(f"--ckpt-convert-format {args.ckpt_convert_format} needs --load DIR "
+            raise UsageError(f"--ckpt-convert-format {args.ckpt_convert_format} needs --load DIR "
                              "(the checkpoint to convert)")
         if os.path.abspath(args.ckpt_convert_save) == os.path.abspath(args.load):
-            raise ValueError(f"--ckpt-convert-save ({args.ckpt_convert_save}) must differ from "
+            raise UsageError(f"--ckpt-convert-save ({args.ckpt_convert_save}) must differ from "
                              "--load: the converted checkpoint goes into a folder of its own")
     for flag, needs in (("save_interval", "save"), ("finetune", "load"), ("async_save", "save"),
                         ("use_checkpoint_args", "load"), ("no_load_optim", "load"),
@@ -453,7 +455,46 @@ def _validate_checkpointing(args):
         value = getattr(args, flag)
         if value not in (None, False) and getattr(args, needs) is None:
             shown = "" if value is True else f" ({value})"
-            raise ValueError(f"--{flag.replace('_', '-')}{shown} needs --{needs} DIR")
+            raise UsageError(f"--{flag.replace('_', '-')}{shown} needs --{needs} DIR")
+
+
+def _validate_resume(args, check_files):
+    """``--load``'s tracker file, read once here (a line of text, nothing heavy): it must name an
+    iteration or ``release`` and a checkpoint folder that exists, and a run that resumes (without
+    ``--finetune``) must not end before the loaded iteration."""
+    if not (check_files and args.load):
+        return
+    from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
+                                        get_checkpoint_tracker_filename, last_complete_hint)
+    from megatron.training.microbatches import train_iterations
+
+    try:
+        found = find_checkpoint(args.load)
+    except CheckpointError as exc:
+        raise UsageError(f"--load ({args.load}): {exc}; write the iteration of a complete "
+                         f"checkpoint there (iter_0000100 -> 100), or delete the file to start "
+                         f"from scratch.{last_complete_hint(args.load, '')}") from None
+    if found is None:
+        return
+    iteration, release = found
+    folder = get_checkpoint_dir(args.load, iteration, release)
+    if not os.path.isdir(folder):
+        raise UsageError(f"--load ({args.load}): {get_checkpoint_tracker_filename(args.load)} names "
+                         f"{'release' if release else iteration}, but {folder} does not exist."
+                         f"{last_complete_hint(args.load, folder)}")
+    if release or args.finetune:
+        return
+    last = train_iterations(args.train_iters, args.train_samples,
+                            global_batch_size=args.global_batch_size,
+                            micro_batch_size=args.micro_batch_size,
+                            data_parallel_size=args.data_parallel_size,
+                            rampup_batch_size=args.rampup_batch_size)
+    if last < iteration:
+        length = (f"--train-iters ({args.train_iters})" if args.train_iters else
+                  f"--train-samples ({args.train_samples}, {last} iterations)")
+        raise UsageError(f"{length} ends before the checkpoint at --load {args.load} (iteration "
+                         f"{iteration}): raise it above {iteration} to train on, or pass "
+                         "--finetune to start a new run from its weights")
 
 
 def _validate_data(args, check_files):
@@ -468,16 +509,16 @@ def _validate_data(args, check_files):
                                                get_train_valid_test_num_samples)
 
     if args.data_impl not in (None, "mmap", "infer"):
-        raise ValueError(f"--data-impl ({args.data_impl}) is not supported: only mmap")
+        raise UsageError(f"--data-impl ({args.data_impl}) is not supported: only mmap")
     if args.num_workers < 0:
-        raise ValueError(f"--num-workers ({args.num_workers}) must be >= 0")
+        raise UsageError(f"--num-workers ({args.num_workers}) must be >= 0")
     sources = split_sources(data_path=args.data_path, split=args.split,
                             train_data_path=args.train_data_path,
                             valid_data_path=args.valid_data_path,
                             test_data_path=args.test_data_path)
     evaluating = args.eval_iters > 0 and bool(args.eval_interval)
     if args.data_path is not None and sources[1] is None and evaluating:
-        raise ValueError(f"--split ({args.split}): the validation share is 0, but --eval-iters "
+        raise UsageError(f"--split ({args.split}): the validation share is 0, but --eval-iters "
                          f"({args.eval_iters}) and --eval-interval ({args.eval_interval}) ask for "
                          "evaluation; give validation a share (e.g. --split 98,2,0), or pass "
                          "--eval-iters 0")
@@ -494,27 +535,27 @@ def _validate_tokenizer(args, check_files):
     kind = args.tokenizer_type
     if kind in SENTENCEPIECE_TOKENIZERS:
         if args.tokenizer_model is None:
-            raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model "
+            raise UsageError(f"--tokenizer-type {kind} needs --tokenizer-model "
                              f"(the SentencePiece .model file)")
         if check_files and not os.path.isfile(args.tokenizer_model):
-            raise ValueError(f"--tokenizer-model ({args.tokenizer_model}) does not exist: give "
+            raise UsageError(f"--tokenizer-model ({args.tokenizer_model}) does not exist: give "
                              f"the path of the SentencePiece .model file")
     elif kind in HF_TOKENIZERS:
         folder = args.tokenizer_name_or_path or args.tokenizer_model
         if folder is None:
-            raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-name-or-path DIR (a local "
+            raise UsageError(f"--tokenizer-type {kind} needs --tokenizer-name-or-path DIR (a local "
                              f"HuggingFace tokenizer folder)")
         if check_files and not os.path.isdir(folder):
-            raise ValueError(f"--tokenizer-name-or-path ({folder}) is not a folder: give a local "
+            raise UsageError(f"--tokenizer-name-or-path ({folder}) is not a folder: give a local "
                              f"HuggingFace tokenizer folder (nothing is downloaded)")
     elif kind == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             if path is None:
-                raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag}")
+                raise UsageError(f"--tokenizer-type GPT2BPETokenizer needs {flag}")
             if check_files and not os.path.isfile(path):
-                raise ValueError(f"{flag} ({path}) does not exist")
+                raise UsageError(f"{flag} ({path}) does not exist")
     elif kind == "NullTokenizer" and args.vocab_size is None:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.make_vocab_size_divisible_by < 1:
-        raise ValueError(f"--make-vocab-size-divisible-by ({args.make_vocab_size_divisible_by}) "
+        raise UsageError(f"--make-vocab-size-divisible-by ({args.make_vocab_size_divisible_by}) "
                          f"must be >= 1")

@@ -278,11 +278,11 @@ def test_unweighted_data_path_list_trains_as_megatron_reads_it(runs):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("empty data", r"^ValueError: --data-path \(.*empty_text_document\) with --split 90,10,0, training data: "
+    ("empty data", r"^UsageError: --data-path \(.*empty_text_document\) with --split 90,10,0, training data: "
                    r"dataset .*empty_text_document holds no tokens \(0 sequences\)"),
-    ("no validation share", r"^ValueError: --split \(100,0,0\): the validation share is 0, but --eval-iters "
+    ("no validation share", r"^UsageError: --split \(100,0,0\): the validation share is 0, but --eval-iters "
                             r"\(1\) and --eval-interval \(2\) ask for evaluation"),
-    ("damaged validation data", r"^ValueError: --valid-data-path \(.*damaged_text_document\), validation data: "
+    ("damaged validation data", r"^UsageError: --valid-data-path \(.*damaged_text_document\), validation data: "
                                 r".*damaged_text_document\.idx: sequence 1 starts at byte"),
 ])
 def test_bad_data_is_refused_before_anything_is_built(runs, case, message):

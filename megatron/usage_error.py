@@ -1,0 +1,119 @@
+"""Usage errors: one line, on one rank, exit status 2 (argparse's convention).
+
+A usage error is a mistake in the command line or in what it names: a flag out of range, a file
+that is not what its flag says, a ``--save`` folder another job holds, a checkpoint that cannot be
+resumed as asked. The program cannot run as given and the fix is the user's, so the user gets one
+line, ``PROG: error: --flag (value) ...: why; how to fix``, printed once for the whole job, and
+status 2, with no stack trace of ours (a traceback helps nobody fix a flag). Genuine crashes are
+not usage errors: they keep their traceback and torchrun's root-cause summary.
+
+Who prints:
+
+* errors found before the process groups exist (argument parsing and validation) are found by
+  every rank alike, from the same flags: rank 0 prints, the others exit silently;
+* errors found later, by some ranks only (the ``--save`` folder is checked by rank 0; a shard by
+  the rank that reads it), are agreed on by :func:`agree_on_usage_error`, a collective: the
+  lowest rank that found one prints, every rank leaves with status 2, none waits in a collective
+  for a rank that has gone.
+
+Under torchrun the agent then reports the failed workers (``exitcode: 2``) in its own summary and
+exits 1 itself; a worker cannot change that.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Callable, Optional
+
+USAGE_EXIT_STATUS = 2
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or its inputs, said in one line that names the flag or file,
+    the value, why and the fix.
+
+    Args:
+        message: the line (newlines are folded into spaces when printed).
+        reporter: the global rank that prints it; None when every rank found it (rank 0 prints).
+        silent: this rank only learned that rank ``reporter`` found one; it prints nothing.
+    """
+
+    def __init__(self, message: str, *, reporter: Optional[int] = None, silent: bool = False):
+        super().__init__(message)
+        self.reporter = reporter
+        self.silent = silent
+
+
+def one_line(message: str) -> str:
+    """``message`` with every run of whitespace (newlines included) folded into one space."""
+    return re.sub(r"\s+", " ", str(message)).strip()
+
+
+def this_rank() -> int:
+    """The global rank from the launcher's environment (``RANK``; 0 when absent)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def prints_here(error: UsageError, rank: Optional[int] = None) -> bool:
+    """Whether this rank prints ``error``: not silent, and the reporter (rank 0 by default)."""
+    rank = this_rank() if rank is None else rank
+    if error.silent:
+        return False
+    return rank == (0 if error.reporter is None else error.reporter)
+
+
+def agree_on_usage_error(error: Optional[UsageError], device, group=None) -> None:
+    """Collective over ``group`` (the world when None): when any rank passes an error, every rank
+    raises. One all-reduce (MIN) of an int64 elects the lowest rank with an error as the reporter.
+
+    Args:
+        error: this rank's usage error, or None.
+        device: where the collective's tensor lives (the backend's device).
+
+    Raises:
+        UsageError: on the reporter, its own error (``reporter`` set to its rank); on every other
+            rank a silent one naming the reporter.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    elected = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=device)
+    dist.all_reduce(elected, op=dist.ReduceOp.MIN, group=group)
+    reporter = int(elected.item())
+    if reporter == world:
+        return
+    global_reporter = dist.get_global_rank(group, reporter) if group is not None else reporter
+    if error is not None and rank == reporter:
+        raise UsageError(str(error), reporter=global_reporter) from error
+    raise UsageError(f"rank {global_reporter} found a usage error (see its line)",
+                     reporter=global_reporter, silent=True)
+
+
+def run_command(prog: str, main: Callable, argv=None,
+                usage_errors: tuple = (UsageError,)) -> int:
+    """Run ``main(argv)`` as a command: an exception of ``usage_errors`` becomes one line
+    ``PROG: error: ...`` on stderr (on the rank that reports it) and status 2.
+
+    Args:
+        prog: the command's name as users type it (``pretrain_llama.py``).
+        main: the command's function of ``argv``.
+        usage_errors: the exception classes that are the user's to fix (a tool adds the errors of
+            its inputs, e.g. a malformed dataset).
+
+    Returns:
+        0 after ``main`` returned, 2 after a usage error.
+    """
+    try:
+        main(argv)
+    except usage_errors as exc:
+        if not isinstance(exc, UsageError) or prints_here(exc):
+            print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+        return USAGE_EXIT_STATUS
+    return 0

@@ -22,6 +22,14 @@ Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a te
 flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name
 and only then replaces the tracker file atomically. A kill at any moment leaves the previous
 checkpoint loadable.
+
+What a save deletes, and why it is this job's to delete (rank 0, in this order): the staging folder
+``iter_N.tmp`` of the iteration it saves (a save of it killed earlier), its own staging folder
+when the save failed, the published ``iter_N`` it replaces (moved to ``iter_N.old`` first),
+leftover ``iter_*.tmp`` / ``iter_*.old`` folders of killed saves, and with
+``--keep-last-checkpoints`` older checkpoints (:func:`checkpoints_to_remove`). A training job holds
+the folder's lock (:mod:`megatron.save_folder`) and every save first checks it is still its own,
+so none of these can be another live job's files.
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import save_folder
 from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
 from megatron.config.saved_args import plain
+from megatron.usage_error import UsageError, agree_on_usage_error
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -160,7 +170,7 @@ def _all_ok(ok: bool, device) -> bool:
 
 def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, config,
                     pg_collection, *, run_flags: dict, consumed_train_samples: int,
-                    consumed_valid_samples: int) -> str:
+                    consumed_valid_samples: int, protect=()) -> str:
     """Save a checkpoint of ``iteration`` under ``config.save``. Collective over the world.
 
     Args:
@@ -170,13 +180,16 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             writes it).
         run_flags: the plain ``args`` dict the shard records
             (:func:`megatron.config.checkpoint_args` of the run's configuration).
+        protect: checkpoint folders ``--keep-last-checkpoints`` must keep (the last one written
+            before the run's latest non-finite iteration).
 
     Returns:
         the final checkpoint folder.
 
     Raises:
-        CheckpointError: on every rank if any rank failed to write (e.g. a full disk); the previous
-            checkpoint and the tracker file stay untouched.
+        CheckpointError: on every rank if any rank failed to write (e.g. a full disk), or the
+            folder's lock is another job's; the previous checkpoint and the tracker file stay
+            untouched.
     """
     save_dir = config.save
     dp, dp_cp = pg_collection.dp, pg_collection.dp_cp
@@ -184,12 +197,16 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     staging = final_dir + ".tmp"
     device = next(unwrap_model(model_chunks[0]).parameters()).device
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging, exist_ok=True)
-    dist.barrier()
-
     error = None
+    if rank == 0:
+        try:
+            prepare_staging(save_dir, staging)
+        except (CheckpointError, OSError) as exc:
+            error = str(exc)
+    if not _all_ok(error is None, device):
+        raise CheckpointError(error or f"saving the checkpoint of iteration {iteration} failed "
+                              "on rank 0 (see its error); nothing was written")
+
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
         getattr(chunk, "finish_param_sync", lambda: None)()
     save_optim = optimizer is not None and not config.no_save_optim
@@ -234,9 +251,24 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
                               "another rank; the previous checkpoint is intact")
 
     if rank == 0:
-        _publish(save_dir, staging, final_dir, iteration, config.keep_last_checkpoints)
+        _publish(save_dir, staging, final_dir, iteration, config.keep_last_checkpoints,
+                 protect=protect)
     dist.barrier()
     return final_dir
+
+
+def prepare_staging(save_dir: str, staging: str) -> None:
+    """Rank 0, before a save of either format writes anything: check that ``save_dir`` is still
+    this job's (:func:`megatron.save_folder.check_not_held_by_another_job`), remove ``staging``
+    (the leftover of a save of this iteration killed earlier) and create it afresh.
+
+    Raises:
+        CheckpointError: another job holds the folder now; nothing is touched.
+        OSError: ``staging`` cannot be created.
+    """
+    save_folder.check_not_held_by_another_job(save_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging, exist_ok=True)
 
 
 def _fsync_dir(path: str) -> None:
@@ -252,8 +284,32 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _publish(save_dir, staging, final_dir, iteration, keep_last) -> None:
-    """Rename the staged folder into place, then replace the tracker atomically."""
+def checkpoint_iteration(folder: str) -> int | None:
+    """The iteration of a checkpoint folder ``.../iter_0000100`` (None for other names)."""
+    name = os.path.basename(os.path.normpath(folder))
+    digits = name[len("iter_"):]
+    return int(digits) if name.startswith("iter_") and digits.isdigit() else None
+
+
+def checkpoints_to_remove(save_dir: str, keep_last: int, final_dir: str, protect=()) -> list:
+    """The folders ``--keep-last-checkpoints keep_last`` deletes after ``final_dir`` is published:
+    the complete checkpoints of earlier iterations beyond the ``keep_last - 1`` newest of them,
+    except those in ``protect``. Checkpoints of later iterations than ``final_dir`` (a run resumed
+    from an older checkpoint left them) are neither counted nor deleted."""
+    if not keep_last:
+        return []
+    new = checkpoint_iteration(final_dir)
+    older = [d for d in complete_checkpoints(save_dir)
+             if (checkpoint_iteration(d) or 0) < new]
+    kept = {os.path.abspath(p) for p in protect if p}
+    surplus = older[:max(len(older) - (keep_last - 1), 0)]
+    return [d for d in surplus if os.path.abspath(d) not in kept]
+
+
+def _publish(save_dir, staging, final_dir, iteration, keep_last, protect=()) -> None:
+    """Rename the staged folder into place, then replace the tracker atomically; remove the
+    leftovers of killed saves and, with ``keep_last``, older checkpoints
+    (:func:`checkpoints_to_remove`; ``protect`` is kept)."""
     old = final_dir + ".old"
     if os.path.exists(final_dir):  # re-saving an iteration (after a restart)
         shutil.rmtree(old, ignore_errors=True)
@@ -268,14 +324,13 @@ def _publish(save_dir, staging, final_dir, iteration, keep_last) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, tracker)
     _fsync_dir(save_dir)  # make the renames themselves durable
-    # Staging folders of saves killed earlier: nothing points at them.
+    # Staging folders of saves killed earlier: nothing points at them, and no other live job
+    # writes here (this one holds the folder's lock, checked at the start of the save).
     for stale in glob.glob(os.path.join(save_dir, "iter_*.tmp")) + glob.glob(
             os.path.join(save_dir, "iter_*.old")):
         shutil.rmtree(stale, ignore_errors=True)
-    if keep_last:
-        for d in complete_checkpoints(save_dir)[:-keep_last]:
-            if d != final_dir:
-                shutil.rmtree(d, ignore_errors=True)
+    for d in checkpoints_to_remove(save_dir, keep_last, final_dir, protect):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # Load -------------------------------------------------------------------------------------------
@@ -374,7 +429,12 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
     """
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     load_dir = config.load
-    found = find_checkpoint(load_dir)
+    try:
+        found = find_checkpoint(load_dir)  # the same file on every rank: all raise alike
+    except CheckpointError as exc:
+        raise UsageError(f"--load ({load_dir}): {exc}; write the iteration of a complete "
+                         "checkpoint there (iter_0000100 -> 100), or delete the file to start "
+                         f"from scratch.{last_complete_hint(load_dir, '')}") from None
     if found is None:
         if config.finetune:
             raise CheckpointError(f"--finetune needs a checkpoint, but --load {load_dir} has no "
@@ -389,7 +449,7 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
 
     if torch_dist.is_torch_dist_checkpoint(folder):
         return _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
-                                pg_collection, group)
+                                pg_collection, group, run_flags)
     path = checkpoint_name_of(load_dir, iteration, pg_collection, release)
     device = next(unwrap_model(model_chunks[0]).parameters()).device
     error = None
@@ -401,7 +461,9 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
             load_dir, get_checkpoint_dir(load_dir, iteration, release)))
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = exc
-    # Every rank learns of a failure on any rank, instead of waiting for it in the next collective.
+    # Every rank learns of a failure on any rank, instead of waiting for it in the next collective;
+    # a usage error (a resume the flags do not allow) is said once, by the lowest rank that found it.
+    agree_on_usage_error(error if isinstance(error, UsageError) else None, device)
     if not _all_ok(error is None, device):
         raise error or CheckpointError(
             f"loading the checkpoint {get_checkpoint_dir(load_dir, iteration, release)} failed on "
@@ -414,7 +476,7 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
 
 
 def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config, pg_collection,
-                     group) -> dict:
+                     group, run_flags=None) -> dict:
     from megatron import checkpointing_torch_dist as torch_dist
 
     made = group is None
@@ -423,7 +485,7 @@ def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, confi
     try:
         return torch_dist.load_checkpoint(folder, model_chunks, optimizer, opt_param_scheduler,
                                           config, torch_dist.Layout.of(pg_collection, optimizer),
-                                          group)
+                                          group, run_flags=run_flags)
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}{last_complete_hint(config.load, folder)}") from None
     finally:
@@ -480,6 +542,33 @@ def read_saved_args(path: str) -> dict:
     return dict(_torch_load(path).get("args") or {})
 
 
+def _precision(flags: dict) -> str | None:
+    if "bf16" not in flags and "fp16" not in flags:
+        return None
+    return "bf16" if flags.get("bf16") else "fp16" if flags.get("fp16") else "fp32"
+
+
+def check_resume_precision(saved_args: dict, run_flags: dict, load_dir: str, iteration) -> None:
+    """Refuse to resume an optimizer state saved in another precision (fp32 / bf16 / fp16): its
+    main parameters, moments and loss scaler belong to that precision's optimizer. Nothing is
+    checked when either side does not record its precision.
+
+    Raises:
+        UsageError: naming both precisions and the fixes (``--finetune``, ``--no-load-optim``).
+    """
+    saved, run = _precision(saved_args), _precision(run_flags)
+    if saved is None or run is None or saved == run:
+        return
+    flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "no --bf16 / --fp16"}
+    raise UsageError(
+        f"{'fp32' if run == 'fp32' else flag[run]}: the checkpoint at --load {load_dir} (iteration "
+        f"{iteration}) was saved in {saved} with its optimizer state, which this {run} run cannot "
+        "resume (the optimizer's main parameters, moments and loss scaling differ); pass "
+        "--finetune (weights only; iteration, optimizer and schedule start afresh) or "
+        "--no-load-optim (weights, iteration and schedule; a new optimizer state), or resume in "
+        f"{saved} ({flag[saved]})")
+
+
 def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
                 pg_collection, run_flags) -> dict:
     """Load this rank's shard ``path``; ``load_checkpoint``'s result."""
@@ -501,6 +590,9 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
 
     weights_only = release or config.finetune or state.get("weights_only_load")
     if not weights_only and not config.no_load_optim:
+        if optimizer is not None and state.get("optimizer") is not None:
+            check_resume_precision(state.get("args") or {}, run_flags, config.load,
+                                   state.get("iteration"))
         if optimizer is not None and state.get("optimizer") is None:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
                                   "--no-save-optim); pass --no-load-optim or --finetune")

@@ -217,8 +217,8 @@ class TorchDistSaver:
         self.last_stall_s: Optional[float] = None
 
     def save(self, iteration: int, model_chunks, optimizer, scheduler, config, layout: Layout, *,
-             run_flags: dict, consumed_train_samples: int,
-             consumed_valid_samples: int) -> Optional[str]:
+             run_flags: dict, consumed_train_samples: int, consumed_valid_samples: int,
+             protect=()) -> Optional[str]:
         """Save ``iteration``. Collective over the world. Waits for a pending save first.
 
         Args:
@@ -226,6 +226,8 @@ class TorchDistSaver:
                 ``no_save_rng``).
             run_flags: the plain ``args`` the checkpoint records
                 (:func:`megatron.config.checkpoint_args`).
+            protect: folders ``--keep-last-checkpoints`` keeps when this save is published
+                (:func:`megatron.checkpointing.checkpoints_to_remove`).
 
         Returns:
             the published folder (synchronous), or None (asynchronous: published later by
@@ -248,8 +250,9 @@ class TorchDistSaver:
         error = None
         if rank == 0:
             try:
-                shutil.rmtree(staging, ignore_errors=True)
-                os.makedirs(staging)
+                legacy.prepare_staging(self.save_dir, staging)
+            except legacy.CheckpointError as exc:
+                error = str(exc)
             except OSError as exc:
                 error = f"rank 0 could not create {staging}: {exc}"
         if not legacy._all_ok(error is None, self.device):  # also: the folder exists for all
@@ -268,7 +271,7 @@ class TorchDistSaver:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
             raise legacy.CheckpointError(self._failed(error, iteration))
-        self._publish(iteration, staging, final_dir)
+        self._publish(iteration, staging, final_dir, protect)
         self.last_stall_s = time.perf_counter() - start
         return final_dir
 
@@ -294,17 +297,19 @@ class TorchDistSaver:
                 + f"; the previous checkpoint and {legacy.TRACKER_FILENAME} are intact (free space "
                   "under --save, then restart with --load)")
 
-    def _publish(self, iteration: int, staging: str, final_dir: str) -> None:
+    def _publish(self, iteration: int, staging: str, final_dir: str, protect=()) -> None:
         if dist.get_rank() == 0:
-            legacy._publish(self.save_dir, staging, final_dir, iteration, self.keep_last)
+            legacy._publish(self.save_dir, staging, final_dir, iteration, self.keep_last,
+                            protect=protect)
         dist.barrier()
 
-    def finalize(self, blocking: bool) -> Optional[str]:
+    def finalize(self, blocking: bool, protect=()) -> Optional[str]:
         """Publish the pending asynchronous save once every rank has written its part.
         Collective over the world while a save is pending (one all-reduce); nothing otherwise.
 
         Args:
             blocking: wait for this rank's write first (the next save, the end of training).
+            protect: folders ``--keep-last-checkpoints`` keeps when it is published.
 
         Returns:
             the published folder, or None (nothing pending, or still being written).
@@ -331,7 +336,7 @@ class TorchDistSaver:
                 None if error is None else f"the background write of iteration "
                 f"{pending.iteration} failed: {error}", pending.iteration))
         assert agreed == DONE
-        self._publish(pending.iteration, pending.staging, pending.final_dir)
+        self._publish(pending.iteration, pending.staging, pending.final_dir, protect)
         return pending.final_dir
 
 
@@ -439,7 +444,7 @@ def _vocabulary_notes(boxes, shapes: dict, common: dict, folder: str) -> list:
 
 
 def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, layout: Layout,
-                    group) -> dict:
+                    group, run_flags: Optional[dict] = None) -> dict:
     """Load the torch_dist checkpoint ``folder`` at this run's layout. Collective over the world.
 
     ``--finetune`` loads the weights only (iteration 0); ``--no-load-optim`` / ``--no-load-rng``
@@ -449,8 +454,14 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     Returns:
         dict with ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``.
 
+    Args:
+        run_flags: this run's plain flags; with them an optimizer state saved in another
+            precision is refused (:func:`megatron.checkpointing.check_resume_precision`).
+
     Raises:
         CheckpointError: on every rank, naming the file or tensor, if any rank cannot load.
+        UsageError: on every rank alike (all read the same common file), a resume in another
+            precision.
     """
     weights_only = config.finetune
     with_optimizer = optimizer is not None and not weights_only and not config.no_load_optim
@@ -464,6 +475,9 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
         raise error or legacy.CheckpointError(
             f"loading the checkpoint {folder} failed on another rank (see its error)")
     common, metadata, boxes, finish, notes = prepared
+    if with_optimizer and run_flags is not None and common.get("optimizer") is not None:
+        legacy.check_resume_precision(common.get("args") or {}, run_flags, config.load,
+                                      common["iteration"])
     try:
         dcp.load(boxes, folder, process_group=group, metadata=metadata)
     except dcp.CheckpointFormatError as exc:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing
+from megatron import checkpointing, save_folder
 from megatron import checkpointing_torch_dist as torch_dist
 from megatron.config import checkpoint_args
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -49,8 +49,30 @@ class TrainState:
 
 
 class NonFiniteTrainingError(RuntimeError):
-    """Raised on every rank after ``--max-consecutive-nan-iterations`` skipped non-finite
-    iterations in a row; no checkpoint is written on the way out."""
+    """Raised on every rank after ``--max-consecutive-nan-iterations`` non-finite iterations in a
+    row (:func:`nonfinite_iteration`); no checkpoint is written on the way out."""
+
+
+def loss_scale_at_floor(optimizer) -> bool:
+    """Whether the fp16 loss scale cannot back off any further: a constant ``--loss-scale``, or
+    the dynamic scale at ``--min-loss-scale``. False without a loss scaler (bf16, fp32)."""
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is None:
+        return False
+    floor = getattr(scaler, "min_scale", None)
+    return floor is None or float(scaler.scale) <= float(floor)
+
+
+def nonfinite_iteration(skipped: int, optimizer, scale_was_at_floor: bool) -> bool:
+    """Whether an iteration was non-finite, the "trouble" that stops saves and, repeated
+    ``--max-consecutive-nan-iterations`` times, the run: its step was skipped for an inf/NaN
+    loss or gradient (the optimizer's flag, all-reduced: equal on every rank), except an fp16
+    overflow the dynamic loss scaler answers by lowering the scale (routine, Megatron's
+    "skipped iterations"). An fp16 overflow at a scale that cannot go lower
+    (:func:`loss_scale_at_floor`, read before the step) is trouble."""
+    if not skipped:
+        return False
+    return getattr(optimizer, "grad_scaler", None) is None or scale_was_at_floor
 
 
 def reduce_loss_dicts(loss_dicts: list) -> dict:
@@ -174,7 +196,9 @@ class _Trainer:
         self.exit = ExitConditions(training.exit_signal_handler, training.exit_duration_in_mins,
                                    start_time, device)
         self.timeout = config.parallel.distributed_timeout_minutes
-        self.nan_streak = 0  # consecutive skipped non-finite iterations (bf16/fp32)
+        self.nan_streak = 0  # consecutive non-finite iterations (nonfinite_iteration)
+        self.last_good, self.newest_in_save = _starting_checkpoints(config.checkpoint)
+        self.protected = None  # the checkpoint --keep-last-checkpoints keeps (see save())
         self.saver = None  # --ckpt-format torch_dist: keeps the pending --async-save
         checkpoint = config.checkpoint
         if checkpoint.save and checkpoint.ckpt_format == "torch_dist":
@@ -194,6 +218,7 @@ class _Trainer:
             self.microbatches.update(st.consumed_train_samples, True)
             batch = self.microbatches.get_current_global_batch_size()
             start = time.perf_counter()
+            at_floor = loss_scale_at_floor(self.optimizer)
             with collective_guard(f"the train step of iteration {st.iteration + 1}", self.timeout):
                 losses, skipped, grad_norm, _ = train_step(
                     self.forward_step_func, self.train_it, self.model, self.optimizer,
@@ -206,25 +231,25 @@ class _Trainer:
             st.consumed_train_samples += batch
             self.finalize_save(blocking=False)
             self._record(losses, skipped, grad_norm, elapsed, batch)
-            self._stop_after_nan_streak(skipped)
+            self._stop_after_nan_streak(nonfinite_iteration(skipped, self.optimizer, at_floor))
             if (training.eval_interval and st.iteration % training.eval_interval == 0
                     and self.valid_it):
                 self.validate(f"iteration {st.iteration}")
             saved = False
             if (checkpoint.save and checkpoint.save_interval
                     and st.iteration % checkpoint.save_interval == 0):
-                self.save()
+                self.save("--save-interval")
                 saved = True
             if training.exit_interval and st.iteration % training.exit_interval == 0:
                 if checkpoint.save and not saved:
-                    self.save()
+                    self.save("--exit-interval")
                 self.finalize_save(blocking=True)
                 print_rank_0(f"exiting program at iteration {st.iteration}")
                 return False
             reason = self.exit.check()  # every rank agrees: all stop after the same iteration
             if reason:
                 if checkpoint.save and not saved:
-                    self.save()
+                    self.save("SIGTERM" if reason == "signal" else "--exit-duration-in-mins")
                 self.finalize_save(blocking=True)
                 print_rank_0(f"exiting program at iteration {st.iteration} "
                              + ("after receiving SIGTERM" if reason == "signal" else
@@ -233,7 +258,7 @@ class _Trainer:
                 return False
         if checkpoint.save and st.iteration > 0 and (
                 not checkpoint.save_interval or st.iteration % checkpoint.save_interval != 0):
-            self.save()
+            self.save("the end of training")
         self.finalize_save(blocking=True)
         return True
 
@@ -284,28 +309,54 @@ class _Trainer:
             self.memory_reported = True
         self._reset_window()
 
-    def _stop_after_nan_streak(self, skipped: int) -> None:
-        """Count bf16/fp32 iterations skipped for inf/NaN (equal on every rank: the optimizer's
-        flag is all-reduced); raise after ``--max-consecutive-nan-iterations`` in a row.
+    def _stop_after_nan_streak(self, nonfinite: bool) -> None:
+        """Count non-finite iterations in a row (equal on every rank); at each one, the newest
+        checkpoint in ``--save`` becomes the one ``--keep-last-checkpoints`` keeps; raise after
+        ``--max-consecutive-nan-iterations`` of them.
 
         Raises:
-            NonFiniteTrainingError: naming the iteration and the last checkpoint, left intact.
+            NonFiniteTrainingError: naming the iterations and the last good checkpoint, left
+                intact (nothing is saved on the way out).
         """
+        self.nan_streak = self.nan_streak + 1 if nonfinite else 0
+        if nonfinite:
+            self.protected = self.newest_in_save
         limit = self.config.training.max_consecutive_nan_iterations
-        nan_step = bool(skipped) and getattr(self.optimizer, "grad_scaler", None) is None
-        self.nan_streak = self.nan_streak + 1 if nan_step else 0
         if not limit or self.nan_streak < limit:
             return
-        it, save = self.state.iteration, self.config.checkpoint.save
-        found = checkpointing.find_checkpoint(save) if save else None
-        kept = (f"the last checkpoint (iteration {found[0]} in {save}) is left as it was"
-                if found else "no checkpoint was written")
-        message = (f"training stopped at iteration {it}: iterations {it - self.nan_streak + 1} to "
-                   f"{it} had inf/NaN loss or gradients ({self.nan_streak} in a row, "
-                   f"--max-consecutive-nan-iterations {limit}); each was skipped without an "
-                   f"update; {kept}. Lower --lr, check the data, or resume from the checkpoint.")
+        # A checkpoint handed to the background writer before the streak holds a finite state:
+        # published now, it is the last good one the message names.
+        self.finalize_save(blocking=True)
+        it = self.state.iteration
+        message = (f"training stopped at iteration {it}: {self._streak_text()} "
+                   f"({self.nan_streak} in a row, --max-consecutive-nan-iterations {limit}), each "
+                   f"skipped without an update; {self._last_good_text()}. "
+                   f"{self._remedy()}")
         print_rank_0(message)
         raise NonFiniteTrainingError(message)
+
+    def _streak_text(self) -> str:
+        it, n = self.state.iteration, self.nan_streak
+        span = f"iteration {it}" if n == 1 else f"iterations {it - n + 1} to {it}"
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        if scaler is None:
+            return f"{span} had inf/NaN loss or gradients"
+        floor = getattr(scaler, "min_scale", None)
+        at = (f"the lowest loss scale (--min-loss-scale {float(floor):g})" if floor is not None
+              else f"the constant --loss-scale {float(scaler.scale):g}")
+        return f"{span} overflowed in fp16 (inf/NaN loss or gradients) at {at}"
+
+    def _remedy(self) -> str:
+        fp16 = getattr(self.optimizer, "grad_scaler", None) is not None
+        return ("Lower --lr, check the data" + (", use --bf16" if fp16 else "")
+                + ", or raise --max-consecutive-nan-iterations (0 = never stop).")
+
+    def _last_good_text(self) -> str:
+        if self.last_good is None:
+            return "no checkpoint of this run was written"
+        iteration, folder, root = self.last_good
+        return (f"the last good checkpoint, iteration {iteration} in {folder}, is left as it "
+                f"was: resume from it with --load {root}")
 
     def validate(self, prefix: str, iterator=None, label: str = "validation"):
         training, st = self.config.training, self.state
@@ -321,18 +372,29 @@ class _Trainer:
         print_rank_last(format_validation_block(prefix, losses))
         return losses
 
-    def save(self):
+    def save(self, requested_by: str) -> None:
+        """Save this iteration's checkpoint, unless it is non-finite (inside a streak of
+        :func:`nonfinite_iteration`): then the save is skipped, saying so, so that the last good
+        checkpoint stays the newest one. ``--keep-last-checkpoints`` never deletes the newest
+        checkpoint written before the run's latest non-finite iteration (``self.protected``)."""
         st = self.state
+        if self.nan_streak:
+            print_rank_0(f" not saving the checkpoint of iteration {st.iteration} "
+                         f"({requested_by}): {self._streak_text()}; "
+                         f"{self._last_good_text()}")
+            return
         start = time.perf_counter()
         if self.saver is not None:
             self.finalize_save(blocking=True)  # the pending save first (and its message)
         with collective_guard(f"the checkpoint save of iteration {st.iteration}", self.timeout):
             folder = save_checkpoint(self.config.checkpoint, st, self.model, self.optimizer,
-                                     self.scheduler, self.groups, self.run_flags, self.saver)
+                                     self.scheduler, self.groups, self.run_flags, self.saver,
+                                     protect=self._protect())
         if folder is None:
             print_rank_0(f"  checkpoint of iteration {st.iteration:7d} handed to the background "
                          f"writer [ t {time.perf_counter() - start:.2f}s ]")
             return
+        self._published(st.iteration, folder)
         print_rank_0(f"  successfully saved checkpoint at iteration {st.iteration:7d} to {folder} "
                      f"[ t {time.perf_counter() - start:.2f}s ]")
 
@@ -343,28 +405,41 @@ class _Trainer:
             return
         pending = self.saver.pending
         with collective_guard(f"the background save of iteration {pending.iteration}", self.timeout):
-            folder = self.saver.finalize(blocking)
+            folder = self.saver.finalize(blocking, protect=self._protect())
         if folder is not None:
+            self._published(pending.iteration, folder)
             print_rank_0(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to "
                          f"{folder} in the background [ written in "
                          f"{pending.write.seconds or 0.0:.2f}s, published at iteration "
                          f"{self.state.iteration} ]")
 
+    def _protect(self) -> tuple:
+        """What the next publication's ``--keep-last-checkpoints`` must keep: the newest
+        checkpoint written before the latest non-finite iteration. An asynchronous save handed
+        off before that iteration (its state finite) is published later; it is then the newest
+        good one, and the protected one stays too."""
+        return (self.protected,) if self.protected else ()
+
+    def _published(self, iteration: int, folder: str) -> None:
+        self.last_good = (iteration, folder, self.config.checkpoint.save)
+        self.newest_in_save = folder
+
 
 def save_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_collection,
-                    run_flags: dict, saver=None):
+                    run_flags: dict, saver=None, protect=()):
     """Save ``state.iteration`` in ``config.ckpt_format`` (a
     :class:`~megatron.config.CheckpointConfig`) under ``config.save``: legacy, or torch_dist with
-    ``saver`` (made here when None: synchronous). Returns the published folder, or None for an
-    asynchronous save."""
+    ``saver`` (made here when None: synchronous). ``protect``: folders ``--keep-last-checkpoints``
+    keeps (either format). Returns the published folder, or None for an asynchronous save."""
     consumed = dict(consumed_train_samples=state.consumed_train_samples,
                     consumed_valid_samples=state.consumed_valid_samples)
     if config.ckpt_format != "torch_dist":
         return checkpointing.save_checkpoint(state.iteration, model, optimizer, scheduler, config,
-                                             pg_collection, run_flags=run_flags, **consumed)
+                                             pg_collection, run_flags=run_flags, protect=protect,
+                                             **consumed)
     return saver.save(state.iteration, model, optimizer, scheduler, config,
                       torch_dist.Layout.of(pg_collection, optimizer), run_flags=run_flags,
-                      **consumed)
+                      protect=protect, **consumed)
 
 
 def _convert_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_collection,
@@ -381,6 +456,26 @@ def _convert_checkpoint(config, state: TrainState, model, optimizer, scheduler, 
     print_rank_0(f" converted checkpoint {checkpoint.load} (iteration {state.iteration}) to "
                  f"--ckpt-format {checkpoint.ckpt_convert_format} in {folder}; load it with "
                  f"--load {target}")
+
+
+def _starting_checkpoints(checkpoint):
+    """``(last_good, newest_in_save)`` at the start of a run (a
+    :class:`~megatron.config.CheckpointConfig`): the checkpoint ``--load`` names (iteration,
+    folder, the folder with its tracker), the run's starting point; and the newest checkpoint
+    folder in ``--save``, which ``--keep-last-checkpoints`` could delete."""
+    def named(root):
+        try:
+            found = checkpointing.find_checkpoint(root) if root else None
+        except checkpointing.CheckpointError:
+            return None
+        if found is None:
+            return None
+        folder = checkpointing.get_checkpoint_dir(root, *found)
+        return ("release" if found[1] else found[0], folder, root) if os.path.isdir(folder) \
+            else None
+
+    loaded, in_save = named(checkpoint.load), named(checkpoint.save)
+    return loaded, (in_save[1] if in_save is not None else None)
 
 
 def pretrain(config, *, model_provider, forward_step_func, datasets_provider) -> dict:
@@ -402,9 +497,11 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
     """
     start_time = time.time()  # --exit-duration-in-mins counts from here
     device, created_group, groups = initialize_megatron(config)
-    trainer = ckpt_group = None
+    trainer = ckpt_group = lock = None
     timeout = config.parallel.distributed_timeout_minutes
     try:
+        # Before the model is built: an unusable --save, or one another job holds, stops here.
+        lock = save_folder.hold_save_folder(config, device)
         model, optimizer, scheduler = builders.setup_model_and_optimizer(
             config, model_provider, groups, device)
         if config.training.compile:
@@ -456,4 +553,6 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
         abandoned = trainer is not None and trainer.saver is not None and trainer.saver.pending
         if ckpt_group is not None and not abandoned:  # a writer left running keeps its group
             dist.destroy_process_group(ckpt_group)
+        if lock is not None and not abandoned:  # a writer left running: the lock stays, and
+            lock.release()  # the next job takes it over once this process has ended
         shutdown(created_group)

@@ -6,6 +6,8 @@ a NaN is injected into the first micro-batch of chosen iterations by wrapping
 iteration, so a skipped iteration shows as parameters left exactly unchanged.
 """
 
+import contextlib
+import io
 import math
 import os
 
@@ -73,10 +75,11 @@ def _run(runs):
 
     real, out = pretrain_llama.forward_step, []
     for argv, inject, m in runs:
-        snapshots = {}
+        snapshots, log = {}, io.StringIO()
         _wrap_forward_step(inject, m, snapshots)
         try:
-            history, error = pretrain_llama.main(argv), None
+            with contextlib.redirect_stdout(log):
+                history, error = pretrain_llama.main(argv), None
         except NonFiniteTrainingError as err:
             history, error = None, str(err)
         finally:
@@ -85,7 +88,8 @@ def _run(runs):
                    for k in sorted(snapshots) if k >= 2 and k + 1 in snapshots]
         if history is not None:
             history = {k: v for k, v in history.items() if k != "final valid"}
-        out.append({"history": history, "changed": changed, "error": error})
+        out.append({"history": history, "changed": changed, "error": error,
+                    "log": log.getvalue()})
         dist.barrier()
     return out
 
@@ -107,8 +111,19 @@ def single(data_prefix, tmp_path_factory):
         # fp32, NaN at 4, 5, 6 with a checkpoint every 2 iterations: stops at 6, before saving.
         (_argv(data_prefix, cache, 10, "--save", save, "--save-interval", "2"),
          {4: "nan", 5: "nan", 6: "nan"}, 2),
+        # fp16 overflowing from iteration 3 on: the scale backs off 4 -> 2 -> 1 (routine), then
+        # each overflow at --min-loss-scale 1 is non-finite: stops after the third, at 7.
+        (_argv(data_prefix, cache, 12, "--fp16", "--initial-loss-scale", "4", "--min-loss-scale",
+               "1", "--hysteresis", "1"), {k: "overflow" for k in range(3, 13)}, 2),
+        # One NaN at 3, a save every 2 iterations keeping the last one: iteration 2's
+        # checkpoint, the last before the NaN, is kept beside the newest.
+        (_argv(data_prefix, cache, 8, "--save", str(tmp_path_factory.mktemp("keep")),
+               "--save-interval", "2", "--keep-last-checkpoints", "1"), {3: "nan"}, 2),
+        # A NaN at the last iteration: the end-of-training save is skipped, saying so.
+        (_argv(data_prefix, cache, 4, "--save", str(tmp_path_factory.mktemp("end"))),
+         {4: "nan"}, 2),
     ]
-    return run_distributed(1, _run, runs, timeout=600)[0], save
+    return run_distributed(1, _run, runs, timeout=600)[0], save, [r[0] for r in runs]
 
 
 def test_fp16_overflow_is_skipped_and_hysteresis_1_halves_then_regrows(single):
@@ -147,14 +162,48 @@ def test_bf16_nan_is_skipped_and_counted(single):
 
 
 def test_consecutive_nans_stop_training_and_keep_the_checkpoint(single):
-    results, save = single
+    """The save at 4 falls inside the streak: skipped; the stop names the one of iteration 2."""
+    results, save, _ = single
     r = results[4]
     assert r["history"] is None and "training stopped at iteration 6" in r["error"]
     assert "iterations 4 to 6" in r["error"] and "--max-consecutive-nan-iterations 3" in r["error"]
-    assert f"last checkpoint (iteration 4 in {save})" in r["error"]
-    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
-    assert not os.path.exists(os.path.join(save, "iter_0000006"))
+    assert (f"the last good checkpoint, iteration 2 in {save}/iter_0000002, is left as it was: "
+            f"resume from it with --load {save}") in r["error"]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     assert r["changed"] == [True, True, False, False]
+    assert ("not saving the checkpoint of iteration 4 (--save-interval): iteration 4 had inf/NaN "
+            "loss or gradients") in r["log"]
+
+
+def test_fp16_overflow_at_the_lowest_loss_scale_stops_the_run(single):
+    r = single[0][5]
+    h_error = r["error"]
+    assert r["history"] is None, "exit 0 after skipping every iteration"
+    assert ("training stopped at iteration 7: iterations 5 to 7 overflowed in fp16 (inf/NaN loss "
+            "or gradients) at the lowest loss scale (--min-loss-scale 1) (3 in a row, "
+            "--max-consecutive-nan-iterations 3)") in h_error, h_error
+    assert "no checkpoint of this run was written" in h_error and "use --bf16" in h_error
+
+
+def _saved(argv):
+    return argv[argv.index("--save") + 1]
+
+
+def test_keep_last_keeps_the_last_checkpoint_before_a_nan(single):
+    r, argv = single[0][6], single[2][6]
+    assert r["error"] is None and r["history"]["nan"] == [0, 0, 1, 0, 0, 0, 0, 0]
+    # Without the rule --keep-last-checkpoints 1 leaves iter_0000008 alone.
+    assert sorted(os.listdir(_saved(argv))) == ["iter_0000002", "iter_0000008",
+                                                "latest_checkpointed_iteration.txt"]
+
+
+def test_a_save_at_a_nan_iteration_is_skipped_saying_so(single):
+    r, argv = single[0][7], single[2][7]
+    assert r["error"] is None and r["history"]["nan"] == [0, 0, 0, 1]
+    assert ("not saving the checkpoint of iteration 4 (the end of training): iteration 4 had "
+            "inf/NaN loss or gradients; no checkpoint of this run was written") in r["log"]
+    assert os.listdir(_saved(argv)) == []
 
 
 def test_pipeline_ranks_skip_alike(data_prefix, tmp_path):

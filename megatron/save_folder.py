@@ -1,0 +1,385 @@
+"""The ``--save`` folder: usable before training starts, and written by one job at a time.
+
+Two jobs saving into one folder overwrite each other's checkpoints, and each one's clean-up
+(leftover ``iter_*.tmp`` / ``iter_*.old`` folders, ``--keep-last-checkpoints``) deletes the
+other's files. So a training job holds a lock file, ``SAVE/megatron_save.lock``, from before the
+model is built to its end, written by global rank 0:
+
+* it holds JSON: ``host``, ``pid``, the process's start time (Linux ``/proc``: a pid reused by
+  another process is not mistaken for the holder), ``job`` (``slurm:$SLURM_JOB_ID`` or
+  ``torchrun:$TORCHELASTIC_RUN_ID``, empty outside a launcher), ``started`` (UTC) and a random
+  ``token``;
+* it is created atomically (written under a temporary name, then hard-linked to the lock's name,
+  which fails if it exists; ``O_EXCL`` where the file system has no hard links);
+* a lock whose holder is gone is taken over, saying so: on this host, a holder process that has
+  ended; on any host, the holder is an earlier attempt of this very job (an elastic restart may
+  start rank 0 on another node). A live holder on this host, or a holder of another job on
+  another host (whose processes cannot be seen from here), is respected: the run stops with one
+  line naming the folder and the holder; for another host it says how to remove a lock left by a
+  job that is gone;
+* every save checks that the lock is still this job's before it touches the folder
+  (:func:`check_not_held_by_another_job`), so a job whose lock was removed by hand while it ran
+  stops instead of deleting the new holder's files.
+
+Before the lock, :func:`check_save_folder` refuses a ``--save`` that is a file, cannot be created
+or written, or has less free space than one checkpoint of the run (an estimate from the model's
+size, :func:`checkpoint_bytes`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from megatron.checkpoint_io import CheckpointError
+from megatron.usage_error import UsageError
+
+LOCK_FILENAME = "megatron_save.lock"
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a ``--save`` folder (the lock file's content)."""
+
+    host: str
+    pid: int
+    job: str
+    started: str
+    token: str
+    process_start: Optional[str] = None
+
+    @classmethod
+    def this_process(cls) -> "LockHolder":
+        return cls(host=socket.gethostname(), pid=os.getpid(), job=job_id(),
+                   started=datetime.datetime.now(datetime.timezone.utc).strftime(
+                       "%Y-%m-%d %H:%M:%S UTC"),
+                   token=uuid.uuid4().hex, process_start=_process_start(os.getpid()))
+
+    def describe(self) -> str:
+        job = f", job {self.job}" if self.job else ""
+        return f"host {self.host}, pid {self.pid}{job}, started {self.started}"
+
+    def is_this_process(self) -> bool:
+        return self.host == socket.gethostname() and self.pid == os.getpid()
+
+
+def job_id() -> str:
+    """The launcher's id of this job: Slurm's job id, else torchrun's run id (its rendezvous id,
+    kept across elastic restarts), else empty."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}"
+    return ""
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` in clock ticks since boot (``/proc/PID/stat`` field
+    22), or None where there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive_here(holder: LockHolder) -> bool:
+    """Whether the holder, a process of this host, still runs (and is the same process)."""
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    start = _process_start(holder.pid)
+    return holder.process_start is None or start is None or start == holder.process_start
+
+
+def lock_path(save_dir: str) -> str:
+    return os.path.join(save_dir, LOCK_FILENAME)
+
+
+def read_holder(save_dir: str) -> Optional[LockHolder]:
+    """The holder named by the lock file of ``save_dir``; None without one.
+
+    Raises:
+        UsageError: the lock file exists but is not one of ours (names it and how to remove it).
+    """
+    path = lock_path(save_dir)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return LockHolder(**{k: data[k] for k in ("host", "pid", "job", "started", "token")},
+                          process_start=data.get("process_start"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--save ({save_dir}): the lock file {path} names no job ({exc}); if no "
+                         f"job uses {save_dir}, delete {path} and start again") from None
+
+
+def _create(path: str, holder: LockHolder) -> None:
+    """Create ``path`` holding ``holder`` if it does not exist, atomically.
+
+    Raises:
+        FileExistsError: it exists.
+        OSError: the folder cannot be written (permissions, full disk).
+    """
+    tmp = f"{path}.new.{holder.host}.{holder.pid}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(asdict(holder), f)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # atomic, fails if path exists; the content is complete before
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(asdict(holder), f)
+    finally:
+        os.unlink(tmp)
+
+
+def _takeover_reason(holder: LockHolder, me: LockHolder) -> Optional[str]:
+    """Why the lock of ``holder`` may be taken over by ``me``, or None if it must be respected."""
+    if holder.host == me.host:
+        if holder.is_this_process():
+            return "it is this process's own"
+        if not _alive_here(holder):
+            return f"process {holder.pid} on this host has ended"
+        return None
+    if holder.job and holder.job == me.job:
+        return f"it is an earlier attempt of this job ({me.job}) on host {holder.host}"
+    return None
+
+
+def _busy(save_dir: str, holder: LockHolder) -> UsageError:
+    path = lock_path(save_dir)
+    gone = ("" if holder.host == socket.gethostname() else
+            f"; that job runs on another host, which cannot be checked from here: if it is no "
+            f"longer running, delete {path} and start again")
+    return UsageError(f"--save ({save_dir}) is in use by another job ({holder.describe()}; lock "
+                      f"file {path}): two jobs saving into one folder overwrite and delete each "
+                      f"other's checkpoints; wait for it to end or give this run another --save "
+                      f"folder{gone}")
+
+
+class SaveFolderLock:
+    """This job's hold on a ``--save`` folder (global rank 0 takes it)."""
+
+    def __init__(self, save_dir: str, created: bool = False):
+        self.save_dir = save_dir
+        self.created = created  # made by this job: removed at release if it stayed empty
+        self.holder: Optional[LockHolder] = None
+
+    def acquire(self) -> list:
+        """Take the lock; returns the notes to log (a lock taken over, and why).
+
+        Raises:
+            UsageError: another live job holds it, or the folder cannot be written.
+        """
+        me, notes, path = LockHolder.this_process(), [], lock_path(self.save_dir)
+        for _ in range(5):  # each retry follows a change made by another job meanwhile
+            try:
+                _create(path, me)
+                self.holder = me
+                return notes
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise UsageError(f"--save ({self.save_dir}) is not writable: creating {path} "
+                                 f"failed ({exc.strerror or exc}); give a folder this job can "
+                                 "write") from None
+            holder = read_holder(self.save_dir)
+            if holder is None:
+                continue  # released meanwhile
+            reason = _takeover_reason(holder, me)
+            if reason is None:
+                raise _busy(self.save_dir, holder)
+            if _remove_if_still(path, holder, me) and not holder.is_this_process():
+                notes.append(f"--save {self.save_dir}: took over the lock of {holder.describe()}"
+                             f": {reason}")
+        raise UsageError(f"--save ({self.save_dir}): the lock file {path} kept changing while "
+                         "this job tried to take it (another job is starting on this folder); "
+                         "give each job its own --save folder")
+
+    def release(self) -> None:
+        """Remove the lock file if it is still this job's (a lock taken over by another job is
+        left to it), and the folder if this job created it and wrote nothing there."""
+        if self.holder is None:
+            return
+        try:
+            current = read_holder(self.save_dir)
+        except UsageError:
+            current = None
+        if current is not None and current.token == self.holder.token:
+            try:
+                os.unlink(lock_path(self.save_dir))
+            except FileNotFoundError:
+                pass
+            if self.created:
+                try:
+                    os.rmdir(self.save_dir)  # only an empty folder: never a file of anyone's
+                except OSError:
+                    pass
+        self.holder = None
+
+
+def _remove_if_still(path: str, holder: LockHolder, me: LockHolder) -> bool:
+    """Remove the lock file if it still names ``holder``: it is moved aside first, under a name
+    of this process, and put back if another job replaced it in between. Returns whether it was
+    removed."""
+    aside = f"{path}.stale.{me.host}.{me.pid}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        with open(aside, encoding="utf-8") as f:
+            token = json.load(f).get("token")
+    except (OSError, ValueError):
+        token = None
+    if token != holder.token:  # a new holder's lock: give it back
+        try:
+            os.link(aside, path)
+        except OSError:
+            pass
+        os.unlink(aside)
+        return False
+    os.unlink(aside)
+    return True
+
+
+def check_not_held_by_another_job(save_dir: str) -> None:
+    """Called by a save before it writes or deletes anything under ``save_dir``.
+
+    Raises:
+        CheckpointError: the lock file names another process (this job's lock was removed and
+            another job took the folder): nothing is written, nothing deleted.
+    """
+    try:
+        holder = read_holder(save_dir)
+    except UsageError as exc:
+        raise CheckpointError(str(exc)) from None
+    if holder is not None and not holder.is_this_process():
+        raise CheckpointError(
+            f"--save {save_dir} is now held by another job ({holder.describe()}; lock file "
+            f"{lock_path(save_dir)}): this job's lock was removed while it ran; it saves nothing "
+            "there and deletes nothing; restart it with its own --save folder")
+
+
+def checkpoint_bytes(config) -> int:
+    """An estimate of one checkpoint's size in bytes for a run's
+    :class:`~megatron.config.Config`: every parameter in the model's dtype, plus AdamW's state
+    (two fp32 moments, and fp32 main parameters for bf16/fp16) unless ``--no-save-optim``;
+    :func:`megatron.planner.memory.optimizer_state_bytes`' accounting."""
+    import torch
+
+    from megatron.planner.memory import optimizer_state_bytes, param_numels
+
+    numels = param_numels(config.model, tp=1)
+    dtype = config.model.params_dtype
+    size = sum(numels) * torch.empty((), dtype=dtype).element_size()
+    if not config.checkpoint.no_save_optim:
+        size += optimizer_state_bytes(numels, mixed_precision=dtype != torch.float32)
+    return size
+
+
+def check_save_folder(save_dir: str, needed_bytes: int) -> bool:
+    """Refuse a ``--save`` that cannot take checkpoints, creating it if missing.
+
+    Returns:
+        whether the folder was created here.
+
+    Raises:
+        UsageError: ``save_dir`` is a file, cannot be created, is not writable, or has less free
+            space than ``needed_bytes`` (one checkpoint).
+    """
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise UsageError(f"--save ({save_dir}) is a file, not a folder: give a folder for the "
+                         "checkpoints (it is created if missing)")
+    created = not os.path.isdir(save_dir)
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--save ({save_dir}) cannot be created ({exc.strerror or exc}): give a "
+                         "folder this job can write") from None
+    error = None
+    if not os.access(save_dir, os.W_OK | os.X_OK):
+        error = (f"--save ({save_dir}) is not writable by this job: give a folder it can write, "
+                 "or change the folder's permissions")
+    else:
+        free = shutil.disk_usage(save_dir).free
+        if free < needed_bytes:
+            error = (f"--save ({save_dir}) has {free / 1e9:.3g} GB free, less than one checkpoint "
+                     f"of this run (about {needed_bytes / 1e9:.3g} GB): free space there or give "
+                     "a folder on a larger disk")
+    if error is not None:
+        if created:
+            os.rmdir(save_dir)
+        raise UsageError(error)
+    return created
+
+
+def hold_save_folder(config, device) -> Optional[SaveFolderLock]:
+    """Check ``--save`` and take its lock, before the model is built. Collective over the world.
+
+    Global rank 0 checks the folder (:func:`check_save_folder`, against :func:`checkpoint_bytes`)
+    and takes the lock; then the first rank of every node (``LOCAL_RANK`` 0) checks it sees that
+    lock, so a ``--save`` on a node's local disk is refused instead of scattering the shards.
+
+    Args:
+        config: the run's :class:`~megatron.config.Config`.
+        device: the collective backend's device.
+
+    Returns:
+        the lock on global rank 0 (release it when the run ends), None on the other ranks and
+        without ``--save``.
+
+    Raises:
+        UsageError: on every rank, said once (:func:`megatron.usage_error.agree_on_usage_error`).
+    """
+    import torch.distributed as dist
+
+    from megatron.usage_error import agree_on_usage_error
+
+    save = config.checkpoint.save
+    if not save:
+        return None
+    rank, lock, error, notes = dist.get_rank(), None, None, []
+    if rank == 0:
+        try:
+            lock = SaveFolderLock(save, created=check_save_folder(save, checkpoint_bytes(config)))
+            notes = lock.acquire()
+        except UsageError as exc:
+            error = exc
+    agree_on_usage_error(error, device)
+    token = [lock.holder.token if lock is not None else None]
+    dist.broadcast_object_list(token, src=0)
+    error = None
+    if rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+        try:
+            seen = read_holder(save)
+        except UsageError:
+            seen = None
+        if seen is None or seen.token != token[0]:
+            error = UsageError(f"--save ({save}): host {socket.gethostname()} (rank {rank}) does "
+                               "not see the lock file rank 0 wrote there: --save must be a folder "
+                               "every node shares (a shared file system)")
+    try:
+        agree_on_usage_error(error, device)
+    except UsageError:
+        if lock is not None:
+            lock.release()
+        raise
+    for note in notes:
+        print(f" {note}", flush=True)
+    return lock

@@ -83,7 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         merged = merge(prefixes, args.output_prefix)
     except (FileNotFoundError, ValueError, IndexedDatasetError) as e:
         print(f"merge_datasets.py: error: {e}", file=sys.stderr)
-        return 1
+        return 2  # argparse's status for a usage error: the input is the user's to fix
     print(f"Merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: {len(merged.document_indices) - 1:,} "
           f"documents, {len(merged):,} sequences, {int(merged.sizes.sum(dtype='int64')):,} tokens ({merged.dtype.name})")
     return 0

@@ -553,7 +553,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         run(args)
     except (InputError, FileNotFoundError, FileExistsError, IndexedDatasetError, ValueError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
-        return 1
+        return 2  # argparse's status for a usage error: the input is the user's to fix
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0

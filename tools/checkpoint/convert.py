@@ -99,6 +99,17 @@ def main(argv=None) -> str:
     return saver.save_checkpoint(meta, stream, args)
 
 
+def command(argv=None) -> int:
+    """The command line: a wrong flag or input (a missing or refused file, a layout that does not
+    divide the model, a damaged checkpoint) is one line ``convert.py: error: ...`` and status 2
+    (argparse's convention); anything else is a crash and keeps its traceback."""
+    from megatron.checkpoint_io import CheckpointError
+    from megatron.usage_error import UsageError, run_command
+
+    return run_command("convert.py", lambda a: print(f"saved {main(a)}"), argv,
+                       usage_errors=(UsageError, ValueError, FileNotFoundError, CheckpointError))
+
+
 if __name__ == "__main__":
     return_freed_memory_to_os()
-    print(f"saved {main()}")
+    sys.exit(command())

@@ -70,7 +70,7 @@ def test_byte_offsets_beyond_2_31(tmp_path):
 def test_mixed_dtypes_rejected(tmp_path, capsys):
     a = _write(str(tmp_path / "a"), A, np.uint16)
     b = _write(str(tmp_path / "b"), B, np.int32)
-    assert main(["--input", a, b, "--output-prefix", str(tmp_path / "m")]) == 1
+    assert main(["--input", a, b, "--output-prefix", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert "different token dtypes" in err and "uint16" in err and "int32" in err
     assert not os.path.exists(str(tmp_path / "m.bin")) and not os.path.exists(str(tmp_path / "m.idx"))
@@ -78,13 +78,13 @@ def test_mixed_dtypes_rejected(tmp_path, capsys):
 
 def test_missing_and_corrupt_inputs(tmp_path, capsys):
     a = _write(str(tmp_path / "a"), A)
-    assert main(["--input", a, str(tmp_path / "nope"), "--output-prefix", str(tmp_path / "m")]) == 1
+    assert main(["--input", a, str(tmp_path / "nope"), "--output-prefix", str(tmp_path / "m")]) == 2
     assert "nope.bin" in capsys.readouterr().err
     shutil.copy(a + ".idx", tmp_path / "t.idx")
     open(tmp_path / "t.bin", "wb").write(b"\x00")
-    assert main(["--input", a, str(tmp_path / "t"), "--output-prefix", str(tmp_path / "m")]) == 1
+    assert main(["--input", a, str(tmp_path / "t"), "--output-prefix", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert "t.bin" in err and "truncated" in err
-    assert main(["--input", a, "--output-prefix", a]) == 1
+    assert main(["--input", a, "--output-prefix", a]) == 2
     assert "one of the inputs" in capsys.readouterr().err
     assert not os.path.exists(str(tmp_path / "m.bin"))

@@ -138,7 +138,7 @@ def test_bad_line_names_file_and_line_and_leaves_nothing(tmp_path, capsys, worke
     out = tmp_path / "out"
     out.mkdir()
     assert main(["--input", src, "--output-prefix", str(out / "o"), *NULL, "--workers", str(workers),
-                 "--chunk-size", "4"]) == 1
+                 "--chunk-size", "4"]) == 2
     err = capsys.readouterr().err
     assert f"{src}:31: " in err and message in err
     assert os.listdir(out) == []  # no final and no temporary files
@@ -177,7 +177,7 @@ def test_duplicate_json_keys_refused(tmp_path, capsys):
 
 
 def test_missing_input_is_an_error(tmp_path, capsys):
-    assert main(["--input", str(tmp_path / "nope*.jsonl"), "--output-prefix", str(tmp_path / "o"), *NULL]) == 1
+    assert main(["--input", str(tmp_path / "nope*.jsonl"), "--output-prefix", str(tmp_path / "o"), *NULL]) == 2
     assert "--input" in capsys.readouterr().err
 
 
@@ -207,7 +207,7 @@ def test_fast_json_path_falls_back_for_unusual_lines(tmp_path, capsys):
     _run("--input", src, "--output-prefix", tmp_path / "odd", *NULL, "--chunk-size", 3)
     assert [a.tolist() for a in MMapIndexedDataset(str(tmp_path / "odd_text_document"))] == [[1, 2], [3], [4, 5], [6]]
     split = _jsonl(tmp_path / "split.jsonl", ['{"text": "1"}', '{"text": "2', '3"}', '{"text": "4"}'])
-    assert main(["--input", split, "--output-prefix", str(tmp_path / "s"), *NULL]) == 1
+    assert main(["--input", split, "--output-prefix", str(tmp_path / "s"), *NULL]) == 2
     assert f"{split}:2: malformed JSON" in capsys.readouterr().err
 
 
@@ -332,7 +332,7 @@ def test_a_second_run_on_the_same_outputs_is_refused_while_the_first_runs(tmp_pa
     src = _jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])
     first = MMapIndexedDatasetBuilder(str(tmp_path / "o_text_document.bin"), np.uint16)  # a live writer
     try:
-        assert main(["--input", src, "--output-prefix", str(tmp_path / "o"), *NULL]) == 1
+        assert main(["--input", src, "--output-prefix", str(tmp_path / "o"), *NULL]) == 2
         assert "another process is writing" in capsys.readouterr().err
     finally:
         first.abort()

@@ -1,0 +1,153 @@
+"""megatron.save_folder: an unusable --save is refused before training; one job per folder (the
+lock file); megatron.checkpointing.checkpoints_to_remove keeps the last good checkpoint."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+
+from megatron import save_folder as sf
+from megatron.checkpoint_io import CheckpointError
+from megatron.checkpointing import checkpoints_to_remove
+from megatron.usage_error import UsageError
+
+
+def test_a_file_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    path.write_text("")
+    with pytest.raises(UsageError, match=rf"^--save \({path}\) is a file, not a folder"):
+        sf.check_save_folder(str(path), 0)
+
+
+def test_a_folder_that_cannot_be_created_is_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UsageError, match=r"^--save \(.*/f/ckpt\) cannot be created \(Not a "
+                                         r"directory\): give a folder this job can write"):
+        sf.check_save_folder(str(tmp_path / "f" / "ckpt"), 0)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any folder")
+def test_an_unwritable_folder_is_refused(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    with pytest.raises(UsageError, match=r"is not writable by this job"):
+        sf.check_save_folder(str(folder), 0)
+
+
+def test_too_little_free_space_is_refused_and_the_new_folder_removed(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sf.shutil, "disk_usage", lambda p: usage(10 ** 10, 10 ** 10 - 5 * 10 ** 8,
+                                                                 5 * 10 ** 8))
+    folder = tmp_path / "new"
+    with pytest.raises(UsageError, match=r"^--save \(.*new\) has 0\.5 GB free, less than one "
+                                         r"checkpoint of this run \(about 2 GB\): free space"):
+        sf.check_save_folder(str(folder), 2 * 10 ** 9)
+    assert not folder.exists()
+    assert sf.check_save_folder(str(folder), 10 ** 8) is True and folder.is_dir()
+    assert sf.check_save_folder(str(folder), 10 ** 8) is False
+
+
+def _write_lock(folder, **fields):
+    holder = dict(host=socket.gethostname(), pid=os.getpid(), job="", started="then",
+                  token="t0", process_start=None)
+    holder.update(fields)
+    (folder / sf.LOCK_FILENAME).write_text(json.dumps(holder))
+
+
+def test_the_lock_is_taken_and_released(tmp_path):
+    lock = sf.SaveFolderLock(str(tmp_path))
+    assert lock.acquire() == []
+    held = json.loads((tmp_path / sf.LOCK_FILENAME).read_text())
+    assert held["host"] == socket.gethostname() and held["pid"] == os.getpid()
+    assert set(held) == {"host", "pid", "job", "started", "token", "process_start"}
+    sf.check_not_held_by_another_job(str(tmp_path))  # its own: no error
+    lock.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_live_job_on_this_host_is_respected(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lock(tmp_path, pid=other.pid, job="slurm:42",
+                    process_start=sf._process_start(other.pid))
+        with pytest.raises(UsageError, match=rf"^--save \({tmp_path}\) is in use by another job "
+                                             rf"\(host {socket.gethostname()}, pid {other.pid}, "
+                                             r"job slurm:42, started then; lock file .*"
+                                             r"megatron_save\.lock\).*wait for it to end or give "
+                                             r"this run another --save folder$"):
+            sf.SaveFolderLock(str(tmp_path)).acquire()
+        with pytest.raises(CheckpointError, match=r"is now held by another job .* it saves "
+                                                  r"nothing there and deletes nothing"):
+            sf.check_not_held_by_another_job(str(tmp_path))
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_dead_process_s_lock_is_taken_over_saying_so(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _write_lock(tmp_path, pid=gone.pid)
+    lock = sf.SaveFolderLock(str(tmp_path))
+    notes = lock.acquire()
+    assert notes == [f"--save {tmp_path}: took over the lock of host {socket.gethostname()}, "
+                     f"pid {gone.pid}, started then: process {gone.pid} on this host has ended"]
+    assert json.loads((tmp_path / sf.LOCK_FILENAME).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_reused_pid_is_not_taken_for_the_holder(tmp_path):
+    _write_lock(tmp_path, pid=os.getppid(), process_start="1")  # alive, but started at tick 1
+    assert "has ended" in sf.SaveFolderLock(str(tmp_path)).acquire()[0]
+
+
+def test_another_host_s_lock_is_respected_and_the_message_says_how_to_remove_it(tmp_path):
+    _write_lock(tmp_path, host="node-b", pid=1, job="slurm:7")
+    with pytest.raises(UsageError, match=r"in use by another job \(host node-b, pid 1, job "
+                                         r"slurm:7.*runs on another host, which cannot be checked "
+                                         rf"from here: if it is no longer running, delete "
+                                         rf"{tmp_path}/megatron_save\.lock and start again$"):
+        sf.SaveFolderLock(str(tmp_path)).acquire()
+
+
+def test_an_earlier_attempt_of_the_same_job_on_another_host_is_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    _write_lock(tmp_path, host="node-b", pid=1, job="slurm:7")
+    notes = sf.SaveFolderLock(str(tmp_path)).acquire()
+    assert notes[0].endswith("it is an earlier attempt of this job (slurm:7) on host node-b")
+
+
+def test_a_garbage_lock_file_is_named(tmp_path):
+    (tmp_path / sf.LOCK_FILENAME).write_text("not json")
+    with pytest.raises(UsageError, match=r"the lock file .* names no job .*delete .* and start"):
+        sf.SaveFolderLock(str(tmp_path)).acquire()
+
+
+def test_release_leaves_a_lock_another_job_took_over(tmp_path):
+    lock = sf.SaveFolderLock(str(tmp_path))
+    lock.acquire()
+    _write_lock(tmp_path, host="node-b", token="theirs")
+    lock.release()
+    assert json.loads((tmp_path / sf.LOCK_FILENAME).read_text())["token"] == "theirs"
+
+
+def _checkpoints(folder, *iterations):
+    for it in iterations:
+        (folder / f"iter_{it:07d}").mkdir()
+    return str(folder / f"iter_{iterations[-1]:07d}")
+
+
+def test_keep_last_never_deletes_the_protected_or_later_checkpoints(tmp_path):
+    final = _checkpoints(tmp_path, 1, 2, 3, 4, 5)
+    (tmp_path / "iter_0000009").mkdir()  # of a later iteration (a resume from 5 left it)
+    names = lambda ds: [os.path.basename(d) for d in ds]  # noqa: E731
+    assert names(checkpoints_to_remove(str(tmp_path), 1, final)) == [
+        "iter_0000001", "iter_0000002", "iter_0000003", "iter_0000004"]
+    assert names(checkpoints_to_remove(str(tmp_path), 2, final,
+                                       protect=(str(tmp_path / "iter_0000002"),))) == [
+        "iter_0000001", "iter_0000003"]
+    assert checkpoints_to_remove(str(tmp_path), None, final) == []

@@ -1,0 +1,61 @@
+"""megatron.usage_error: one line on one rank, status 2; a usage error found by some ranks only
+is agreed on by all of them (no rank left waiting in a collective)."""
+
+import pytest
+
+from megatron.usage_error import (UsageError, agree_on_usage_error, one_line, prints_here,
+                                  run_command)
+from tests.helpers.dist import run_distributed
+
+
+def _agree(found_by):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    error = UsageError(f"--save (x): found by rank {rank}") if rank in found_by else None
+    try:
+        agree_on_usage_error(error, "cpu")
+    except UsageError as exc:
+        return [str(exc), exc.reporter, exc.silent, prints_here(exc, rank)]
+    return None
+
+
+def test_the_lowest_rank_that_found_it_reports_and_every_rank_leaves():
+    out = run_distributed(3, _agree, (1, 2), timeout=120)
+    assert out[1] == ["--save (x): found by rank 1", 1, False, True]
+    for rank in (0, 2):
+        assert out[rank] == ["rank 1 found a usage error (see its line)", 1, True, False]
+
+
+def test_no_error_anywhere_passes():
+    assert run_distributed(2, _agree, (), timeout=120) == [None, None]
+
+
+def _raise(message):
+    def main(argv):
+        raise UsageError(message)
+    return main
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("3", False)])
+def test_run_command_prints_one_line_on_rank_0_and_returns_2(monkeypatch, capsys, rank, printed):
+    monkeypatch.setenv("RANK", rank)
+    assert run_command("prog.py", _raise("--lr (nan) must be\n  finite")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("prog.py: error: --lr (nan) must be finite\n" if printed else "")
+
+
+def test_run_command_keeps_other_errors_as_crashes_and_takes_a_tool_s_input_errors(capsys):
+    with pytest.raises(KeyError):
+        run_command("prog.py", lambda argv: {}["x"])
+
+    def bad_input(argv):
+        raise FileNotFoundError("data.idx: no such file")
+    assert run_command("tool.py", bad_input, usage_errors=(UsageError, FileNotFoundError)) == 2
+    assert capsys.readouterr().err == "tool.py: error: data.idx: no such file\n"
+    assert run_command("prog.py", lambda argv: None) == 0
+
+
+def test_one_line_folds_whitespace():
+    assert one_line(" a\n\tb  c \n") == "a b c"

@@ -56,9 +56,14 @@ class Range:
             integer = isinstance(value, int) and not self.low_open
             if (self.low == 0 and self.low_open) or (self.low == 1 and integer):
                 return "must be positive"
-            return f"must be {'>' if self.low_open else '>='} {self.low:g}"
-        return (f"must be in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
-                f"{')' if self.high_open else ']'}")
+            return f"must be {'>' if self.low_open else '>='} {_bound(self.low)}"
+        return (f"must be in {'(' if self.low_open else '['}{_bound(self.low)}, "
+                f"{_bound(self.high)}{')' if self.high_open else ']'}")
+
+
+def _bound(x: float) -> str:
+    """A bound as users type it: whole numbers in full (``4294967295``, not ``4.29497e+09``)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def _positive(what):

@@ -13,8 +13,9 @@ Who prints:
   every rank alike, from the same flags: rank 0 prints, the others exit silently;
 * errors found later, by some ranks only (the ``--save`` folder is checked by rank 0; a shard by
   the rank that reads it), are agreed on by :func:`agree_on_usage_error`, a collective: the
-  lowest rank that found one prints, every rank leaves with status 2, none waits in a collective
-  for a rank that has gone.
+  lowest rank that found one prints at once (then a barrier: the line is out before any rank
+  exits and torchrun stops the rest), every rank leaves with status 2, none waits in a
+  collective for a rank that has gone.
 
 Under torchrun the agent then reports the failed workers (``exitcode: 2``) in its own summary and
 exits 1 itself; a worker cannot change that.
@@ -44,6 +45,7 @@ class UsageError(ValueError):
         super().__init__(message)
         self.reporter = reporter
         self.silent = silent
+        self.printed = False  # said already (by agree_on_usage_error)
 
 
 def one_line(message: str) -> str:
@@ -62,7 +64,7 @@ def this_rank() -> int:
 def prints_here(error: UsageError, rank: Optional[int] = None) -> bool:
     """Whether this rank prints ``error``: not silent, and the reporter (rank 0 by default)."""
     rank = this_rank() if rank is None else rank
-    if error.silent:
+    if error.silent or error.printed:
         return False
     return rank == (0 if error.reporter is None else error.reporter)
 
@@ -91,9 +93,25 @@ def agree_on_usage_error(error: Optional[UsageError], device, group=None) -> Non
         return
     global_reporter = dist.get_global_rank(group, reporter) if group is not None else reporter
     if error is not None and rank == reporter:
-        raise UsageError(str(error), reporter=global_reporter) from error
-    raise UsageError(f"rank {global_reporter} found a usage error (see its line)",
-                     reporter=global_reporter, silent=True)
+        agreed = UsageError(str(error), reporter=global_reporter)
+        if _COMMAND:
+            # Said now, before the others leave: torchrun stops the remaining workers as soon as
+            # one has exited, which could be before this rank has unwound to run_command.
+            _say(_COMMAND, agreed)
+    else:
+        agreed = UsageError(f"rank {global_reporter} found a usage error (see its line)",
+                            reporter=global_reporter, silent=True)
+    dist.barrier(group=group)  # every rank is here: the line is out before any rank exits
+    raise agreed from error
+
+
+_COMMAND: Optional[str] = None  # the command run_command runs (for agree_on_usage_error's line)
+
+
+def _say(prog: str, error: BaseException) -> None:
+    print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
+    if isinstance(error, UsageError):
+        error.printed = True
 
 
 def run_command(prog: str, main: Callable, argv=None,
@@ -110,10 +128,14 @@ def run_command(prog: str, main: Callable, argv=None,
     Returns:
         0 after ``main`` returned, 2 after a usage error.
     """
+    global _COMMAND
+    previous, _COMMAND = _COMMAND, prog
     try:
         main(argv)
     except usage_errors as exc:
         if not isinstance(exc, UsageError) or prints_here(exc):
-            print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+            _say(prog, exc)
         return USAGE_EXIT_STATUS
+    finally:
+        _COMMAND = previous
     return 0

@@ -27,6 +27,27 @@ def test_the_lowest_rank_that_found_it_reports_and_every_rank_leaves():
         assert out[rank] == ["rank 1 found a usage error (see its line)", 1, True, False]
 
 
+def _agree_in_command(found_by):
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    def main(argv):
+        error = UsageError("x") if dist.get_rank() in found_by else None
+        agree_on_usage_error(error, "cpu")
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = run_command("prog.py", main)
+    return [status, err.getvalue()]
+
+
+def test_under_a_command_the_reporter_says_it_before_any_rank_leaves_and_only_once():
+    out = run_distributed(3, _agree_in_command, (2,), timeout=120)
+    assert out == [[2, ""], [2, ""], [2, "prog.py: error: x\n"]]
+
+
 def test_no_error_anywhere_passes():
     assert run_distributed(2, _agree, (), timeout=120) == [None, None]
 

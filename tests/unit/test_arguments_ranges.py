@@ -2,11 +2,12 @@
 values are refused before any other rule reads them, naming the flag, the value and the fix."""
 
 import math
+import re
 
 import pytest
 
 from megatron.arguments import build_parser, parse_args, parser_defaults, validate_args
-from megatron.arguments_ranges import RANGES, Range
+from megatron.arguments_ranges import RANGES, Range, flag_of
 from megatron.usage_error import UsageError
 
 ARGV = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 "
@@ -98,3 +99,28 @@ def test_range_edges():
     assert Range(0, 1, "p", high_open=False).contains(1)
     assert not Range(0, math.inf, "x", low_open=True).contains(0)
     assert not Range(0, math.inf, "x").contains(math.inf)
+
+
+def _options():
+    """dest -> (the first option string, its type) of every numeric flag."""
+    return {a.dest: (a.option_strings[0], a.type) for a in build_parser()._actions
+            if a.type in (int, float)}
+
+
+def _below(rule, kind):
+    low = rule.low if rule.low_open else rule.low - 1
+    return str(int(low)) if kind is int else repr(float(low))
+
+
+@pytest.mark.parametrize("dest", sorted(RANGES))
+def test_every_flag_refuses_a_value_below_its_range_and_every_float_flag_nan_and_inf(dest):
+    option, kind = _options()[dest]
+    flag = re.escape(flag_of(dest))
+    with pytest.raises(UsageError, match=rf"^{flag} \(-?[\d.e+]+\) must be "):
+        _validate(f"{option}={_below(RANGES[dest], kind)}")
+    for value in (("nan", "inf", "-inf") if kind is float else ()):
+        with pytest.raises(UsageError, match=rf"^{flag} \({value}\) must be a finite number"):
+            _validate(f"{option}={value}")
+    if kind is int:  # argparse's own refusal, one line naming the flag
+        with pytest.raises(UsageError, match=rf"argument {re.escape(option)}.*: invalid int value"):
+            _validate(f"{option}=nan")

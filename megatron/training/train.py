@@ -199,6 +199,7 @@ class _Trainer:
         self.nan_streak = 0  # consecutive non-finite iterations (nonfinite_iteration)
         self.last_good, self.newest_in_save = _starting_checkpoints(config.checkpoint)
         self.protected = None  # the checkpoint --keep-last-checkpoints keeps (see save())
+        self.trouble_at = None  # the latest non-finite iteration
         self.saver = None  # --ckpt-format torch_dist: keeps the pending --async-save
         checkpoint = config.checkpoint
         if checkpoint.save and checkpoint.ckpt_format == "torch_dist":
@@ -320,7 +321,7 @@ class _Trainer:
         """
         self.nan_streak = self.nan_streak + 1 if nonfinite else 0
         if nonfinite:
-            self.protected = self.newest_in_save
+            self.protected, self.trouble_at = self.newest_in_save, self.state.iteration
         limit = self.config.training.max_consecutive_nan_iterations
         if not limit or self.nan_streak < limit:
             return
@@ -416,13 +417,17 @@ class _Trainer:
     def _protect(self) -> tuple:
         """What the next publication's ``--keep-last-checkpoints`` must keep: the newest
         checkpoint written before the latest non-finite iteration. An asynchronous save handed
-        off before that iteration (its state finite) is published later; it is then the newest
-        good one, and the protected one stays too."""
+        off before that iteration (its state finite) is published later, keeping this one, and
+        then becomes the protected one itself (:meth:`_published`)."""
         return (self.protected,) if self.protected else ()
 
     def _published(self, iteration: int, folder: str) -> None:
         self.last_good = (iteration, folder, self.config.checkpoint.save)
         self.newest_in_save = folder
+        if self.trouble_at is not None and iteration < self.trouble_at:
+            # An --async-save handed off before the trouble, published after it: now the newest
+            # checkpoint written before the trouble, the one to keep.
+            self.protected = folder
 
 
 def save_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_collection,

@@ -122,6 +122,13 @@ def single(data_prefix, tmp_path_factory):
         # A NaN at the last iteration: the end-of-training save is skipped, saying so.
         (_argv(data_prefix, cache, 4, "--save", str(tmp_path_factory.mktemp("end"))),
          {4: "nan"}, 2),
+        # The same two rules for --ckpt-format torch_dist with --async-save: iteration 2's save,
+        # handed to the background writer before the NaN at 3, is published and kept.
+        (_argv(data_prefix, cache, 8, "--save", str(tmp_path_factory.mktemp("keep_dist")),
+               "--save-interval", "2", "--keep-last-checkpoints", "1", "--ckpt-format",
+               "torch_dist", "--async-save"), {3: "nan"}, 2),
+        (_argv(data_prefix, cache, 4, "--save", str(tmp_path_factory.mktemp("end_dist")),
+               "--ckpt-format", "torch_dist"), {4: "nan"}, 2),
     ]
     return run_distributed(1, _run, runs, timeout=600)[0], save, [r[0] for r in runs]
 
@@ -223,3 +230,17 @@ def test_pipeline_ranks_skip_alike(data_prefix, tmp_path):
         assert rank[1]["changed"] == [True, False]
     assert last[1]["history"]["nan"] == [0, 0, 1, 0]
     assert np.isnan(last[1]["history"]["lm loss"][2])
+
+
+@pytest.mark.parametrize("case", [8, 9], ids=["keep-last", "end of training"])
+def test_the_rules_hold_for_torch_dist_and_async_save(single, case):
+    r, argv = single[0][case], single[2][case]
+    assert r["error"] is None
+    if case == 8:
+        assert r["history"]["nan"] == [0, 0, 1, 0, 0, 0, 0, 0]
+        assert sorted(os.listdir(_saved(argv))) == ["iter_0000002", "iter_0000008",
+                                                    "latest_checkpointed_iteration.txt"]
+        assert "in the background" in r["log"]
+    else:
+        assert "not saving the checkpoint of iteration 4 (the end of training)" in r["log"]
+        assert os.listdir(_saved(argv)) == []

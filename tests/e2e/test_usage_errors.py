@@ -49,7 +49,7 @@ def refused(tmp_path_factory):
     ahead = root / "ahead"
     (ahead / "iter_0000008").mkdir(parents=True)
     (ahead / "latest_checkpointed_iteration.txt").write_text("8")
-    fp32 = str(root / "fp32")
+    fp32, fp32_dist = str(root / "fp32"), str(root / "fp32_dist")
     cases = [
         ("seed", tiny_argv(data, cache, 2, "--seed=-1")),
         ("save is a file", tiny_argv(data, cache, 2, "--save", str(a_file))),
@@ -58,6 +58,9 @@ def refused(tmp_path_factory):
         ("train-iters below", tiny_argv(data, cache, 4, "--load", str(ahead))),
         ("fp32 save", tiny_argv(data, cache, 2, "--save", fp32)),
         ("bf16 resume", tiny_argv(data, cache, 4, "--load", fp32, "--bf16")),
+        ("fp32 dist save", tiny_argv(data, cache, 2, "--save", fp32_dist, "--ckpt-format",
+                                     "torch_dist")),
+        ("bf16 dist resume", tiny_argv(data, cache, 4, "--load", fp32_dist, "--bf16")),
     ]
     return run_distributed(1, _commands, cases, timeout=600)[0], root, me
 
@@ -99,13 +102,16 @@ def test_a_save_folder_another_job_holds_is_refused_naming_it(refused):
     assert os.listdir(root / "held") == ["megatron_save.lock"]  # nothing written, nothing removed
 
 
-def test_a_resume_in_another_precision_names_both_and_the_fixes(refused):
+@pytest.mark.parametrize("fmt", ["", "dist"], ids=["torch", "torch_dist"])
+def test_a_resume_in_another_precision_names_both_and_the_fixes(refused, fmt):
     out, root, _ = refused
-    assert out["fp32 save"]["status"] == 0, out["fp32 save"]["stderr"]
-    assert sorted(os.listdir(root / "fp32")) == ["iter_0000002",
-                                                 "latest_checkpointed_iteration.txt"]
-    line = _one_line(out["bf16 resume"])
-    assert line == (f"--bf16: the checkpoint at --load {root / 'fp32'} (iteration 2) was saved in "
+    name = "fp32_dist" if fmt else "fp32"
+    saved = out[f"fp32 {fmt} save".replace("  ", " ")]
+    assert saved["status"] == 0, saved["stderr"]
+    assert sorted(os.listdir(root / name)) == ["iter_0000002",
+                                               "latest_checkpointed_iteration.txt"]
+    line = _one_line(out[f"bf16 {fmt} resume".replace("  ", " ")])
+    assert line == (f"--bf16: the checkpoint at --load {root / name} (iteration 2) was saved in "
                     "fp32 with its optimizer state, which this bf16 run cannot resume (the "
                     "optimizer's main parameters, moments and loss scaling differ); pass "
                     "--finetune (weights only; iteration, optimizer and schedule start afresh) or "

@@ -183,9 +183,7 @@ def _validate_model_shape(args):
 
 def _validate_parallel_layout(args, world_size):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = getattr(args, "context_parallel_size", 1)
-    if cp < 1:
-        raise UsageError(f"--context-parallel-size ({cp}) must be >= 1")
+    cp = getattr(args, "context_parallel_size", 1)  # >= 1: megatron.arguments_ranges
     model = tp * pp * cp
     if world_size < 1 or world_size % model:
         with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""

@@ -134,7 +134,7 @@ ERRORS = [
     (TWO + ["--context-parallel-size", "2"], 6,
      r"world size \(6\) must be divisible by --tensor-model-parallel-size \(2\) x "
      r"--pipeline-model-parallel-size \(1\) x --context-parallel-size \(2\) = 4"),
-    (["--context-parallel-size", "0"], 1, r"--context-parallel-size \(0\) must be >= 1"),
+    (["--context-parallel-size", "0"], 1, r"--context-parallel-size \(0\) must be positive: ranks"),
     (["--context-parallel-size", "2", "--reset-attention-mask"], 2,
      r"--reset-attention-mask is not supported with --context-parallel-size \(2\).*remove one"),
     (["--context-parallel-size", "2"], 2,

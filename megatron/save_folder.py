@@ -329,8 +329,18 @@ def check_save_folder(save_dir: str, needed_bytes: int) -> bool:
     return created
 
 
+def save_target(checkpoint) -> Optional[str]:
+    """The folder a run writes checkpoints into (a :class:`~megatron.config.CheckpointConfig`):
+    ``--ckpt-convert-save DIR`` / ``--ckpt-convert-format F`` writes ``DIR/F`` (and trains not),
+    else ``--save``."""
+    if checkpoint.ckpt_convert_format:
+        return os.path.join(checkpoint.ckpt_convert_save, checkpoint.ckpt_convert_format)
+    return checkpoint.save
+
+
 def hold_save_folder(config, device) -> Optional[SaveFolderLock]:
-    """Check ``--save`` and take its lock, before the model is built. Collective over the world.
+    """Check ``--save`` (or the conversion target, :func:`save_target`) and take its lock, before
+    the model is built. Collective over the world.
 
     Global rank 0 checks the folder (:func:`check_save_folder`, against :func:`checkpoint_bytes`)
     and takes the lock; then the first rank of every node (``LOCAL_RANK`` 0) checks it sees that
@@ -351,7 +361,7 @@ def hold_save_folder(config, device) -> Optional[SaveFolderLock]:
 
     from megatron.usage_error import agree_on_usage_error
 
-    save = config.checkpoint.save
+    save = save_target(config.checkpoint)
     if not save:
         return None
     rank, lock, error, notes = dist.get_rank(), None, None, []

@@ -452,7 +452,7 @@ def _convert_checkpoint(config, state: TrainState, model, optimizer, scheduler, 
     """``--ckpt-convert-format F --ckpt-convert-save DIR``: save what ``--load`` loaded in format F
     under ``DIR/F`` (Megatron-LM's behaviour), then stop without training."""
     checkpoint = config.checkpoint
-    target = os.path.join(checkpoint.ckpt_convert_save, checkpoint.ckpt_convert_format)
+    target = save_folder.save_target(checkpoint)  # held since the start (hold_save_folder)
     converted = dataclasses.replace(checkpoint, save=target, async_save=False,
                                     ckpt_format=checkpoint.ckpt_convert_format)
     saver = torch_dist.TorchDistSaver(target, group, device)

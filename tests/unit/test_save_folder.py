@@ -151,3 +151,12 @@ def test_keep_last_never_deletes_the_protected_or_later_checkpoints(tmp_path):
                                        protect=(str(tmp_path / "iter_0000002"),))) == [
         "iter_0000001", "iter_0000003"]
     assert checkpoints_to_remove(str(tmp_path), None, final) == []
+
+
+def test_a_conversion_holds_its_target_folder_not_save():
+    from types import SimpleNamespace
+
+    plain = SimpleNamespace(save="ckpt", ckpt_convert_format=None, ckpt_convert_save=None)
+    convert = SimpleNamespace(save=None, ckpt_convert_format="torch_dist", ckpt_convert_save="out")
+    assert sf.save_target(plain) == "ckpt"
+    assert sf.save_target(convert) == os.path.join("out", "torch_dist")

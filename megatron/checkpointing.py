@@ -27,7 +27,7 @@ What a save deletes, and why it is this job's to delete (rank 0, in this order):
 ``iter_N.tmp`` of the iteration it saves (a save of it killed earlier), its own staging folder
 when the save failed, the published ``iter_N`` it replaces (moved to ``iter_N.old`` first),
 leftover ``iter_*.tmp`` / ``iter_*.old`` folders of killed saves, and with
-``--keep-last-checkpoints`` older checkpoints (:func:`checkpoints_to_remove`). A training job holds
+``--keep-last-checkpoints`` older checkpoints (:func:`megatron.checkpoint_folder.checkpoints_to_remove`). A training job holds
 the folder's lock (:mod:`megatron.save_folder`) and every save first checks it is still its own,
 so none of these can be another live job's files.
 """
@@ -36,19 +36,20 @@ from __future__ import annotations
 
 import glob
 import os
-import random
 import shutil
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
-from megatron import save_folder
+from megatron import checkpointing_torch_dist as torch_dist
+from megatron.checkpoint_folder import (TRACKER_FILENAME, all_ranks_ok, complete_checkpoints,
+                                        get_checkpoint_dir, get_checkpoint_tracker_filename,
+                                        prepare_staging, publish, read_metadata, write_atomic)
 from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
-from megatron.config.saved_args import plain
+from megatron.config.saved_args import check_resume_precision, plain
+from megatron.model import unwrap_model
+from megatron.rng_state import get_rng_state, set_rng_state
 from megatron.usage_error import UsageError, agree_on_usage_error
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
 
@@ -58,14 +59,6 @@ def distrib_optim_filename(data_parallel_rank) -> str:
     """The distributed optimizer's shard file of one DP rank, beside ``model_optim_rng.pt``."""
     rank = data_parallel_rank if isinstance(data_parallel_rank, str) else f"{data_parallel_rank:03d}"
     return f"distrib_optim_dp_{rank}.pt"
-
-
-def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
-    return os.path.join(checkpoints_path, TRACKER_FILENAME)
-
-
-def get_checkpoint_dir(checkpoints_path: str, iteration: int, release: bool = False) -> str:
-    return os.path.join(checkpoints_path, "release" if release else f"iter_{iteration:07d}")
 
 
 def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = False, *,
@@ -86,87 +79,13 @@ def checkpoint_name_of(checkpoints_path: str, iteration: int, pg_collection,
                                tensor_rank=pg_collection.tp.rank, pipeline_rank=pp.rank)
 
 
-def read_metadata(tracker_filename: str) -> tuple[int, bool]:
-    """Parse the tracker file: ``(iteration, release)``.
-
-    Raises:
-        CheckpointError: if the file holds neither an integer nor ``release``.
-    """
-    with open(tracker_filename, encoding="utf-8") as f:
-        text = f.read().strip()
-    if text == "release":
-        return 0, True
-    try:
-        return int(text), False
-    except ValueError:
-        raise CheckpointError(f"{tracker_filename} must hold an iteration number or 'release', "
-                              f"found {text[:40]!r}") from None
-
-
-def complete_checkpoints(checkpoints_path: str) -> list[str]:
-    """Finished checkpoint folders under ``checkpoints_path`` (``iter_*`` without ``.tmp``), oldest
-    first."""
-    dirs = [d for d in glob.glob(os.path.join(checkpoints_path, "iter_*"))
-            if os.path.isdir(d) and not d.endswith((".tmp", ".old"))]
-    return sorted(dirs)
-
-
 # RNG states -------------------------------------------------------------------------------------
-
-def get_rng_state() -> dict:
-    """Python, NumPy, torch, CUDA and model-parallel tracker states, as weights_only-safe values."""
-    from megatron.core.tensor_parallel.random import get_rng_tracker
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": get_rng_tracker().get_states(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_rng_tracker
-
-    version, internal, gauss = state["random_rng_state"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, g = state["np_rng_state"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, g))
-    torch.set_rng_state(state["torch_rng_state"])
-    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    get_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def unwrap_model(module):
-    """The bare model under DDP / mixed-precision wrappers (each exposes ``.module``)."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
 
 def _model_keys(model_chunks) -> list[str]:
     return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
 
 
 # Save -------------------------------------------------------------------------------------------
-
-def _write_atomic(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _all_ok(ok: bool, device) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
 
 def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, config,
                     pg_collection, *, run_flags: dict, consumed_train_samples: int,
@@ -203,7 +122,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             prepare_staging(save_dir, staging)
         except (CheckpointError, OSError) as exc:
             error = str(exc)
-    if not _all_ok(error is None, device):
+    if not all_ranks_ok(error is None, device):
         raise CheckpointError(error or f"saving the checkpoint of iteration {iteration} failed "
                               "on rank 0 (see its error); nothing was written")
 
@@ -219,7 +138,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp_cp.rank))
         try:
             os.makedirs(os.path.dirname(shard), exist_ok=True)
-            _write_atomic(optimizer.parameter_state(), shard)
+            write_atomic(optimizer.parameter_state(), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
     if dp_cp.rank == 0:  # DP rank 0 of CP rank 0: the ranks of DP x CP hold the same weights
@@ -238,99 +157,23 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             state[key] = unwrap_model(chunk).state_dict()
         try:
             os.makedirs(os.path.dirname(name), exist_ok=True)
-            _write_atomic(state, name)
+            write_atomic(state, name)
         except OSError as exc:
             error = f"rank {rank} could not write {name}: {exc}"
     if error is not None:
         error += (f"; the previous checkpoint and {TRACKER_FILENAME} are intact (free space "
                   "under --save, then restart with --load)")
-    if not _all_ok(error is None, device):
+    if not all_ranks_ok(error is None, device):
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(error or f"saving the checkpoint of iteration {iteration} failed on "
                               "another rank; the previous checkpoint is intact")
 
     if rank == 0:
-        _publish(save_dir, staging, final_dir, iteration, config.keep_last_checkpoints,
+        publish(save_dir, staging, final_dir, iteration, config.keep_last_checkpoints,
                  protect=protect)
     dist.barrier()
     return final_dir
-
-
-def prepare_staging(save_dir: str, staging: str) -> None:
-    """Rank 0, before a save of either format writes anything: check that ``save_dir`` is still
-    this job's (:func:`megatron.save_folder.check_not_held_by_another_job`), remove ``staging``
-    (the leftover of a save of this iteration killed earlier) and create it afresh.
-
-    Raises:
-        CheckpointError: another job holds the folder now; nothing is touched.
-        OSError: ``staging`` cannot be created.
-    """
-    save_folder.check_not_held_by_another_job(save_dir)
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging, exist_ok=True)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def checkpoint_iteration(folder: str) -> int | None:
-    """The iteration of a checkpoint folder ``.../iter_0000100`` (None for other names)."""
-    name = os.path.basename(os.path.normpath(folder))
-    digits = name[len("iter_"):]
-    return int(digits) if name.startswith("iter_") and digits.isdigit() else None
-
-
-def checkpoints_to_remove(save_dir: str, keep_last: int, final_dir: str, protect=()) -> list:
-    """The folders ``--keep-last-checkpoints keep_last`` deletes after ``final_dir`` is published:
-    the complete checkpoints of earlier iterations beyond the ``keep_last - 1`` newest of them,
-    except those in ``protect``. Checkpoints of later iterations than ``final_dir`` (a run resumed
-    from an older checkpoint left them) are neither counted nor deleted."""
-    if not keep_last:
-        return []
-    new = checkpoint_iteration(final_dir)
-    older = [d for d in complete_checkpoints(save_dir)
-             if (checkpoint_iteration(d) or 0) < new]
-    kept = {os.path.abspath(p) for p in protect if p}
-    surplus = older[:max(len(older) - (keep_last - 1), 0)]
-    return [d for d in surplus if os.path.abspath(d) not in kept]
-
-
-def _publish(save_dir, staging, final_dir, iteration, keep_last, protect=()) -> None:
-    """Rename the staged folder into place, then replace the tracker atomically; remove the
-    leftovers of killed saves and, with ``keep_last``, older checkpoints
-    (:func:`checkpoints_to_remove`; ``protect`` is kept)."""
-    old = final_dir + ".old"
-    if os.path.exists(final_dir):  # re-saving an iteration (after a restart)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final_dir, old)
-    os.rename(staging, final_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    tracker = get_checkpoint_tracker_filename(save_dir)
-    tmp = tracker + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, tracker)
-    _fsync_dir(save_dir)  # make the renames themselves durable
-    # Staging folders of saves killed earlier: nothing points at them, and no other live job
-    # writes here (this one holds the folder's lock, checked at the start of the save).
-    for stale in glob.glob(os.path.join(save_dir, "iter_*.tmp")) + glob.glob(
-            os.path.join(save_dir, "iter_*.old")):
-        shutil.rmtree(stale, ignore_errors=True)
-    for d in checkpoints_to_remove(save_dir, keep_last, final_dir, protect):
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # Load -------------------------------------------------------------------------------------------
@@ -339,8 +182,6 @@ def _looks_complete(folder: str) -> bool:
     """Every ``mp_rank_*`` shard of ``folder`` present and a whole zip archive (``torch.save``'s
     format: a truncated file lacks the central directory at its end), no temporary files left."""
     import zipfile
-
-    from megatron import checkpointing_torch_dist as torch_dist
 
     if torch_dist.is_torch_dist_checkpoint(folder):
         return torch_dist.looks_complete(folder)
@@ -445,8 +286,6 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
         return fresh
     iteration, release = found
     folder = get_checkpoint_dir(load_dir, iteration, release)
-    from megatron import checkpointing_torch_dist as torch_dist
-
     if torch_dist.is_torch_dist_checkpoint(folder):
         return _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
                                 pg_collection, group, run_flags)
@@ -464,7 +303,7 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
     # Every rank learns of a failure on any rank, instead of waiting for it in the next collective;
     # a usage error (a resume the flags do not allow) is said once, by the lowest rank that found it.
     agree_on_usage_error(error if isinstance(error, UsageError) else None, device)
-    if not _all_ok(error is None, device):
+    if not all_ranks_ok(error is None, device):
         raise error or CheckpointError(
             f"loading the checkpoint {get_checkpoint_dir(load_dir, iteration, release)} failed on "
             f"another rank (see its error)."
@@ -477,8 +316,6 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
 
 def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config, pg_collection,
                      group, run_flags=None) -> dict:
-    from megatron import checkpointing_torch_dist as torch_dist
-
     made = group is None
     if made:
         group = torch_dist.checkpoint_group()
@@ -540,33 +377,6 @@ def read_saved_args(path: str) -> dict:
     if foreign is not None:
         return foreign_checkpoints.saved_args(foreign)
     return dict(_torch_load(path).get("args") or {})
-
-
-def _precision(flags: dict) -> str | None:
-    if "bf16" not in flags and "fp16" not in flags:
-        return None
-    return "bf16" if flags.get("bf16") else "fp16" if flags.get("fp16") else "fp32"
-
-
-def check_resume_precision(saved_args: dict, run_flags: dict, load_dir: str, iteration) -> None:
-    """Refuse to resume an optimizer state saved in another precision (fp32 / bf16 / fp16): its
-    main parameters, moments and loss scaler belong to that precision's optimizer. Nothing is
-    checked when either side does not record its precision.
-
-    Raises:
-        UsageError: naming both precisions and the fixes (``--finetune``, ``--no-load-optim``).
-    """
-    saved, run = _precision(saved_args), _precision(run_flags)
-    if saved is None or run is None or saved == run:
-        return
-    flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "no --bf16 / --fp16"}
-    raise UsageError(
-        f"{'fp32' if run == 'fp32' else flag[run]}: the checkpoint at --load {load_dir} (iteration "
-        f"{iteration}) was saved in {saved} with its optimizer state, which this {run} run cannot "
-        "resume (the optimizer's main parameters, moments and loss scaling differ); pass "
-        "--finetune (weights only; iteration, optimizer and schedule start afresh) or "
-        "--no-load-optim (weights, iteration and schedule; a new optimizer state), or resume in "
-        f"{saved} ({flag[saved]})")
 
 
 def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,

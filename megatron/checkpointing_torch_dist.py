@@ -52,11 +52,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing as legacy
+from megatron import checkpoint_folder
+from megatron.checkpoint_io import CheckpointError
+from megatron.config.saved_args import check_resume_precision
 from megatron.core import dist_checkpointing as dcp
 from megatron.core.dist_checkpointing.async_writer import (DONE, FAILED, RUNNING, BackgroundWrite,
                                                            HostBuffers, stage_to_host)
+from megatron.model import unwrap_model
 from megatron.model.sharded_state import model_shardings, model_sharded_tensors
+from megatron.rng_state import get_rng_state, set_rng_state
 
 FORMAT_VERSION = 1
 COMMON_FILE = "common.pt"
@@ -145,7 +149,7 @@ def sharded_tensors(model_chunks, optimizer, layout: Layout, *, with_optimizer: 
 
 def _gather_rng(layout: Layout, group) -> Optional[dict]:
     """Every rank's RNG states on rank 0: ``{"tp", "pp", "dp", "states": [pp][tp][dp]}``."""
-    mine = (layout.pp_rank, layout.tp_rank, layout.dp_rank, legacy.get_rng_state())
+    mine = (layout.pp_rank, layout.tp_rank, layout.dp_rank, get_rng_state())
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=group)
     if gathered is None:
@@ -176,7 +180,7 @@ def common_state(iteration, optimizer_common, scheduler, run_flags: dict, layout
 
 
 def _write_common(staging: str, common: dict) -> None:
-    legacy._write_atomic(common, os.path.join(staging, COMMON_FILE))
+    checkpoint_folder.write_atomic(common, os.path.join(staging, COMMON_FILE))
     tmp = os.path.join(staging, METADATA_JSON + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(dict(_BACKEND, format_version=FORMAT_VERSION), f)
@@ -227,7 +231,7 @@ class TorchDistSaver:
             run_flags: the plain ``args`` the checkpoint records
                 (:func:`megatron.config.checkpoint_args`).
             protect: folders ``--keep-last-checkpoints`` keeps when this save is published
-                (:func:`megatron.checkpointing.checkpoints_to_remove`).
+                (:func:`megatron.checkpoint_folder.checkpoints_to_remove`).
 
         Returns:
             the published folder (synchronous), or None (asynchronous: published later by
@@ -239,7 +243,7 @@ class TorchDistSaver:
         """
         self.finalize(blocking=True)
         start = time.perf_counter()
-        final_dir = legacy.get_checkpoint_dir(self.save_dir, iteration)
+        final_dir = checkpoint_folder.get_checkpoint_dir(self.save_dir, iteration)
         staging, rank = final_dir + ".tmp", dist.get_rank()
         with_optimizer = optimizer is not None and not config.no_save_optim
         boxes, optimizer_common = sharded_tensors(model_chunks, optimizer, layout,
@@ -250,13 +254,14 @@ class TorchDistSaver:
         error = None
         if rank == 0:
             try:
-                legacy.prepare_staging(self.save_dir, staging)
-            except legacy.CheckpointError as exc:
+                checkpoint_folder.prepare_staging(self.save_dir, staging)
+            except CheckpointError as exc:
                 error = str(exc)
             except OSError as exc:
                 error = f"rank 0 could not create {staging}: {exc}"
-        if not legacy._all_ok(error is None, self.device):  # also: the folder exists for all
-            raise legacy.CheckpointError(self._failed(error, iteration))
+        # Also: every rank sees the staging folder exist before writing into it.
+        if not checkpoint_folder.all_ranks_ok(error is None, self.device):
+            raise CheckpointError(self._failed(error, iteration))
         if self.async_save:
             write = BackgroundWrite(lambda: stage_to_host(boxes, self.buffers),
                                     lambda staged: self._write(staged, staging, common))
@@ -267,10 +272,10 @@ class TorchDistSaver:
             self._write(boxes, staging, common)
         except (dcp.CheckpointWriteError, OSError) as exc:
             error = str(exc)
-        if not legacy._all_ok(error is None, self.device):
+        if not checkpoint_folder.all_ranks_ok(error is None, self.device):
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
-            raise legacy.CheckpointError(self._failed(error, iteration))
+            raise CheckpointError(self._failed(error, iteration))
         self._publish(iteration, staging, final_dir, protect)
         self.last_stall_s = time.perf_counter() - start
         return final_dir
@@ -294,13 +299,13 @@ class TorchDistSaver:
 
     def _failed(self, error: Optional[str], iteration: int) -> str:
         return ((error or f"saving the checkpoint of iteration {iteration} failed on another rank")
-                + f"; the previous checkpoint and {legacy.TRACKER_FILENAME} are intact (free space "
-                  "under --save, then restart with --load)")
+                + f"; the previous checkpoint and {checkpoint_folder.TRACKER_FILENAME} are intact "
+                  "(free space under --save, then restart with --load)")
 
     def _publish(self, iteration: int, staging: str, final_dir: str, protect=()) -> None:
         if dist.get_rank() == 0:
-            legacy._publish(self.save_dir, staging, final_dir, iteration, self.keep_last,
-                            protect=protect)
+            checkpoint_folder.publish(self.save_dir, staging, final_dir, iteration,
+                                      self.keep_last, protect=protect)
         dist.barrier()
 
     def finalize(self, blocking: bool, protect=()) -> Optional[str]:
@@ -332,7 +337,7 @@ class TorchDistSaver:
             if dist.get_rank() == 0:
                 shutil.rmtree(pending.staging, ignore_errors=True)
             error = pending.write.error
-            raise legacy.CheckpointError(self._failed(
+            raise CheckpointError(self._failed(
                 None if error is None else f"the background write of iteration "
                 f"{pending.iteration} failed: {error}", pending.iteration))
         assert agreed == DONE
@@ -352,13 +357,13 @@ def read_common(folder: str) -> dict:
 
     path = os.path.join(folder, COMMON_FILE)
     if not os.path.isfile(path):
-        raise legacy.CheckpointError(f"{path} does not exist: {folder} is not a complete "
+        raise CheckpointError(f"{path} does not exist: {folder} is not a complete "
                                      "torch_dist checkpoint")
     common = load_torch_file(path, what="torch_dist common state")
     if not isinstance(common, dict) or common.get("format_version") is None:
-        raise legacy.CheckpointError(f"{path} is not the common part of a torch_dist checkpoint")
+        raise CheckpointError(f"{path} is not the common part of a torch_dist checkpoint")
     if common["format_version"] > FORMAT_VERSION:
-        raise legacy.CheckpointError(f"{path} has format version {common['format_version']}; this "
+        raise CheckpointError(f"{path} has format version {common['format_version']}; this "
                                      f"code reads up to {FORMAT_VERSION}")
     return common
 
@@ -378,7 +383,7 @@ def _prefer_fp32_weights(boxes, saved: set):
 def _restore_rng(common: dict, layout: Layout, folder: str, notes: list) -> None:
     rng = common.get("rng_state")
     if not rng:
-        raise legacy.CheckpointError(f"checkpoint {folder} holds no RNG state (saved with "
+        raise CheckpointError(f"checkpoint {folder} holds no RNG state (saved with "
                                      "--no-save-rng); pass --no-load-rng to start new RNG streams")
     if (rng["tp"], rng["pp"]) != (layout.tp_size, layout.pp_size):
         notes.append(f"(TP, PP) mismatch after resume ({(layout.tp_size, layout.pp_size)} vs "
@@ -389,7 +394,7 @@ def _restore_rng(common: dict, layout: Layout, folder: str, notes: list) -> None
     if rng["dp"] != layout.dp_size:
         notes.append(f"data-parallel size {rng['dp']} -> {layout.dp_size}: every data-parallel "
                      "rank takes the RNG state of data-parallel rank 0")
-    legacy.set_rng_state(per_dp[layout.dp_rank] if rng["dp"] == layout.dp_size else per_dp[0])
+    set_rng_state(per_dp[layout.dp_rank] if rng["dp"] == layout.dp_size else per_dp[0])
 
 
 def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bool):
@@ -405,7 +410,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
     finish = None
     if with_optimizer:
         if common.get("optimizer") is None:
-            raise legacy.CheckpointError(f"checkpoint {folder} holds no optimizer state (saved "
+            raise CheckpointError(f"checkpoint {folder} holds no optimizer state (saved "
                                          "with --no-save-optim); pass --no-load-optim or --finetune")
         targets = optimizer.sharded_load_targets(
             model_shardings(model_chunks, layout.tp_rank, layout.tp_size), saved)
@@ -414,7 +419,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
     try:
         boxes = dcp.check_fits(boxes, metadata, folder)
     except dcp.CheckpointFormatError as exc:
-        raise legacy.CheckpointError(str(exc)) from None
+        raise CheckpointError(str(exc)) from None
     return common, metadata, boxes, finish, notes
 
 
@@ -433,7 +438,7 @@ def _vocabulary_notes(boxes, shapes: dict, common: dict, folder: str) -> list:
             continue
         seen.add(b.key)
         if true is not None and min(rows, b.global_shape[0]) < true:
-            raise legacy.CheckpointError(
+            raise CheckpointError(
                 f"{folder}: {b.key} has {rows} vocabulary rows, this run {b.global_shape[0]}, "
                 f"fewer than the true vocabulary ({true}); check the tokenizer flags")
         notes.append(f"{b.key}: {rows} padded vocabulary rows saved, {b.global_shape[0]} in this "
@@ -456,7 +461,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
 
     Args:
         run_flags: this run's plain flags; with them an optimizer state saved in another
-            precision is refused (:func:`megatron.checkpointing.check_resume_precision`).
+            precision is refused (:func:`megatron.config.saved_args.check_resume_precision`).
 
     Raises:
         CheckpointError: on every rank, naming the file or tensor, if any rank cannot load.
@@ -465,23 +470,24 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     """
     weights_only = config.finetune
     with_optimizer = optimizer is not None and not weights_only and not config.no_load_optim
-    device = next(legacy.unwrap_model(model_chunks[0]).parameters()).device
+    device = next(unwrap_model(model_chunks[0]).parameters()).device
     error, prepared = None, None
     try:
         prepared = _prepare(folder, model_chunks, optimizer, layout, with_optimizer)
-    except (legacy.CheckpointError, dcp.CheckpointFormatError, ValueError) as exc:
-        error = exc if isinstance(exc, legacy.CheckpointError) else legacy.CheckpointError(str(exc))
-    if not legacy._all_ok(error is None, device):  # before DCP's collectives: no rank waits
-        raise error or legacy.CheckpointError(
+    except (CheckpointError, dcp.CheckpointFormatError, ValueError) as exc:
+        error = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
+    # Before DCP's collectives, so that no rank waits in them for one that failed.
+    if not checkpoint_folder.all_ranks_ok(error is None, device):
+        raise error or CheckpointError(
             f"loading the checkpoint {folder} failed on another rank (see its error)")
     common, metadata, boxes, finish, notes = prepared
     if with_optimizer and run_flags is not None and common.get("optimizer") is not None:
-        legacy.check_resume_precision(common.get("args") or {}, run_flags, config.load,
+        check_resume_precision(common.get("args") or {}, run_flags, config.load,
                                       common["iteration"])
     try:
         dcp.load(boxes, folder, process_group=group, metadata=metadata)
     except dcp.CheckpointFormatError as exc:
-        raise legacy.CheckpointError(str(exc)) from None
+        raise CheckpointError(str(exc)) from None
     if finish is not None:
         finish(common["optimizer"])
     elif optimizer is not None:
@@ -522,5 +528,5 @@ def read_tensors(folder: str, prefix: str = "model.") -> dict:
                  for k, (shape, dtype) in sorted(shapes.items()) if k.startswith(prefix)]
         dcp.load(boxes, folder, metadata=metadata, single_process=True)
     except dcp.CheckpointFormatError as exc:
-        raise legacy.CheckpointError(str(exc)) from None
+        raise CheckpointError(str(exc)) from None
     return {b.key[len(prefix):]: b.data for b in boxes}

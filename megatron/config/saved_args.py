@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.usage_error import UsageError
+
 # The --rope-scaling-* flags' defaults, recorded when the run does not scale RoPE.
 _ROPE_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0,
                   "rope_scaling_high_freq_factor": 4.0,
@@ -59,3 +61,30 @@ def checkpoint_args(config) -> dict:
                 out[f.name] = plain(getattr(part, f.name))
     out.update(implied_args(config))
     return dict(sorted(out.items()))
+
+
+def _precision(flags: dict) -> str | None:
+    if "bf16" not in flags and "fp16" not in flags:
+        return None
+    return "bf16" if flags.get("bf16") else "fp16" if flags.get("fp16") else "fp32"
+
+
+def check_resume_precision(saved_args: dict, run_flags: dict, load_dir: str, iteration) -> None:
+    """Refuse to resume an optimizer state saved in another precision (fp32 / bf16 / fp16): its
+    main parameters, moments and loss scaler belong to that precision's optimizer. Nothing is
+    checked when either side does not record its precision.
+
+    Raises:
+        UsageError: naming both precisions and the fixes (``--finetune``, ``--no-load-optim``).
+    """
+    saved, run = _precision(saved_args), _precision(run_flags)
+    if saved is None or run is None or saved == run:
+        return
+    flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "no --bf16 / --fp16"}
+    raise UsageError(
+        f"{'fp32' if run == 'fp32' else flag[run]}: the checkpoint at --load {load_dir} (iteration "
+        f"{iteration}) was saved in {saved} with its optimizer state, which this {run} run cannot "
+        "resume (the optimizer's main parameters, moments and loss scaling differ); pass "
+        "--finetune (weights only; iteration, optimizer and schedule start afresh) or "
+        "--no-load-optim (weights, iteration and schedule; a new optimizer state), or resume in "
+        f"{saved} ({flag[saved]})")

@@ -6,6 +6,13 @@ from __future__ import annotations
 from typing import List
 
 
+def unwrap_model(module):
+    """The bare model under DDP / mixed-precision wrappers (each exposes ``.module``)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 def get_layer_numbers(num_layers: int, pipeline_size: int, pipeline_rank: int) -> List[int]:
     """Global 1-based layer numbers held by a pipeline stage: a contiguous split, stage 0 first
     (Megatron-LM's ``get_num_layers`` / layer offset for the non-interleaved schedule).

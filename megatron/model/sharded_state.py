@@ -34,15 +34,10 @@ from typing import Dict
 import torch
 
 from megatron.core.dist_checkpointing.mapping import ParamSharding
+from megatron.model import unwrap_model
 
 # Global tensors whose first dimension is the padded vocabulary (padding depends on TP).
 _VOCABULARY = ("word_embeddings.weight", "output_layer.weight")
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _global_name(model, local: str) -> str:
@@ -65,7 +60,7 @@ def param_shardings(chunk, tp_rank: int, tp_size: int) -> Dict[str, ParamShardin
             possibly wrapped.
         tp_rank, tp_size: this rank's tensor-parallel rank and the tensor-parallel size.
     """
-    model = _unwrap(chunk)
+    model = unwrap_model(chunk)
     fused = {}
     for prefix, module in model.named_modules():
         blocks = getattr(module, "fused_row_blocks", None)
@@ -96,7 +91,7 @@ def model_shardings(model_chunks, tp_rank: int, tp_size: int) -> Dict[torch.nn.P
     """``{parameter: ParamSharding}`` over all chunks of this rank (the optimizers' view)."""
     out = {}
     for chunk in model_chunks:
-        named = dict(_unwrap(chunk).named_parameters())
+        named = dict(unwrap_model(chunk).named_parameters())
         for local, sharding in param_shardings(chunk, tp_rank, tp_size).items():
             out.setdefault(named[local], sharding)
     return out
@@ -106,7 +101,7 @@ def model_sharded_tensors(model_chunks, tp_rank: int, tp_size: int, prefix: str 
     """The boxes of every chunk's weights (views of the parameters: a load writes in place)."""
     boxes = []
     for chunk in model_chunks:
-        named = dict(_unwrap(chunk).named_parameters())
+        named = dict(unwrap_model(chunk).named_parameters())
         for local, sharding in param_shardings(chunk, tp_rank, tp_size).items():
             boxes += sharding.boxes(named[local].data, prefix)
     return boxes

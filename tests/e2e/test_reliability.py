@@ -30,7 +30,7 @@ KILL_POINTS = {  # point -> (function patched, its call number in the second sav
     "before the shard's rename": ("os.replace", 1, 1),
     "before publishing the folder": ("os.rename", 1, 1),
     "before replacing the tracker": ("os.replace", 2, 1),
-    "after the tracker, before --keep-last deletion": ("_fsync_dir", 1, 2),
+    "after the tracker, before --keep-last deletion": ("fsync_dir", 1, 2),
 }
 
 
@@ -120,12 +120,13 @@ def test_partial_or_corrupt_checkpoint_names_file_and_last_complete(tmp_path, ho
 def _rng_round_trip():
     import random
 
+    from megatron import rng_state
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
 
     ps.initialize_model_parallel(1, 1)
     model_parallel_manual_seed(3, 0)
-    state = ckpt.get_rng_state()
+    state = rng_state.get_rng_state()
     saved = torch.load(io.BytesIO(_saved(state)), weights_only=True)
 
     def draw():
@@ -134,7 +135,7 @@ def _rng_round_trip():
         return random.random(), np.random.rand(), torch.rand(1).item(), tracker
 
     first = draw()
-    ckpt.set_rng_state(saved)
+    rng_state.set_rng_state(saved)
     return first, draw()
 
 
@@ -155,7 +156,7 @@ def _fill_disk_after_first_save():
     """From the second checkpoint file on, rank 0's writes fail as on a full disk."""
     import errno
 
-    real, calls = ckpt._write_atomic, [0]
+    real, calls = ckpt.write_atomic, [0]
 
     def writer(obj, path):
         calls[0] += 1
@@ -163,7 +164,7 @@ def _fill_disk_after_first_save():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(obj, path)
 
-    ckpt._write_atomic = writer
+    ckpt.write_atomic = writer
 
 
 def _runs(cases):

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import torch
 
+from megatron import checkpoint_folder
 from megatron import checkpointing as ckpt
 
 
@@ -81,7 +82,7 @@ def crash_child(folder, function, call):
     ckpt.save_checkpoint(1, model, opt, None, checkpoint_config(folder), groups, run_flags={},
                          consumed_train_samples=8, consumed_valid_samples=0)
     model, opt = linear_and_adamw(2.0)
-    owner = {"torch.save": torch, "os.replace": os, "os.rename": os, "_fsync_dir": ckpt}
+    owner = {"torch.save": torch, "os.replace": os, "os.rename": os, "fsync_dir": checkpoint_folder}
     module, name = owner[function], function.split(".")[-1]
     real, calls = getattr(module, name), [0]
 

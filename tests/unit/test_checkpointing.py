@@ -87,7 +87,7 @@ def _failing_save(save_dir):
     if torch.distributed.get_rank() == 1:
         def full_disk(obj, path):
             raise OSError(28, "No space left on device")
-        ckpt._write_atomic = full_disk
+        ckpt.write_atomic = full_disk
     try:
         ckpt.save_checkpoint(2, model, opt, sched, config, current_groups(), run_flags={},
                              consumed_train_samples=16, consumed_valid_samples=0)

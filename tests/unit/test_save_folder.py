@@ -1,5 +1,5 @@
 """megatron.save_folder: an unusable --save is refused before training; one job per folder (the
-lock file); megatron.checkpointing.checkpoints_to_remove keeps the last good checkpoint."""
+lock file); megatron.checkpoint_folder.checkpoints_to_remove keeps the last good checkpoint."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from megatron import save_folder as sf
 from megatron.checkpoint_io import CheckpointError
-from megatron.checkpointing import checkpoints_to_remove
+from megatron.checkpoint_folder import checkpoints_to_remove
 from megatron.usage_error import UsageError
 
 

@@ -1,0 +1,149 @@
+"""The checkpoint folder both formats share (Megatron-LM's conventions): the tracker file
+``latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/`` and ``release/`` folders, staging in
+``iter_XXXXXXX.tmp/`` and publishing by rename then tracker replacement,
+``--keep-last-checkpoints``.
+
+Both :mod:`megatron.checkpointing` (``--ckpt-format torch``) and
+:mod:`megatron.checkpointing_torch_dist` (``torch_dist``) build on this module, which imports
+neither of them.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megatron import save_folder
+from megatron.checkpoint_io import CheckpointError
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+
+
+def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+    return os.path.join(checkpoints_path, TRACKER_FILENAME)
+
+
+def get_checkpoint_dir(checkpoints_path: str, iteration: int, release: bool = False) -> str:
+    return os.path.join(checkpoints_path, "release" if release else f"iter_{iteration:07d}")
+
+
+def read_metadata(tracker_filename: str) -> tuple[int, bool]:
+    """Parse the tracker file: ``(iteration, release)``.
+
+    Raises:
+        CheckpointError: if the file holds neither an integer nor ``release``.
+    """
+    with open(tracker_filename, encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, True
+    try:
+        return int(text), False
+    except ValueError:
+        raise CheckpointError(f"{tracker_filename} must hold an iteration number or 'release', "
+                              f"found {text[:40]!r}") from None
+
+
+def complete_checkpoints(checkpoints_path: str) -> list[str]:
+    """Finished checkpoint folders under ``checkpoints_path`` (``iter_*`` without ``.tmp``), oldest
+    first."""
+    dirs = [d for d in glob.glob(os.path.join(checkpoints_path, "iter_*"))
+            if os.path.isdir(d) and not d.endswith((".tmp", ".old"))]
+    return sorted(dirs)
+
+
+def checkpoint_iteration(folder: str) -> int | None:
+    """The iteration of a checkpoint folder ``.../iter_0000100`` (None for other names)."""
+    name = os.path.basename(os.path.normpath(folder))
+    digits = name[len("iter_"):]
+    return int(digits) if name.startswith("iter_") and digits.isdigit() else None
+
+
+def checkpoints_to_remove(save_dir: str, keep_last: int, final_dir: str, protect=()) -> list:
+    """The folders ``--keep-last-checkpoints keep_last`` deletes after ``final_dir`` is published:
+    the complete checkpoints of earlier iterations beyond the ``keep_last - 1`` newest of them,
+    except those in ``protect``. Checkpoints of later iterations than ``final_dir`` (a run resumed
+    from an older checkpoint left them) are neither counted nor deleted."""
+    if not keep_last:
+        return []
+    new = checkpoint_iteration(final_dir)
+    older = [d for d in complete_checkpoints(save_dir)
+             if (checkpoint_iteration(d) or 0) < new]
+    kept = {os.path.abspath(p) for p in protect if p}
+    surplus = older[:max(len(older) - (keep_last - 1), 0)]
+    return [d for d in surplus if os.path.abspath(d) not in kept]
+
+
+def write_atomic(obj, path: str) -> None:
+    """``torch.save`` to ``path.tmp``, flushed and fsynced, then renamed over ``path``."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def all_ranks_ok(ok: bool, device) -> bool:
+    """True when ``ok`` on every rank of the default group (one MIN all-reduce on ``device``)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def prepare_staging(save_dir: str, staging: str) -> None:
+    """Rank 0, before a save of either format writes anything: check that ``save_dir`` is still
+    this job's (:func:`megatron.save_folder.check_not_held_by_another_job`), remove ``staging``
+    (the leftover of a save of this iteration killed earlier) and create it afresh.
+
+    Raises:
+        CheckpointError: another job holds the folder now; nothing is touched.
+        OSError: ``staging`` cannot be created.
+    """
+    save_folder.check_not_held_by_another_job(save_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging, exist_ok=True)
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(save_dir, staging, final_dir, iteration, keep_last, protect=()) -> None:
+    """Rename the staged folder into place, then replace the tracker atomically; remove the
+    leftovers of killed saves and, with ``keep_last``, older checkpoints
+    (:func:`checkpoints_to_remove`; ``protect`` is kept)."""
+    old = final_dir + ".old"
+    if os.path.exists(final_dir):  # re-saving an iteration (after a restart)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final_dir, old)
+    os.rename(staging, final_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    tmp = tracker + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker)
+    fsync_dir(save_dir)  # make the renames themselves durable
+    # Staging folders of saves killed earlier: nothing points at them, and no other live job
+    # writes here (this one holds the folder's lock, checked at the start of the save).
+    for stale in glob.glob(os.path.join(save_dir, "iter_*.tmp")) + glob.glob(
+            os.path.join(save_dir, "iter_*.old")):
+        shutil.rmtree(stale, ignore_errors=True)
+    for d in checkpoints_to_remove(save_dir, keep_last, final_dir, protect):
+        shutil.rmtree(d, ignore_errors=True)

@@ -107,7 +107,8 @@ class MegatronOptimizer:
         return self._grad_norm_power().item() ** 0.5
 
     def _grad_norm_power(self) -> torch.Tensor:
-        """Sum of squares of the main grads of the whole model: a 0-dim fp32 device tensor."""
+        """Sum of squares of the main grads of the whole model: a 0-dim fp64 device tensor
+        (layout-exact to fp32 rounding: :func:`~megatron.core.optimizer.clip_grads.tensor_power_sums`)."""
         return grad_norm_power_fp32(self.get_main_grads_for_grad_norm(), 2.0,
                                     model_parallel_group=self.model_parallel_group,
                                     data_parallel_group=self._data_parallel_group())
@@ -174,7 +175,7 @@ class MegatronOptimizer:
         flag and the squared norm together); the fp16 scaler is updated after it."""
         power, grad_scale, skip = self.clip_grad_norm_on_device(found_inf)
         self.step_with_ready_grads(grad_scale=grad_scale, found_inf=skip)
-        flagged, power = torch.stack([found_inf, power.float()]).tolist()
+        flagged, power = torch.stack([found_inf.double(), power.double()]).tolist()
         if self.grad_scaler is not None:
             self.grad_scaler.update(flagged > 0)
         grad_norm = power ** 0.5 if self.config.clip_grad > 0 else None

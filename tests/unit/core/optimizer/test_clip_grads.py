@@ -85,3 +85,31 @@ def test_global_norm_tp2_pp2_equals_dense():
             torch.testing.assert_close(torch.tensor(grads[0]), w.chunk(2, 0)[tp], rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(torch.tensor(grads[1]), b, rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(torch.tensor(grads[2]), e.chunk(2, 0)[tp], rtol=1e-6, atol=1e-7)
+
+
+def test_squared_norm_is_layout_exact_at_millions_of_elements():
+    """The squared norm of a 4M-element gradient, whole or split as tensor parallelism splits it
+    (two row halves, two column halves, odd pieces), equals the fp64 sum within 1e-8 relative
+    (each fp32 row sum rounds by ~6e-8, at random). torch's ``_foreach_norm`` on the CPU (one fp32
+    accumulator per tensor) is off by more than 1e-6, and by a different amount for the halves:
+    that made the clip factor depend on the layout."""
+    from megatron.core.optimizer.clip_grads import grad_norm_power_fp32
+
+    g = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(0)) * 1e-3
+    exact = g.double().square().sum().item()
+
+    def power(grads):
+        return grad_norm_power_fp32(grads, model_parallel_group=None,
+                                    data_parallel_group=None).item()
+
+    layouts = {"whole": [g], "rows": list(g.chunk(2, 0)),
+               "columns": [c.contiguous() for c in g.chunk(2, 1)],
+               "odd pieces": [g.reshape(-1)[:1000003], g.reshape(-1)[1000003:]]}
+    for name, grads in layouts.items():
+        assert power(grads) == pytest.approx(exact, rel=1e-8), name
+
+    def foreach(grads):
+        return sum(n.double().item() ** 2 for n in torch._foreach_norm(grads))
+
+    whole, halves = foreach([g]), foreach(layouts["rows"])
+    assert abs(whole - exact) / exact > 1e-6 and abs(halves - whole) / exact > 1e-6

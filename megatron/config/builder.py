@@ -4,8 +4,9 @@
 ``main()`` parses, validates (``megatron.arguments.validate_args``, which fills Megatron's
 defaults: data-parallel size, ffn width, kv channels, lr decay length, ...), builds the tokenizer
 and calls :func:`build_config`; nothing below ``pretrain()`` reads the namespace. Derived here:
-the padded vocabulary, the parameter dtype, the RoPE scaling dict, the number of micro-batches,
-the iterations of a sample-based run and the schedule's lengths in samples.
+the padded vocabulary (and the true one, the tokenizer's), the parameter dtype, the RoPE scaling
+dict, the number of micro-batches, the iterations of a sample-based run and the schedule's lengths
+in samples.
 
 Every flag of ``megatron.arguments.build_parser`` lands in a field named like its ``dest``, or is
 listed in :data:`FLAGS_NOT_IN_CONFIG` with the reason (tested both ways).
@@ -120,13 +121,16 @@ def rope_scaling_from_args(args) -> Optional[dict]:
     return scaling
 
 
-def build_model_config(args, padded_vocab_size: Optional[int] = None) -> ModelConfig:
+def build_model_config(args, padded_vocab_size: Optional[int] = None,
+                       true_vocab_size: Optional[int] = None) -> ModelConfig:
     """The :class:`ModelConfig` of validated ``args``.
 
     Args:
         args: namespace after ``megatron.arguments.validate_args`` (or one restored from a
             checkpoint's ``args``).
         padded_vocab_size: rows of the embedding; default ``args.padded_vocab_size``.
+        true_vocab_size: the tokenizer's vocabulary (the real rows); default
+            ``args.true_vocab_size``, else None (every row real).
 
     Raises:
         ValueError: if the padded vocabulary size is unknown.
@@ -139,7 +143,9 @@ def build_model_config(args, padded_vocab_size: Optional[int] = None) -> ModelCo
     granularity = getattr(args, "recompute_granularity", None)
     if granularity is None and getattr(args, "recompute_activations", False):
         granularity = "selective"  # Megatron: --recompute-activations = selective granularity
-    return _from_args(ModelConfig, args, padded_vocab_size=vocab,
+    if true_vocab_size is None:
+        true_vocab_size = getattr(args, "true_vocab_size", None)
+    return _from_args(ModelConfig, args, padded_vocab_size=vocab, true_vocab_size=true_vocab_size,
                       params_dtype=params_dtype_from_args(args),
                       recompute_granularity=granularity, rope_scaling=rope_scaling_from_args(args))
 
@@ -191,7 +197,7 @@ def build_config(args, *, vocab_size: int):
                                      args.tensor_model_parallel_size)
     paths = {name: _tuple(getattr(args, name, None))
              for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path")}
-    return Config(model=build_model_config(args, padded),
+    return Config(model=build_model_config(args, padded, vocab_size),
                   parallel=_from_args(ParallelConfig, args),
                   optimizer=_from_args(OptimizerConfig, args),
                   scheduler=build_scheduler_config(args),

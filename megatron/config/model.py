@@ -34,6 +34,11 @@ class ModelConfig:
     max_position_embeddings: int
     """``--max-position-embeddings``: longest sequence (tokens) the rotary tables cover; flag
     default ``--seq-length``."""
+    true_vocab_size: Optional[int] = None
+    """Derived: the tokenizer's vocabulary size (ids ``0 .. true_vocab_size - 1`` are real). Rows
+    from it up to ``padded_vocab_size`` are padding: they start at zero, their logits never enter
+    the loss (training and evaluation, fused and unfused) nor a sample, so they get no gradient
+    and any padding gives the same loss. None: every row is real (models built in code)."""
     num_query_groups: Optional[int] = None
     """``--num-query-groups`` (with ``--group-query-attention``): key/value heads (GQA); equals
     ``num_attention_heads`` for plain multi-head attention (the default)."""
@@ -98,6 +103,9 @@ class ModelConfig:
     Default on."""
 
     def __post_init__(self):
+        if self.true_vocab_size is not None and not 0 < self.true_vocab_size <= self.padded_vocab_size:
+            raise ValueError(f"the vocabulary ({self.true_vocab_size} ids) must be positive and fit "
+                             f"the padded vocabulary ({self.padded_vocab_size} rows)")
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
         if self.num_query_groups is None:
@@ -107,3 +115,8 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def vocab_size(self) -> int:
+        """The real vocabulary rows: ``true_vocab_size``, or every row when it is None."""
+        return self.padded_vocab_size if self.true_vocab_size is None else self.true_vocab_size

@@ -76,7 +76,8 @@ def generate(model, prompts: Sequence[Sequence[int]], tokens_to_generate: int, *
     Args:
         model: one pipeline stage (``LlamaModel``), in eval mode.
         prompts: token ids per prompt (non-empty).
-        vocab_size: the true vocabulary size (padding ids are never sampled).
+        vocab_size: the true vocabulary size (padding ids are never sampled); default the
+            model's (``model.config.true_vocab_size``: a checkpoint's, as its args record it).
         seed: seed of the sampling generator.
         pg_collection: this rank's process groups
             (:class:`~megatron.core.process_groups.ProcessGroupCollection`; ``world_of_one()`` in
@@ -96,6 +97,8 @@ def generate(model, prompts: Sequence[Sequence[int]], tokens_to_generate: int, *
     if total > model.config.max_position_embeddings:
         raise ValueError(f"prompt ({max(lengths)}) + tokens to generate ({tokens_to_generate}) "
                          f"exceeds --max-position-embeddings ({model.config.max_position_embeddings})")
+    if vocab_size is None:
+        vocab_size = model.config.true_vocab_size
     b = len(prompts)
     tokens = torch.zeros(b, total, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):

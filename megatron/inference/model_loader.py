@@ -51,7 +51,7 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         num_layers=saved["num_layers"], hidden_size=saved["hidden_size"],
         ffn_hidden_size=saved["ffn_hidden_size"], num_attention_heads=saved["num_attention_heads"],
         num_query_groups=saved.get("num_query_groups"), kv_channels=saved.get("kv_channels"),
-        padded_vocab_size=saved["padded_vocab_size"],
+        padded_vocab_size=saved["padded_vocab_size"], true_vocab_size=saved.get("true_vocab_size"),
         max_position_embeddings=saved["max_position_embeddings"],
         norm_epsilon=saved.get("norm_epsilon", 1e-5), rotary_base=saved.get("rotary_base", 10000.0),
         rope_scaling=saved.get("rope_scaling"),

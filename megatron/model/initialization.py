@@ -46,6 +46,22 @@ def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return init_
 
 
+def init_vocab_rows(init_method: Callable[[torch.Tensor], torch.Tensor],
+                    vocab_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``init_method`` on the first ``vocab_size`` rows of a vocabulary weight ``[v_padded, h]``
+    (the master weight, before it is partitioned), zeros on the padding rows after them.
+
+    The real rows are the draws of a ``[vocab_size, h]`` tensor from the seeded generator, so they
+    do not depend on how many padding rows ``--make-vocab-size-divisible-by`` x TP adds; the
+    padding rows start at zero and, excluded from the loss, stay there.
+    """
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        init_method(tensor[:vocab_size])
+        tensor[vocab_size:].zero_()
+        return tensor
+    return init_
+
+
 def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """``N(0, std / sqrt(2 * num_layers))`` for output projections (Megatron's
     ``scaled_init_method_normal``; GPT-2 paper, section 2.3)."""

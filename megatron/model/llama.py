@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, TensorPa
                                                   linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.model.attention import check_attention_config
-from megatron.model.initialization import init_method_normal, init_seed
+from megatron.model.initialization import init_method_normal, init_seed, init_vocab_rows
 from megatron.model.recompute import forward_layers
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
@@ -116,7 +116,7 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
                     self.output_layer = ColumnParallelLinear(
                         config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
                         sequence_parallel=self.sequence_parallel,
-                        init_method=init_method_normal(config.init_method_std),
+                        init_method=self._vocab_init(),
                         params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
                         gradient_accumulation_fusion=config.gradient_accumulation_fusion)
             elif not pre_process:
@@ -131,11 +131,16 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
         c = self.config
         with init_seed(c.seed, 0, "word_embeddings"):
             return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
-                                          init_method=init_method_normal(c.init_method_std),
+                                          init_method=self._vocab_init(),
                                           params_dtype=c.params_dtype, device=device,
                                           tp_group=self.tp_group,
                                           reduce_scatter_embeddings=self.sequence_parallel,
                                           gradient_accumulation_fusion=c.gradient_accumulation_fusion)
+
+    def _vocab_init(self):
+        """N(0, std) on the real vocabulary rows, zero padding rows (layout-independent)."""
+        return init_vocab_rows(init_method_normal(self.config.init_method_std),
+                               self.config.vocab_size)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Give a non-first stage its input ``[s, b, h]`` (a list of one tensor is accepted, as
@@ -190,8 +195,11 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
                 KV cache for generation (pass ``position_ids`` of the new tokens then).
 
         Returns:
-            Last stage with labels: per-token loss ``[b, s]`` fp32 (unreduced). Last stage without
-            labels: logits ``[b, s, v/T]`` of this tensor-parallel rank's vocabulary partition.
+            Last stage with labels: per-token loss ``[b, s]`` fp32 (unreduced), a softmax over
+            the true vocabulary (``config.true_vocab_size``; the padding columns excluded). Last
+            stage without labels: logits ``[b, s, v/T]`` of this tensor-parallel rank's
+            vocabulary partition, padding columns included as computed (generation never
+            samples them: ``megatron.inference.sample``).
             Other stages: hidden ``[s, b, h]`` (``[s/T, b, h]`` with sequence parallelism) for the
             next stage.
 
@@ -235,11 +243,13 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             loss = linear_cross_entropy(
                 copy_to_tensor_model_parallel_region(hidden, self.tp_group), self._output_weight(),
                 labels.t(), tp_group=self.tp_group,
-                gradient_accumulation_fusion=self.config.gradient_accumulation_fusion)
+                gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+                vocab_size=self.config.true_vocab_size)
             return loss.t().contiguous()
         logits = self._logits(hidden)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous(),
-                                            tp_group=self.tp_group)
+                                            tp_group=self.tp_group,
+                                            vocab_size=self.config.true_vocab_size)
         return loss.t().contiguous()

@@ -15,7 +15,9 @@ product goes straight into ``main_grad`` under gradient-accumulation fusion. The
 Liger-Kernel's fused linear cross entropy and Megatron-Core's
 ``fused_vocab_parallel_cross_entropy``, without recomputing the logits.
 
-The loss, label smoothing and reductions over the tensor-parallel group are those of
+The loss, label smoothing, reductions over the tensor-parallel group and the exclusion of the
+vocabulary padding (its logits set to -inf in the buffer right after the product, so the padding
+adds nothing to the loss and gets zero gradient) are those of
 :mod:`megatron.core.tensor_parallel.cross_entropy` (Megatron-LM's ``_VocabParallelCrossEntropy``).
 
 Shapes: N = tokens (any leading dims flattened), h = hidden, v = padded vocabulary, T = TP size.
@@ -23,11 +25,14 @@ Shapes: N = tokens (any leading dims flattened), h = hidden, v = padded vocabula
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups import group_rank, group_size
-from megatron.core.tensor_parallel.cross_entropy import local_target
+from megatron.core.tensor_parallel.cross_entropy import (check_vocab_size, local_target,
+                                                        mask_padding, real_columns)
 from megatron.core.tensor_parallel.grad_accumulation import accumulator_of, linear_weight_grad
 from megatron.core.tensor_parallel.mappings import all_reduce
 
@@ -81,7 +86,8 @@ _POOL = _BufferPool()
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, label_smoothing, group, gradient_accumulation_fusion):
+    def forward(ctx, hidden, weight, target, label_smoothing, group, gradient_accumulation_fusion,
+                true_vocab_size):
         world, rank = group_size(group), group_rank(group)
         buf = _POOL.acquire(hidden.size(0), weight.size(0), hidden.device)
         if hidden.dtype == torch.float32:
@@ -89,15 +95,19 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         else:
             buf.copy_(torch.mm(hidden, weight.t()))
         partition_vocab_size = buf.size(-1)
-        vocab_size = partition_vocab_size * world
+        vocab_size = partition_vocab_size * world if true_vocab_size is None else true_vocab_size
+        real = real_columns(partition_vocab_size, rank, true_vocab_size)
+        mask_padding(buf, real)
         target_mask, masked_target = local_target(target, partition_vocab_size, rank, world)
         if world == 1 and not buf.is_cuda:
             # CPU only: the rare-row check below syncs with the host, which a GPU step must not.
-            loss, sum_exp = _softmax_in_place(buf, hidden, weight, target, label_smoothing), None
+            loss = _softmax_in_place(buf, hidden, weight[:real], target, label_smoothing, real)
+            sum_exp = None
         else:
             loss, sum_exp = _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing,
-                                                  vocab_size, group)
+                                                  vocab_size, real, group)
         ctx.label_smoothing, ctx.vocab_size, ctx.consumed = label_smoothing, vocab_size, False
+        ctx.real = real
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(hidden, weight, buf, sum_exp, target_mask, masked_target)
@@ -130,7 +140,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         target_weight = -unit * (~target_mask).to(unit.dtype)
         if ctx.label_smoothing > 0:
             smoothing = ctx.label_smoothing * ctx.vocab_size / (ctx.vocab_size - 1)
-            buf.sub_((unit * (smoothing / ctx.vocab_size)).unsqueeze(-1))
+            buf[:, :ctx.real].sub_((unit * (smoothing / ctx.vocab_size)).unsqueeze(-1))
             target_weight = target_weight * (1.0 - smoothing)
         buf.scatter_add_(-1, masked_target.unsqueeze(-1), target_weight.unsqueeze(-1))
         grad_logits = buf.to(hidden.dtype)
@@ -145,7 +155,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
                 ctx.gradient_accumulation_fusion, accumulator_of(ctx, 1))
         del grad_logits
         _POOL.release(buf)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 # Below this probability of the target (a loss above 69 nats) -log(p) is taken from a recomputed
@@ -153,20 +163,22 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
 _TINY_PROBABILITY = 1e-30
 
 
-def _softmax_in_place(buf, hidden, weight, target, label_smoothing):
-    """TP = 1: turn the logits ``buf`` into the softmax in place with torch's fused row-wise
-    kernel (one exponential per element, each row re-read from cache) and return the per-token
-    loss ``-log p[target]`` (with label smoothing, ``(1 - s) (lse - z_t) - s (mean z - lse)``)."""
-    vocab_size = buf.size(-1)
+def _softmax_in_place(buf, hidden, real_weight, target, label_smoothing, real):
+    """TP = 1: turn the logits ``buf`` (padding columns from ``real`` on already -inf) into the
+    softmax in place with torch's fused row-wise kernel (one exponential per element, each row
+    re-read from cache) and return the per-token loss ``-log p[target]`` (with label smoothing,
+    ``(1 - s) (lse - z_t) - s (mean z - lse)``, the mean over the ``real`` columns);
+    ``real_weight``: the output layer's real rows ``[real, h]``."""
+    vocab_size = real
     index = target.unsqueeze(-1)
     target_logit = buf.gather(-1, index).squeeze(-1)
-    mean_logit = buf.mean(dim=-1) if label_smoothing > 0 else None
+    mean_logit = buf[:, :real].mean(dim=-1) if label_smoothing > 0 else None
     torch.softmax(buf, dim=-1, out=buf)
     p = buf.gather(-1, index).squeeze(-1)
     log_sum_exp = target_logit - p.log()
     far = (p < _TINY_PROBABILITY).nonzero().squeeze(-1)
     if far.numel():  # rare: recompute those rows' logits and their log-sum-exp exactly
-        rows = hidden.index_select(0, far).matmul(weight.t()).float()
+        rows = hidden.index_select(0, far).matmul(real_weight.t()).float()
         log_sum_exp[far] = torch.logsumexp(rows, dim=-1)
     loss = log_sum_exp - target_logit
     if mean_logit is not None:
@@ -175,9 +187,12 @@ def _softmax_in_place(buf, hidden, weight, target, label_smoothing):
     return loss
 
 
-def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, vocab_size, group):
+def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, vocab_size, real,
+                          group):
     """Turn the logits ``buf`` into ``exp(z - max)`` (the max over the whole vocabulary) in row
-    chunks; return the per-token loss and the sums of the exponentials (both all-reduced)."""
+    chunks; return the per-token loss and the sums of the exponentials (both all-reduced).
+    ``vocab_size``: the true vocabulary K; ``real``: this rank's real columns (the others are
+    -inf: their exponentials are zero)."""
     world = group_size(group)
     rows = buf.size(0)
     predicted = buf.new_empty(rows)
@@ -192,7 +207,7 @@ def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, voca
         chunk.sub_(m.unsqueeze(-1))
         predicted[begin:end_row] = chunk.gather(-1, masked_target[begin:end_row].unsqueeze(-1)).squeeze(-1)
         if sum_shifted is not None:
-            sum_shifted[begin:end_row] = chunk.sum(dim=-1)
+            sum_shifted[begin:end_row] = chunk[:, :real].sum(dim=-1)
         chunk.exp_()
         sum_exp[begin:end_row] = chunk.sum(dim=-1)
         begin = end_row
@@ -209,7 +224,8 @@ def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, voca
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          label_smoothing: float = 0.0, *, tp_group,
-                         gradient_accumulation_fusion: bool = True) -> torch.Tensor:
+                         gradient_accumulation_fusion: bool = True,
+                         vocab_size: Optional[int] = None) -> torch.Tensor:
     """Per-token cross entropy of ``hidden @ weight.T`` over a vocabulary-parallel output layer.
 
     Equals ``vocab_parallel_cross_entropy(F.linear(hidden, weight).float(), target, ...)`` (same
@@ -226,21 +242,26 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         gradient_accumulation_fusion: accumulate the weight gradient straight into
             ``weight.main_grad`` when it has one (see
             :mod:`megatron.core.tensor_parallel.grad_accumulation`).
+        vocab_size: the true vocabulary K (``ModelConfig.true_vocab_size``): the rows of
+            ``weight`` from K on (over all ranks) are padding, excluded from the loss; their
+            gradient is zero. None: every row is real.
 
     Returns:
         loss ``[...]`` fp32 (unreduced). Backward may run once per forward (it reuses the buffer
         in place; a second backward through ``retain_graph=True`` raises RuntimeError).
 
     Raises:
-        ValueError: ``label_smoothing`` outside ``[0, 1)``, or shapes that disagree.
+        ValueError: ``label_smoothing`` outside ``[0, 1)``, shapes that disagree, or a
+            ``vocab_size`` above the padded vocabulary.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing ({label_smoothing}) must be in [0, 1)")
     if hidden.shape[:-1] != target.shape or hidden.size(-1) != weight.size(-1):
         raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and target "
                          f"{tuple(target.shape)}: need hidden [..., h], weight [v/T, h], target [...]")
+    check_vocab_size(vocab_size, weight.size(0), tp_group)
     lead = target.shape
     loss = _LinearVocabParallelCrossEntropy.apply(
         hidden.reshape(-1, hidden.size(-1)), weight, target.reshape(-1), float(label_smoothing),
-        tp_group, gradient_accumulation_fusion)
+        tp_group, gradient_accumulation_fusion, vocab_size)
     return loss.view(lead)

@@ -39,23 +39,37 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def tokenizer_of(args, saved: dict):
+    """The run's tokenizer: this tool's tokenizer flags, else the checkpoint's ``saved`` args.
+
+    A NullTokenizer is rebuilt from the run's ``--vocab-size`` (``saved["vocab_size"]``, as
+    pretrain_llama's checkpoints record it), not from the true vocabulary (``true_vocab_size``),
+    which counts the end-of-document id the tokenizer adds: one more. A converted checkpoint
+    records the true vocabulary only: ``--vocab-size`` is one less.
+    """
+    from megatron.tokenizer import build_tokenizer
+
+    tokenizer_type = args.tokenizer_type or saved.get("tokenizer_type")
+    vocab_size = saved.get("vocab_size")
+    if vocab_size is None and tokenizer_type == "NullTokenizer" and saved.get("true_vocab_size"):
+        vocab_size = saved["true_vocab_size"] - 1
+    return build_tokenizer(argparse.Namespace(
+        tokenizer_type=tokenizer_type,
+        tokenizer_model=args.tokenizer_model or saved.get("tokenizer_model"),
+        tokenizer_name_or_path=args.tokenizer_name_or_path or saved.get("tokenizer_name_or_path"),
+        vocab_size=vocab_size))
+
+
 def main(argv=None) -> list:
     """Generate; returns the texts (on every rank)."""
     from megatron.core import parallel_state as ps
     from megatron.inference import generate
     from megatron.inference.model_loader import checkpoint_args, load_model_for_inference
-    from megatron.tokenizer import build_tokenizer
     from megatron.training.initialize import initialize_distributed, select_device, shutdown
 
     args = parse_args(argv)
     saved = checkpoint_args(args.load)
-    tok_args = argparse.Namespace(
-        tokenizer_type=args.tokenizer_type or saved.get("tokenizer_type"),
-        tokenizer_model=args.tokenizer_model or saved.get("tokenizer_model"),
-        tokenizer_name_or_path=args.tokenizer_name_or_path or saved.get("tokenizer_name_or_path"),
-        # Converted checkpoints record true_vocab_size; pretrain_llama's record --vocab-size.
-        vocab_size=saved.get("true_vocab_size") or saved.get("vocab_size"))
-    tokenizer = build_tokenizer(tok_args)
+    tokenizer = tokenizer_of(args, saved)
     device = select_device(args.distributed_backend)
     created = initialize_distributed(args.distributed_backend)
     try:

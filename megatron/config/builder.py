@@ -203,5 +203,5 @@ def build_config(args, *, vocab_size: int):
                   scheduler=build_scheduler_config(args),
                   training=build_training_config(args),
                   data=_from_args(DataConfig, args, **paths),
-                  checkpoint=_from_args(CheckpointConfig, args, true_vocab_size=vocab_size),
+                  checkpoint=_from_args(CheckpointConfig, args),
                   logging=_from_args(LoggingConfig, args))

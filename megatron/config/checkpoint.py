@@ -40,6 +40,3 @@ class CheckpointConfig:
     keep_last_checkpoints: Optional[int] = None
     """``--keep-last-checkpoints``: delete older checkpoints, keeping this many. Default None
     (all)."""
-    true_vocab_size: Optional[int] = None
-    """Derived: the tokenizer's vocabulary before padding, recorded in checkpoints (HF export;
-    a torch_dist load at another padding checks it)."""

@@ -38,7 +38,9 @@ class ModelConfig:
     """Derived: the tokenizer's vocabulary size (ids ``0 .. true_vocab_size - 1`` are real). Rows
     from it up to ``padded_vocab_size`` are padding: they start at zero, their logits never enter
     the loss (training and evaluation, fused and unfused) nor a sample, so they get no gradient
-    and any padding gives the same loss. None: every row is real (models built in code)."""
+    and any padding gives the same loss. Recorded in checkpoints' args (HF export, inference; a
+    torch_dist load at another padding checks it). None: every row is real (models built in
+    code)."""
     num_query_groups: Optional[int] = None
     """``--num-query-groups`` (with ``--group-query-attention``): key/value heads (GQA); equals
     ``num_attention_heads`` for plain multi-head attention (the default)."""

@@ -33,6 +33,34 @@ def make_hf(folder: str, *, tie=False, rope_scaling=None, layers=2, groups=2, vo
     return model
 
 
+# pretrain_llama.py's flags of make_hf()'s model (untied; GQA 8 heads in 2 groups).
+HF_MODEL_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
+    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+    "--kv-channels", "8", "--max-position-embeddings", "256", "--norm-epsilon", "1e-6",
+    "--rotary-base", "50000", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+
+
+def one_document_dataset(prefix: str, seq: int, vocab: int) -> torch.Tensor:
+    """Write ``prefix.bin/.idx`` holding 50 copies of one random document of ``seq`` ids below
+    ``vocab - 1`` and return it: every training sample (``seq + 1`` consecutive tokens) is that
+    document followed by its first token, whatever the shuffle, so a test knows each batch."""
+    import numpy as np
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    doc = torch.randint(0, vocab - 1, (seq,), generator=torch.Generator().manual_seed(0))
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(50):
+        builder.add_item(doc.tolist())
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return doc
+
+
 def convert(*argv) -> str:
     from tools.checkpoint.convert import main
     return main([str(a) for a in argv])

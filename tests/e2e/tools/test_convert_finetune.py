@@ -4,24 +4,19 @@ starts from the HF model's loss; Llama-3.1 ``rope_scaling`` goes through the tra
 
 import argparse
 
-import numpy as np
 import pytest
 import torch
 
-from tests.helpers.convert import LLAMA3_SCALING, convert, make_hf
+from tests.helpers.convert import (HF_MODEL_FLAGS, LLAMA3_SCALING, convert, make_hf,
+                                   one_document_dataset)
 from tests.helpers.dist import run_distributed
 
 pytest.importorskip("transformers")
 
 SEQ, VOCAB = 64, 256  # NullTokenizer --vocab-size 255: ids 0..254 + EOD 255, no padding at TP=2
-FLAGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
-    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
-    "--kv-channels", "8", "--seq-length", str(SEQ), "--max-position-embeddings", "256",
-    "--norm-epsilon", "1e-6", "--rotary-base", "50000", "--untie-embeddings-and-output-weights",
-    "--use-rope-scaling", "--rope-scaling-factor", "8", "--rope-scaling-original-max-position-embeddings", "32",
-    "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--swiglu", "--hidden-dropout", "0", "--attention-dropout", "0",
+FLAGS = HF_MODEL_FLAGS + [
+    "--seq-length", str(SEQ), "--use-rope-scaling", "--rope-scaling-factor", "8",
+    "--rope-scaling-original-max-position-embeddings", "32",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
     "--make-vocab-size-divisible-by", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
     "--train-iters", "3", "--lr", "1e-3", "--min-lr", "1e-4", "--split", "100,0,0",
@@ -45,18 +40,9 @@ def converted(tmp_path_factory):
 
 
 def test_finetune_starts_at_hf_loss(converted):
-    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-
     root, model = converted
-    # Every document is the same SEQ tokens, so every training sample (SEQ + 1 consecutive
-    # tokens) is that document followed by its first token, whatever the shuffle.
-    doc = torch.randint(0, VOCAB - 1, (SEQ,), generator=torch.Generator().manual_seed(0))
     prefix = str(root / "data")
-    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for _ in range(50):
-        builder.add_item(doc.tolist())
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
+    doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = FLAGS + ["--load", str(root / "ours"), "--data-path", prefix,
                     "--data-cache-path", str(root / "cache")]
     history = run_distributed(2, _train, argv, timeout=300)[0]

@@ -11,7 +11,8 @@ vocabulary of 251 that every layout pads) -> ``tools/checkpoint/convert.py`` -> 
   by itself (measured at iteration 3: 2.2% at 1e-4, 1.3% at 1e-3; 0.27% here).
 - ``--lr 0``: after 3 iterations the saved weights equal the loaded ones exactly, for a
   ``--finetune`` load of the converter's release checkpoint and for a ``--no-load-optim`` load
-  (without ``--finetune``) of a training checkpoint.
+  (without ``--finetune``) of a training checkpoint; a ``--finetune`` load of a ``torch_dist``
+  checkpoint (saved at PP=2, read at TP=2) keeps its loss.
 - the training checkpoint exports back to HF (``--loader megatron --saver hf``, no
   ``--true-vocab-size``): the HF model's 251-row vocabulary and the loaded weights.
 """
@@ -65,7 +66,8 @@ def workflow(tmp_path_factory):
     runs = [
         ("fp32 tp2", argv("tp2", TP2, "--finetune", "--save", str(root / "trained"),
                           "--save-interval", str(ITERS))),
-        ("fp32 pp2", argv("pp2", PP2, "--finetune")),
+        ("fp32 pp2", argv("pp2", PP2, "--finetune", "--save", str(root / "dist"),
+                          "--save-interval", str(ITERS), "--ckpt-format", "torch_dist")),
         ("bf16 tp2", argv("tp2", TP2, "--finetune", "--bf16")),
         ("fp16 tp2", argv("tp2", TP2, "--finetune", "--fp16", "--use-distributed-optimizer")),
         ("bf16 pp2", argv("pp2", PP2, "--finetune", "--bf16", "--use-distributed-optimizer")),
@@ -77,6 +79,8 @@ def workflow(tmp_path_factory):
                                    "--use-distributed-optimizer", "--train-iters", str(2 * ITERS),
                                    "--save", str(root / "lr0_noopt"),
                                    "--save-interval", str(2 * ITERS))),
+        # the distributed checkpoint of the PP=2 run (251 rows), read at TP=2 (256 rows)
+        ("lr0 torch_dist", argv("dist", TP2, "--finetune", *lr0)),
     ]
     histories = run_distributed(2, run_many, runs, timeout=600)[-1]
     return root, hf_loss, {name: h["lm loss"] for name, h in histories.items()}
@@ -127,6 +131,11 @@ def test_lr0_saves_the_loaded_weights(workflow):
             assert torch.equal(after[key], tensor.to(torch.bfloat16)), (run, key)
         assert len(set(losses[run])) == 1, (run, losses[run])  # the same weights, the same batch
     assert abs(losses["lr0 finetune"][0] - hf_loss) <= 1e-2 * hf_loss
+    # a torch_dist --finetune load keeps its weights too: the loss stays that of the PP=2 run's
+    # weights after its 3 iterations
+    torch_dist = losses["lr0 torch_dist"]
+    assert len(set(torch_dist)) == 1, torch_dist
+    assert abs(torch_dist[0] - losses["fp32 pp2"][-1]) <= 1e-2 * hf_loss
 
 
 def test_training_checkpoint_exports_to_hf(workflow):

@@ -167,6 +167,11 @@ def test_generate_rebuilds_the_run_tokenizer_and_never_samples_padding(workflow)
     assert saved["true_vocab_size"] == VOCAB and saved["padded_vocab_size"] == 256
     tokenizer = generate.tokenizer_of(generate.parse_args(["--load", load, "--prompt", "1"]), saved)
     assert (tokenizer.vocab_size, tokenizer.eod) == (VOCAB, VOCAB - 1)
+    # a converted checkpoint records the true vocabulary only
+    converted = {"tokenizer_type": "NullTokenizer", "true_vocab_size": VOCAB}
+    tokenizer = generate.tokenizer_of(generate.parse_args(["--load", load, "--prompt", "1"]),
+                                      converted)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (VOCAB, VOCAB - 1)
     texts = run_distributed(2, generate.main, ["--load", load, "--prompt", "3 1 4 1 5",
                                                "--max-new-tokens", "16", "--greedy"])[0]
     ids = [int(w) for w in texts[0].split()]

@@ -205,6 +205,8 @@ def configure(argv=None):
         raise UsageError(str(exc)) from exc
     config = build_config(args, vocab_size=tokenizer.vocab_size)
     if int(os.environ.get("RANK", "0")) == 0:
+        from megatron.training.startup_report import print_arguments
+        print_arguments(args, tokenizer.vocab_size, config.model.padded_vocab_size)
         for message in arguments.report_ignored_flags(args):
             print(f" WARNING: {message}", flush=True)
     return config, tokenizer

@@ -33,6 +33,7 @@ from megatron.training.compile import compile_transformer_layers
 from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
 from megatron.training.microbatches import build_num_microbatches_calculator
 from megatron.training.resilience import ExitConditions, collective_guard
+from megatron.training.startup_report import StartupReport
 
 
 @dataclass
@@ -185,6 +186,7 @@ class _Trainer:
         logging, training = config.logging, config.training
         self.tb = TensorBoardLogger(logging.tensorboard_dir, logging.tensorboard_queue_size)
         self.memory_reported = False
+        self.logged_once = False  # the run's first iteration is logged whatever --log-interval
         self.peak_tflops = resolve_peak_tflops(logging.peak_tflops, logging.measure_peak,
                                                config.model.params_dtype, device)
         if self.peak_tflops is not None:
@@ -288,8 +290,11 @@ class _Trainer:
         self.tb.training(st.iteration, st.consumed_train_samples, learning_rate=lr,
                          batch_size=batch, losses=losses, grad_norm=grad_norm,
                          iteration_time_s=elapsed, loss_scale=loss_scale)
-        if st.iteration % config.logging.log_interval != 0:
+        # Megatron-LM logs every --log-interval iterations only; the first one is logged too, so
+        # a long interval does not leave the user without a sign that training runs.
+        if st.iteration % config.logging.log_interval != 0 and self.logged_once:
             return
+        self.logged_once = True
         per_iter = w["time"] / w["iters"]
         flops = num_floating_point_operations(config, batch)
         world = self.groups.world_size
@@ -501,14 +506,19 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
         ``final valid`` (dict or None).
     """
     start_time = time.time()  # --exit-duration-in-mins counts from here
-    device, created_group, groups = initialize_megatron(config)
+    report = StartupReport()
+    with report.phase("initialization"):
+        device, created_group, groups = initialize_megatron(config)
     trainer = ckpt_group = lock = None
     timeout = config.parallel.distributed_timeout_minutes
     try:
         # Before the model is built: an unusable --save, or one another job holds, stops here.
         lock = save_folder.hold_save_folder(config, device)
-        model, optimizer, scheduler = builders.setup_model_and_optimizer(
-            config, model_provider, groups, device)
+        report.print_layout(groups, use_distributed_optimizer=config.optimizer.use_distributed_optimizer)
+        with report.phase("model-and-optimizer-setup"):
+            model, optimizer, scheduler = builders.setup_model_and_optimizer(
+                config, model_provider, groups, device)
+        report.print_parameters(model, groups)
         if config.training.compile:
             print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "
                          "compiled per rank (torch.compile)")
@@ -516,7 +526,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
         if config.checkpoint.save or config.checkpoint.load:
             ckpt_group = torch_dist.checkpoint_group(timeout)
         if config.checkpoint.load:
-            with collective_guard("the checkpoint load", timeout):
+            with report.phase("checkpoint-load"), collective_guard("the checkpoint load", timeout):
                 loaded = checkpointing.load_checkpoint(model, optimizer, scheduler,
                                                        config.checkpoint, groups,
                                                        run_flags=checkpoint_args(config),
@@ -528,9 +538,12 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
             _convert_checkpoint(config, state, model, optimizer, scheduler, groups, device,
                                 ckpt_group)
             return state.history
-        iterators = builders.build_data_iterators(config, datasets_provider, groups,
-                                                  state.consumed_train_samples,
-                                                  state.consumed_valid_samples)
+        with report.phase("train/valid/test-data-iterators-setup"):
+            iterators = builders.build_data_iterators(config, report.recording(datasets_provider),
+                                                      groups, state.consumed_train_samples,
+                                                      state.consumed_valid_samples)
+        report.print_datasets(groups)
+        report.print_timings(groups, device)
         trainer = _Trainer(config, groups, device, forward_step_func, model, optimizer, scheduler,
                            iterators, builders.schedule_config(config, model, groups, optimizer),
                            state, start_time, ckpt_group)

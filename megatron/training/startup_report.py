@@ -1,0 +1,220 @@
+"""The start-up report of a training run, printed by rank 0 before the first iteration, in
+Megatron-LM's formats where Megatron-LM prints the same thing.
+
+What a Megatron-LM user looks for, in the order it appears:
+
+* the ``------------------------ arguments ------------------------`` block: every argument,
+  sorted case-insensitively, dot-padded to column 48 (Megatron-LM's ``_print_args``);
+* ``> padded vocab (size: V) with P dummy tokens (new size: N)`` (its ``_vocab_size_with_padding``);
+* the layout: world size as TP x PP x DP x CP, virtual pipeline stages, the ZeRO strategy, and
+  the ranks of each process group of rank 0 (ours: Megatron prints only the sizes);
+* ``> number of parameters on (tensor, pipeline) model parallel rank (t, p): N`` for every
+  (t, p) (Megatron-LM prints it from each data-parallel rank 0; here rank 0 gathers and prints
+  them in order), then the model's total (the tied copy of the word embeddings on the last
+  pipeline stage counted once);
+* documents, tokens, samples and epochs of each data split;
+* ``(min, max) time across ranks (ms):`` of each start-up phase, Megatron-LM's timer block
+  (``Timers.log``): initialization, model-and-optimizer-setup, checkpoint-load,
+  train/valid/test-data-iterators-setup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SPLITS = ("train", "validation", "test")
+
+
+def format_arguments(values: dict, title: str = "arguments") -> str:
+    """Megatron-LM's argument block: one ``  name ..... value`` line per argument, the name
+    padded with dots to 48 characters, lines sorted case-insensitively, between a title line and
+    an end line."""
+    lines = ["  {} {} {}".format(name, "." * (48 - len(name)), value)
+             for name, value in values.items()]
+    return "\n".join([f"------------------------ {title} ------------------------",
+                      *sorted(lines, key=str.lower),
+                      f"-------------------- end of {title} ---------------------"])
+
+
+def format_padded_vocab(vocab_size: int, padded_vocab_size: int) -> str:
+    """Megatron-LM's line about the vocabulary padding (rows added so that every
+    tensor-parallel partition of the embedding has equal, aligned rows)."""
+    return (f" > padded vocab (size: {vocab_size}) with {padded_vocab_size - vocab_size} dummy "
+            f"tokens (new size: {padded_vocab_size})")
+
+
+def print_arguments(args, vocab_size: int, padded_vocab_size: int) -> None:
+    """Print the argument block and the padded-vocabulary line (the caller runs it on rank 0,
+    after validation, as Megatron-LM does)."""
+    print(format_arguments(vars(args)), flush=True)
+    print(format_padded_vocab(vocab_size, padded_vocab_size), flush=True)
+
+
+def format_layout(groups, *, use_distributed_optimizer: bool) -> List[str]:
+    """The parallel layout and the ranks of each of this rank's groups.
+
+    Args:
+        groups: this rank's :class:`~megatron.core.process_groups.ProcessGroupCollection`.
+        use_distributed_optimizer: ``--use-distributed-optimizer`` (ZeRO-1: optimizer state and
+            fp32 main parameters sharded over the data x context-parallel group).
+    """
+    vp = groups.virtual_pipeline_model_parallel_size
+    zero = ("ZeRO-1 (--use-distributed-optimizer: optimizer state and fp32 main parameters "
+            f"sharded over the {groups.dp_cp.size} data x context-parallel ranks)"
+            if use_distributed_optimizer else
+            "none (every data-parallel rank holds the whole optimizer state)")
+    lines = [f" > parallel layout: world size {groups.world_size} = tensor (TP) {groups.tp.size} x "
+             f"pipeline (PP) {groups.pp.size} x data (DP) {groups.dp.size} x context (CP) "
+             f"{groups.cp.size}; virtual pipeline (VP) stages per pipeline rank: "
+             f"{vp if vp is not None else 'none'}; ZeRO: {zero}"]
+    kinds = (("tensor", groups.tp), ("pipeline", groups.pp), ("data", groups.dp),
+             ("context", groups.cp), ("data x context", groups.dp_cp), ("model", groups.model),
+             ("embedding", groups.embedding))
+    parts = [f"{name} {list(g.ranks)} (rank {g.rank})" for name, g in kinds if g.is_member]
+    lines.append(f" > process groups of rank {groups.rank}: " + " | ".join(parts))
+    return lines
+
+
+def count_parameters(model_chunks) -> tuple[int, int]:
+    """``(parameters, tied copies)`` of this rank's model chunks: every element of every
+    parameter (Megatron-LM's count), and those of the last stage's copy of the word embeddings
+    (``word_embeddings_for_head``, tied weights with PP > 1), which the model's total counts once."""
+    total = copies = 0
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        total += sum(p.nelement() for p in module.parameters())
+        head = getattr(module, "word_embeddings_for_head", None)
+        if head is not None:
+            copies += sum(p.nelement() for p in head.parameters())
+    return total, copies
+
+
+def format_parameter_counts(rows: Iterable[tuple]) -> List[str]:
+    """Megatron-LM's per-(tensor, pipeline)-rank parameter lines, then the total.
+
+    Args:
+        rows: ``(tp_rank, pp_rank, parameters, tied_copies)`` of every rank; duplicates of one
+            (tp_rank, pp_rank) (its data- and context-parallel replicas) are counted once.
+    """
+    unique = {}
+    for tp_rank, pp_rank, count, copies in rows:
+        unique.setdefault((tp_rank, pp_rank), (count, copies))
+    lines = [f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}"
+             for (t, p), (n, _) in sorted(unique.items())]
+    total = sum(n - c for n, c in unique.values())
+    scaled = f"{total / 1e9:.3f} B" if total >= 1e9 else f"{total / 1e6:.3f} M"
+    lines.append(f" > total number of parameters: {total} ({scaled})")
+    return lines
+
+
+def dataset_summary(dataset) -> dict:
+    """Documents, tokens, samples and epochs of one split's dataset (a
+    :class:`~megatron.data.gpt_dataset.GPTDataset` or a blend of them: the blend's own samples,
+    the components' documents and tokens summed, their largest epoch count)."""
+    from megatron.data.gpt_dataset import get_num_epochs
+
+    parts = getattr(dataset, "datasets", None) or [dataset]
+    documents = tokens = epochs = 0
+    for part in parts:
+        sizes = np.asarray(part.indexed_dataset.sizes)
+        part_tokens = int(np.sum(sizes[part.documents], dtype=np.int64))
+        documents += len(part.documents)
+        tokens += part_tokens
+        # The epochs the sample index spans (its last sample may end inside the last one).
+        epochs = max(epochs, get_num_epochs(part_tokens, part.seq_length, len(part)))
+    return {"documents": documents, "tokens": tokens, "samples": len(dataset), "epochs": epochs}
+
+
+def format_datasets(datasets: Sequence) -> List[str]:
+    """One line per split: documents, tokens, samples and epochs, or ``none``."""
+    lines = []
+    for name, dataset in zip(SPLITS, datasets):
+        if dataset is None or len(dataset) == 0:
+            lines.append(f" > {name} split: none")
+            continue
+        s = dataset_summary(dataset)
+        blend = getattr(dataset, "datasets", None)
+        lines.append(f" > {name} split: documents: {s['documents']} | tokens: {s['tokens']} | "
+                     f"samples: {s['samples']} | epochs: {s['epochs']}"
+                     + (f" | blend of {len(blend)} datasets" if blend else ""))
+    return lines
+
+
+def format_timings(timings: dict) -> str:
+    """Megatron-LM's timer block: ``(min, max) time across ranks (ms):`` then one line per
+    phase, ``{name} ....: (min, max)``.
+
+    Args:
+        timings: ``{phase: (min_ms, max_ms)}`` in the order of the phases.
+    """
+    lines = ["(min, max) time across ranks (ms):"]
+    lines += ["    {}: ({:.2f}, {:.2f})".format((name + " ").ljust(48, "."), low, high)
+              for name, (low, high) in timings.items()]
+    return "\n".join(lines)
+
+
+class StartupReport:
+    """Times the start-up phases of :func:`megatron.training.train.pretrain` and prints the
+    report's parts on rank 0 as they become known. The methods that gather (parameters,
+    timings) are collectives: every rank calls them."""
+
+    def __init__(self):
+        self.seconds: dict = {}
+        self.datasets: Optional[tuple] = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time the block as phase ``name`` (seconds of this rank, summed over repeats)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def recording(self, datasets_provider: Callable) -> Callable:
+        """``datasets_provider`` that also keeps the datasets it returns, for
+        :meth:`print_datasets`."""
+        def provider(*args, **kwargs):
+            self.datasets = tuple(datasets_provider(*args, **kwargs))
+            return self.datasets
+        return provider
+
+    @staticmethod
+    def print_layout(groups, *, use_distributed_optimizer: bool) -> None:
+        if groups.rank == 0:
+            print("\n".join(format_layout(groups, use_distributed_optimizer=use_distributed_optimizer)),
+                  flush=True)
+
+    @staticmethod
+    def print_parameters(model_chunks, groups) -> None:
+        count, copies = count_parameters(model_chunks)
+        row = (groups.tp.rank, groups.pp.rank, count, copies)
+        rows = [row]
+        if groups.world_size > 1:
+            rows = [None] * groups.world_size
+            dist.all_gather_object(rows, row)
+        if groups.rank == 0:
+            print("\n".join(format_parameter_counts(rows)), flush=True)
+
+    def print_datasets(self, groups) -> None:
+        if groups.rank == 0 and self.datasets is not None:
+            print("\n".join(format_datasets(self.datasets)), flush=True)
+
+    def print_timings(self, groups, device: torch.device) -> None:
+        names = list(self.seconds)
+        ms = torch.tensor([self.seconds[n] * 1000.0 for n in names], dtype=torch.float64,
+                          device=device)
+        low, high = ms.clone(), ms.clone()
+        if groups.world_size > 1:
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if groups.rank == 0:
+            print(format_timings({n: (float(a), float(b))
+                                  for n, a, b in zip(names, low.tolist(), high.tolist())}),
+                  flush=True)

@@ -26,7 +26,7 @@ import glob
 import os
 from typing import Callable, List, Optional
 
-from megatron import arguments_validation
+from megatron import arguments_help, arguments_validation
 from megatron.tokenizer import add_tokenizer_args
 from megatron.usage_error import UsageError
 
@@ -53,7 +53,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None,
         add(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
-    return parser
+    return arguments_help.apply_help(parser)
 
 
 def parse_args(argv: Optional[List[str]] = None,

@@ -60,6 +60,22 @@ def tokenizer_of(args, saved: dict):
         vocab_size=vocab_size))
 
 
+def layout_error(saved: dict, load: str, world_size: int):
+    """The message when ``world_size`` processes cannot run the checkpoint's TP x PP layout
+    (they must be a multiple of it), else None."""
+    tp = saved.get("tensor_model_parallel_size", 1) or 1
+    pp = saved.get("pipeline_model_parallel_size", 1) or 1
+    if world_size % (tp * pp) == 0:
+        return None
+    return (f"tools/generate.py: error: the checkpoint in --load {load} is cut for tensor-parallel "
+            f"size {tp} x pipeline-parallel size {pp} and needs {tp * pp} processes (or a "
+            f"multiple); this run has {world_size}. Launch it with torchrun: torchrun "
+            f"--nproc-per-node {tp * pp} tools/generate.py --load {load} ..., or reshard it for "
+            f"one process first: python tools/checkpoint/convert.py --loader megatron --saver "
+            f"megatron --load-dir {load} --save-dir {load.rstrip('/')}_tp1pp1 "
+            "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1")
+
+
 def main(argv=None) -> list:
     """Generate; returns the texts (on every rank)."""
     from megatron.core import parallel_state as ps
@@ -69,6 +85,13 @@ def main(argv=None) -> list:
 
     args = parse_args(argv)
     saved = checkpoint_args(args.load)
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    error = layout_error(saved, args.load, world)
+    if error:
+        print(error, file=sys.stderr, flush=True)
+        raise SystemExit(2)
     tokenizer = tokenizer_of(args, saved)
     device = select_device(args.distributed_backend)
     created = initialize_distributed(args.distributed_backend)
@@ -88,7 +111,6 @@ def main(argv=None) -> list:
                        vocab_size=saved.get("true_vocab_size") or tokenizer.vocab_size,
                        eod=eod, seed=args.seed, device=device, pg_collection=groups)
         texts = [tokenizer.detokenize(ids) for ids in out]
-        import torch.distributed as dist
         if dist.get_rank() == 0:
             for text in texts:
                 print(f"--- sample ---\n{text}", flush=True)

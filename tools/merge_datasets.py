@@ -23,7 +23,8 @@ from megatron.data.indexed_dataset import (  # noqa: E402
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True,
                         help="A folder of .bin/.idx pairs, or the prefixes to merge (without .bin/.idx).")
     parser.add_argument("--output-prefix", type=str, required=True,

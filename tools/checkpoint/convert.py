@@ -40,26 +40,67 @@ LOADERS = {"hf": "loader_hf", "megatron": "loader_megatron", "megatron-lm": "loa
 SAVERS = {"megatron": "saver_megatron", "hf": "saver_hf"}
 
 
+def _module(kind: str, name: str):
+    return importlib.import_module(f"tools.checkpoint.{(LOADERS if kind == 'loader' else SAVERS)[name]}")
+
+
+def loader_saver_flags_help() -> str:
+    """The own flags of every loader and saver, one section each (``--help`` shows them whatever
+    ``--loader`` and ``--saver`` are given)."""
+    formatter = argparse.HelpFormatter("convert.py")
+    for kind, table in (("loader", LOADERS), ("saver", SAVERS)):
+        names = {}
+        for name, module in table.items():
+            names.setdefault(module, []).append(name)
+        for module, aliases in names.items():
+            scratch = argparse.ArgumentParser(add_help=False)
+            _module(kind, aliases[0]).add_arguments(scratch)
+            actions = [a for a in scratch._actions if a.option_strings]
+            formatter.start_section(f"--{kind} {' / '.join(aliases)}: its own flags")
+            if actions:
+                formatter.add_arguments(actions)
+            else:
+                formatter.add_text("(none)")
+            formatter.end_section()
+    return formatter.format_help()
+
+
 def build_parser(argv=None):
+    """The parser with the general flags and those of the chosen loader and saver (with
+    ``--help``: every loader's and saver's flags in the epilog). Returns
+    ``(parser, loader module, saver module)``; the modules are None when not chosen (argparse
+    then refuses the missing --loader / --saver)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    wants_help = any(a in ("-h", "--help") for a in argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=loader_saver_flags_help() if wants_help else None,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-type", default="GPT", choices=["GPT"],
                         help="only GPT (decoder-only LLaMA) models")
-    parser.add_argument("--loader", required=True, choices=sorted(LOADERS))
-    parser.add_argument("--saver", required=True, choices=sorted(SAVERS))
-    parser.add_argument("--load-dir", required=True)
-    parser.add_argument("--save-dir", required=True)
-    parser.add_argument("--target-tensor-parallel-size", type=int, default=None)
-    parser.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    parser.add_argument("--loader", required=True, choices=sorted(LOADERS),
+                        help="format of --load-dir: hf (a Hugging Face folder), megatron / "
+                             "megatron-lm (Megatron-LM's or ours), megatron-llama")
+    parser.add_argument("--saver", required=True, choices=sorted(SAVERS),
+                        help="format to write: megatron (ours, Megatron's layout) or hf")
+    parser.add_argument("--load-dir", required=True, help="checkpoint folder to read")
+    parser.add_argument("--save-dir", required=True, help="folder to write")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                        help="TP of the written checkpoint (default: the source's)")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                        help="PP of the written checkpoint (default: the source's)")
     parser.add_argument("--target-params-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="dtype of the written weights (default: the source's)")
     parser.add_argument("--include-optimizer", action="store_true",
                         help="also convert the optimizer state (megatron loader and saver only)")
-    known, _ = parser.parse_known_args(argv)
-    loader = importlib.import_module(f"tools.checkpoint.{LOADERS[known.loader]}")
-    saver = importlib.import_module(f"tools.checkpoint.{SAVERS[known.saver]}")
-    loader.add_arguments(parser)
-    saver.add_arguments(parser)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--loader", choices=sorted(LOADERS))
+    pre.add_argument("--saver", choices=sorted(SAVERS))
+    known, _ = pre.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    loader = _module("loader", known.loader) if known.loader else None
+    saver = _module("saver", known.saver) if known.saver else None
+    for module in (loader, saver):
+        if module is not None:
+            module.add_arguments(parser)
     return parser, loader, saver
 
 

@@ -100,3 +100,23 @@ def test_generate_tool_prints_greedy_sample(tmp_path, shared_data):
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--- sample ---\nTo be, or not" in out.stdout
+
+
+def test_without_torchrun_at_tp_pp_above_one_names_torchrun_and_reshard(checkpoints):
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import ROOT
+
+    load = str(checkpoints / "tp2pp2")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", load,
+                           "--prompt", "hi"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "tensor-parallel size 2 x pipeline-parallel size 2 and needs 4 processes" in lines[0]
+    assert f"torchrun --nproc-per-node 4 tools/generate.py --load {load}" in lines[0]
+    assert "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1" in lines[0]

@@ -88,3 +88,15 @@ def test_missing_and_corrupt_inputs(tmp_path, capsys):
     assert main(["--input", a, "--output-prefix", a]) == 2
     assert "one of the inputs" in capsys.readouterr().err
     assert not os.path.exists(str(tmp_path / "m.bin"))
+
+
+def test_help_gives_the_whole_description(capsys):
+    import pytest
+
+    from tools import merge_datasets
+
+    with pytest.raises(SystemExit):
+        merge_datasets.get_args(["--help"])
+    text = capsys.readouterr().out
+    assert "keeping every document boundary (Megatron's\n``tools/merge_datasets.py``)." in text
+    assert "--input is a folder" in text.replace("``", "") and "renamed when complete" in text

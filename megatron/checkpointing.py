@@ -227,6 +227,13 @@ def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
     return read_metadata(tracker)
 
 
+def weights_will_be_loaded(config) -> bool:
+    """True when :func:`load_checkpoint` will fill every model parameter (``--load`` names a
+    checkpoint: strict loads refuse a missing tensor), so the model need not draw initial
+    weights. ``config``: the run's :class:`~megatron.config.CheckpointConfig`."""
+    return bool(config.load) and find_checkpoint(config.load) is not None
+
+
 def check_state_dict_shapes(model_state: dict, ckpt_state: dict, path: str) -> None:
     """Raise :class:`CheckpointError` naming the first tensor whose name or shape differs."""
     missing = [k for k in model_state if k not in ckpt_state]

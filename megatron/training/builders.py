@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
+
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import PipelineConfig
 
 
-def build_model_chunks(config, model_provider, pg_collection, device) -> list:
+def build_model_chunks(config, model_provider, pg_collection, device, *,
+                       weights_from_checkpoint: bool = False) -> list:
     """This rank's model chunks, unwrapped: one, or with virtual pipeline stages one per virtual
     rank (Megatron-Core's ``get_model``): chunk ``v`` is built by the provider with
     ``vp_stage=v``, so it picks the layers of virtual stage ``v * PP + rank``; only chunk 0 of
@@ -19,17 +22,27 @@ def build_model_chunks(config, model_provider, pg_collection, device) -> list:
     the loss (``post_process``).
 
     ``model_provider(config, pg_collection, device, *, pre_process, post_process, vp_stage)``.
+    With ``weights_from_checkpoint`` (a checkpoint will be loaded into every parameter) the
+    chunks are built on the meta device and given uninitialised storage on ``device``: no random
+    initial weights are drawn (:mod:`megatron.model.materialize`).
     """
+    from megatron.model.materialize import materialize
+
     vp = pg_collection.virtual_pipeline_model_parallel_size
     stages = [None] if vp is None else range(vp)
-    return [model_provider(config, pg_collection, device,
-                           pre_process=pg_collection.is_pipeline_first_stage(v),
-                           post_process=pg_collection.is_pipeline_last_stage(v), vp_stage=v)
-            for v in stages]
+    build_on = torch.device("meta") if weights_from_checkpoint else device
+    chunks = [model_provider(config, pg_collection, build_on,
+                             pre_process=pg_collection.is_pipeline_first_stage(v),
+                             post_process=pg_collection.is_pipeline_last_stage(v), vp_stage=v)
+              for v in stages]
+    return [materialize(chunk, device) for chunk in chunks] if weights_from_checkpoint else chunks
 
 
-def setup_model_and_optimizer(config, model_provider, pg_collection, device):
-    """This rank's model chunks (each wrapped for data parallelism), optimizer and lr scheduler.
+def setup_model_and_optimizer(config, model_provider, pg_collection, device, *,
+                              weights_from_checkpoint: bool = False):
+    """This rank's model chunks (each wrapped for data parallelism), optimizer and lr scheduler;
+    ``weights_from_checkpoint``: see :func:`build_model_chunks` (the caller then loads a
+    checkpoint into every parameter before the first step).
 
     Returns:
         ``(ddp_chunks, optimizer, opt_param_scheduler)``; one chunk, or one per virtual pipeline
@@ -48,7 +61,8 @@ def setup_model_and_optimizer(config, model_provider, pg_collection, device):
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
         overlap_param_gather=parallel.overlap_param_gather)
-        for model in build_model_chunks(config, model_provider, pg_collection, device)]
+        for model in build_model_chunks(config, model_provider, pg_collection, device,
+                                        weights_from_checkpoint=weights_from_checkpoint)]
     optimizer = get_megatron_optimizer(config.optimizer, chunks, pg_collection=pg_collection)
     scheduler = build_opt_param_scheduler(optimizer, config.optimizer, config.scheduler)
     return chunks, optimizer, scheduler

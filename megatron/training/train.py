@@ -517,7 +517,8 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
         report.print_layout(groups, use_distributed_optimizer=config.optimizer.use_distributed_optimizer)
         with report.phase("model-and-optimizer-setup"):
             model, optimizer, scheduler = builders.setup_model_and_optimizer(
-                config, model_provider, groups, device)
+                config, model_provider, groups, device,
+                weights_from_checkpoint=checkpointing.weights_will_be_loaded(config.checkpoint))
         report.print_parameters(model, groups)
         if config.training.compile:
             print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "

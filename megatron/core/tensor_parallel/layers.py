@@ -41,8 +41,10 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 def _master_partition(full_shape, partition_dim: int, init_method: Callable, world: int, rank: int,
                       params_dtype: torch.dtype, device, what: str) -> nn.Parameter:
     """Initialise the full fp32 master weight on CPU, keep this rank's slice along
-    ``partition_dim``, cast and move it."""
-    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+    ``partition_dim``, cast and move it. On the meta device nothing is drawn or allocated (the
+    weights a checkpoint will fill; :func:`megatron.model.materialize.materialize`)."""
+    on_meta = device is not None and torch.device(device).type == "meta"
+    master = torch.empty(full_shape, dtype=torch.float32, device="meta" if on_meta else "cpu")
     init_method(master)
     part = partition_rows(master, partition_dim, world, rank, what)
     del master

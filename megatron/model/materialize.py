@@ -16,10 +16,12 @@ def is_meta(module: nn.Module) -> bool:
 
 
 def materialize(module: nn.Module, device) -> nn.Module:
-    """Give every meta parameter and buffer of ``module`` uninitialised storage on ``device``,
-    in place; each new parameter keeps the old one's attributes (``tensor_model_parallel``,
+    """Give every meta parameter and buffer of ``module`` zero-filled storage on ``device``, in
+    place; each new parameter keeps the old one's attributes (``tensor_model_parallel``,
     ``partition_dim``, ``shared_embedding``, ...) and ``requires_grad``, and a parameter shared by
-    two modules stays shared. The values are garbage until a checkpoint is loaded into them.
+    two modules stays shared. Zeros, not uninitialised memory: what a load leaves unfilled (the
+    extra padding rows of the vocabulary when a distributed checkpoint was saved with another
+    padding) must not be garbage; the fill costs one pass over the memory, no random draw.
 
     Returns:
         ``module``.
@@ -30,12 +32,12 @@ def materialize(module: nn.Module, device) -> nn.Module:
             if param is None or not param.is_meta:
                 continue
             if id(param) not in replaced:
-                new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                new = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device),
                                    requires_grad=param.requires_grad)
                 new.__dict__.update(param.__dict__)
                 replaced[id(param)] = new
             sub._parameters[name] = replaced[id(param)]
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None and buffer.is_meta:
-                sub._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                sub._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
     return module

@@ -23,7 +23,7 @@ def build_model_chunks(config, model_provider, pg_collection, device, *,
 
     ``model_provider(config, pg_collection, device, *, pre_process, post_process, vp_stage)``.
     With ``weights_from_checkpoint`` (a checkpoint will be loaded into every parameter) the
-    chunks are built on the meta device and given uninitialised storage on ``device``: no random
+    chunks are built on the meta device and given zero-filled storage on ``device``: no random
     initial weights are drawn (:mod:`megatron.model.materialize`).
     """
     from megatron.model.materialize import materialize

@@ -28,6 +28,12 @@ _HF_LAYER = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weig
              "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--max-shard-size", type=_size, default=_size("5GB"),
@@ -109,6 +115,9 @@ class _ShardWriter:
             return
         tmp = os.path.join(self.folder, f"shard-{len(self.files):05d}.tmp")
         save_file(self.pending, tmp, metadata={"format": "pt"})
+        # safetensors creates its file with mode 0600; the shards are read like the other
+        # outputs (config.json, tokenizer files): the mode open() gives under the umask.
+        os.chmod(tmp, 0o666 & ~_umask())
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
         for path in self.spills:

@@ -64,6 +64,9 @@ def test_round_trip_through_reshard_is_bitwise(hf_dir, tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["vocab_size"] == VOCAB
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == b"stand-in tokenizer bytes"
+    # Every exported file has the mode of config.json (open() under the umask), shards too.
+    modes = {n: os.stat(tmp_path / "hf" / n).st_mode & 0o777 for n in os.listdir(tmp_path / "hf")}
+    assert set(modes.values()) == {modes["config.json"]}, modes
     reloaded = transformers.LlamaForCausalLM.from_pretrained(
         str(tmp_path / "hf"), attn_implementation="eager", trust_remote_code=False).eval()
     with torch.no_grad():

@@ -139,6 +139,18 @@ def launch_flags(config: ModelConfig, est, args) -> str:
     return " \\\n    ".join(flags)
 
 
+def assumptions(args) -> str:
+    """The cost model's assumptions, printed with its results (each a flag to change)."""
+    return ("assumptions: peak {:g} TFLOP/s per GPU (--peak-tflops), model FLOP utilisation of "
+            "compute {:g} (--mfu), links {:g} GB/s per GPU within a node of {} GPUs "
+            "(--intra-node-bandwidth, --gpus-per-node) and {:g} GB/s across nodes "
+            "(--inter-node-bandwidth), {:g} GiB per GPU kept back (--reserved-gib); the last "
+            "pipeline stage computes the output layer besides its layers and sets the pace, the "
+            "first holds the embedding; not modelled yet: ZeRO-2/3"
+            ).format(args.peak_tflops, args.mfu, args.intra_node_bandwidth, args.gpus_per_node,
+                     args.inter_node_bandwidth, args.reserved_gib)
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:7.2f}"
 
@@ -169,6 +181,7 @@ def main(argv=None) -> int:
           f"{config.num_attention_heads} heads / {config.num_query_groups} groups, vocab {vocab}; "
           f"{args.num_gpus} GPUs x {args.gpu_memory_gib:g} GiB ({args.reserved_gib:g} reserved); "
           f"global batch {args.global_batch_size} x {args.seq_length} tokens, {'bf16' if bf16 else 'fp32'}")
+    print(assumptions(args))
     if not ranked:
         print("no layout fits: add GPUs, lower --seq-length, or use GPUs with more memory")
         return 1

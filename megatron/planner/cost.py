@@ -6,7 +6,11 @@ The cost model (deliberately simple; every term is printed so a user can disagre
 * compute: Megatron's model FLOPs of the iteration (:func:`megatron.model.flops.num_floating_point_operations`)
   plus recompute FLOPs (full: one more forward of the layers, i.e. 1/3 of their training FLOPs;
   selective: the attention core's forward), divided by ``gpus * peak * mfu``;
-* pipeline bubble: compute time of one pipeline rank times ``(p - 1) / m``, i.e. the bubble is
+  with pipeline parallelism the time of the slowest stage: the last, which adds the output
+  layer's logits (``6 B s h v`` of Megatron's formula; its loss is negligible in FLOPs) to its
+  share of the layers (the first stage's embedding lookup costs memory, which
+  :mod:`megatron.planner.memory` counts, but no FLOPs); every stage waits for the slowest;
+* pipeline bubble: that slowest stage's time times ``(p - 1) / m``, i.e. the bubble is
   ``(p - 1) / (m + p - 1)`` of the iteration (Narayanan et al. 2021, section 2.2);
 * tensor-parallel communication, fully exposed: per layer and micro-batch 4 ring all-reduces
   (2 forward, 2 backward; 2 more forward with full recompute) of ``s * b * h`` activations, or the
@@ -161,7 +165,10 @@ def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
         flops += layer_flops / 3
     elif L.recompute == "selective":  # forward of scores and context: 4 s^2 (n d) per layer and sample
         flops += 4.0 * gbs * seq_length ** 2 * config.num_attention_heads * config.kv_channels * config.num_layers
-    compute = flops / (hw.num_gpus * hw.peak_flops * hw.mfu)
+    # The last stage adds the output layer to its share of the layers; all stages wait for it.
+    head_flops = num_floating_point_operations(config, gbs, seq_length) - layer_flops
+    slowest_stage_flops = (flops - head_flops) / L.pp + head_flops
+    compute = slowest_stage_flops / (L.tp * L.cp * L.dp * hw.peak_flops * hw.mfu)
     bubble = compute * (L.pp - 1) / L.num_microbatches
 
     local_seq = seq_length // L.cp  # tokens of each sequence on one context-parallel rank
@@ -200,11 +207,27 @@ def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
     return Estimate(L, mem, compute, bubble, tp_comm, pp_comm, dp_comm, fits, cp_comm)
 
 
+def distinct(ranked: List[Estimate]) -> List[Estimate]:
+    """``ranked`` without the rows another row makes redundant: the same sizes, micro-batch and
+    recompute, differing only in the distributed optimizer or sequence parallelism where that
+    changes no time in the model (hidden DP traffic, the same TP traffic), with no less memory.
+    Order kept."""
+    best = {}
+    for r in ranked:
+        L = r.layout
+        key = (L.tp, L.cp, L.pp, L.dp, L.micro_batch_size, L.recompute, round(r.iteration_s, 9))
+        if key not in best or r.memory.total < best[key].memory.total:
+            best[key] = r
+    kept = {id(r) for r in best.values()}
+    return [r for r in ranked if id(r) in kept]
+
+
 def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_length: int,
                  bf16: bool = True, allow_sequence_parallel: bool = True,
                  vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                  allow_context_parallel: bool = True) -> List[Estimate]:
-    """Feasible layouts, fastest first (ties: less memory first).
+    """Feasible layouts, fastest first (ties: less memory first), without redundant rows
+    (:func:`distinct`).
 
     ``vocab_size`` (unpadded) re-pads the vocabulary for each TP size, as training would;
     without it ``config.padded_vocab_size`` is used for every layout.
@@ -222,4 +245,5 @@ def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_
                          "change --num-gpus or --global-batch-size")
     results = [estimate(config_for_tp(config, l.tp, vocab_size, make_vocab_size_divisible_by),
                         l, hw, seq_length, bf16) for l in layouts]
-    return sorted((r for r in results if r.fits), key=lambda r: (r.iteration_s, r.memory.total))
+    return distinct(sorted((r for r in results if r.fits),
+                           key=lambda r: (r.iteration_s, r.memory.total)))

@@ -203,8 +203,13 @@ def test_cost_model_terms_by_hand():
                l.recompute, l.use_distributed_optimizer) == (1, 2, 2, 1, "none", False)]
     est = estimate(config, layouts[0], hw, 32)
     # Megatron formula by hand: 12 * B s L h^2 * ((1 + g/n + s/h) * 1 + f/h * 1.5 + v / (2 L h))
-    flops = 12 * 8 * 32 * 2 * 32 ** 2 * ((1 + 0.5 + 1) + 88 / 32 * 1.5 + 128 / (2 * 2 * 32))
-    assert est.compute_s == pytest.approx(flops / (4 * 1e12 * 0.5))
+    layers = 12 * 8 * 32 * 2 * 32 ** 2 * ((1 + 0.5 + 1) + 88 / 32 * 1.5)
+    head = 12 * 8 * 32 * 2 * 32 ** 2 * 128 / (2 * 2 * 32)  # 6 B s h v: the output layer
+    # PP=2: the last stage's layers and the output layer, on its TP x DP = 2 GPUs, set the pace.
+    assert est.compute_s == pytest.approx((layers / 2 + head) / (2 * 1e12 * 0.5))
+    single = [l for l in enumerate_layouts(config, hw, 8) if (l.tp, l.pp, l.dp, l.micro_batch_size,
+              l.recompute, l.use_distributed_optimizer) == (1, 1, 4, 1, "none", False)]
+    assert estimate(config, single[0], hw, 32).compute_s == pytest.approx((layers + head) / (4 * 1e12 * 0.5))
     assert est.bubble_s == pytest.approx(est.compute_s * 1 / 4)
     psi = max(sum(param_numels(config, 1, 2, r)) for r in (0, 1))  # the busiest stage
     exposed = 2 * 0.5 * 4 * psi / 1e9 - est.compute_s / 4 * 2 / 3
@@ -279,6 +284,9 @@ def test_plan_cli_prints_best_flags(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "launch flags of the best layout" in out and "--tensor-model-parallel-size" in out
     assert "--untie-embeddings-and-output-weights" in out and "--num-query-groups 2" in out
+    assert ("assumptions: peak 989 TFLOP/s per GPU (--peak-tflops), model FLOP utilisation of "
+            "compute 0.45 (--mfu), links 200 GB/s per GPU within a node of 4 GPUs") in out
+    assert "25 GB/s across nodes" in out and "ZeRO-2/3" in out
     # A long sequence on small GPUs: only a context-parallel layout fits.
     assert main(["--hf-config", str(cfg), "--num-gpus", "4", "--gpu-memory-gib", "0.35",
                  "--global-batch-size", "4", "--seq-length", "65536", "--gpus-per-node", "4",
@@ -291,3 +299,27 @@ def test_plan_cli_prints_best_flags(tmp_path, capsys):
     assert main(["--hf-config", str(bad), "--num-gpus", "4", "--gpu-memory-gib", "1",
                  "--global-batch-size", "8", "--seq-length", "64"]) == 2
     assert "num_hidden_layers" in capsys.readouterr().err
+
+
+def test_rank_layouts_drops_rows_another_makes_redundant():
+    """LLaMA-2 7B on 8 GPUs: the distributed optimizer and sequence parallelism often change
+    memory but no modelled time; of such rows only the one with the least memory stays."""
+    from megatron.planner import cost
+
+    config = ModelConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
+                         num_attention_heads=32, num_query_groups=32, kv_channels=128,
+                         padded_vocab_size=32000, max_position_embeddings=4096)
+    hw = Hardware(num_gpus=8, gpu_memory=80 * 2 ** 30, gpus_per_node=8)
+    ranked = rank_layouts(config, hw, 256, 4096, vocab_size=32000)
+    keys = [(r.layout.tp, r.layout.cp, r.layout.pp, r.layout.dp, r.layout.micro_batch_size,
+             r.layout.recompute, round(r.iteration_s, 9)) for r in ranked]
+    assert len(keys) == len(set(keys))
+    every = sorted((r for r in (cost.estimate(cost.config_for_tp(config, l.tp, 32000), l, hw, 4096)
+                                for l in cost.enumerate_layouts(config, hw, 256, 4096)) if r.fits),
+                   key=lambda r: (r.iteration_s, r.memory.total))
+    assert len(every) > len(ranked)  # there were redundant rows
+    for r in every:  # each dropped row has a kept one as fast with no more memory
+        L = r.layout
+        twin = next(k for k, key in zip(ranked, keys) if key == (
+            L.tp, L.cp, L.pp, L.dp, L.micro_batch_size, L.recompute, round(r.iteration_s, 9)))
+        assert twin.memory.total <= r.memory.total

@@ -22,5 +22,6 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers"],
+        "wandb": ["wandb"],
     },
 )

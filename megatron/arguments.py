@@ -418,4 +418,10 @@ def _add_logging_args(parser):
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--wandb-project", default=None,
+                   help="Weights & Biases project: the last rank logs the TensorBoard scalars there "
+                        "(needs the wandb extra: pip install -e '.[wandb]')")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="folder of W&B's files; default {--save}/wandb")
     g.add_argument("--job-name", default=None)

@@ -83,6 +83,7 @@ def _validate_all(args, world_size, defaults, check_files):
     _validate_llama_architecture(args)
     _validate_model_shape(args)
     _validate_parallel_layout(args, world_size)
+    _validate_wandb(args)
     _validate_virtual_pipeline(args)
     _validate_sequence_parallel(args)
     _validate_context_parallel(args)
@@ -430,6 +431,15 @@ def _validate_distributed_optimizer(args):
         raise UsageError("--overlap-param-gather needs --use-distributed-optimizer (plain data "
                          "parallelism has no parameter all-gather): add it, or use "
                          "--overlapped-distributed-optimizer")
+
+
+def _validate_wandb(args):
+    from megatron.training.wandb_writer import wandb_flag_error
+
+    error = wandb_flag_error(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
+                             args.save)
+    if error:
+        raise ValueError(error)
 
 
 def _validate_checkpointing(args):

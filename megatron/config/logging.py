@@ -1,4 +1,4 @@
-"""The logging section of the configuration: the log line, TensorBoard, MFU."""
+"""The logging section of the configuration: the log line, TensorBoard, W&B, MFU."""
 
 from __future__ import annotations
 
@@ -21,5 +21,12 @@ class LoggingConfig:
     line. Default None (no MFU)."""
     measure_peak: bool = False
     """``--measure-peak``: measure that peak at start-up instead. Default off."""
+    wandb_project: Optional[str] = None
+    """``--wandb-project``: W&B project; set, the last rank logs the TensorBoard scalars to W&B.
+    Default None (no W&B)."""
+    wandb_exp_name: Optional[str] = None
+    """``--wandb-exp-name``: the W&B run's name (needed with ``--wandb-project``). Default None."""
+    wandb_save_dir: Optional[str] = None
+    """``--wandb-save-dir``: folder of W&B's files. Default None (``{--save}/wandb``)."""
     job_name: Optional[str] = None
     """``--job-name``: only recorded in the checkpoints' args. Default None."""

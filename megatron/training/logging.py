@@ -98,42 +98,53 @@ def memory_report(name: str, device: torch.device) -> str:
 
 class TensorBoardLogger:
     """Megatron's TensorBoard scalars, written by the last rank only (a no-op elsewhere or without
-    ``--tensorboard-dir``)."""
+    ``--tensorboard-dir``); the same scalars go to W&B when a ``wandb_writer`` is given
+    (:mod:`megatron.training.wandb_writer`; Megatron-LM logs them there without the
+    ``vs samples`` copies)."""
 
-    def __init__(self, log_dir: str | None, queue_size: int = 1000):
+    def __init__(self, log_dir: str | None, queue_size: int = 1000, wandb_writer=None):
         self.writer = None
+        self.wandb = wandb_writer
         if log_dir and is_last_rank():
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(log_dir, exist_ok=True)
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
-    def _both(self, tag, value, iteration, samples):
-        self.writer.add_scalar(tag, value, iteration)
-        self.writer.add_scalar(f"{tag} vs samples", value, samples)
+    def _write(self, scalars: dict, iteration: int, samples: int) -> None:
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, iteration)
+                if tag != "iteration-time":  # Megatron writes it against iterations only
+                    self.writer.add_scalar(f"{tag} vs samples", value, samples)
+        if self.wandb is not None and scalars:
+            self.wandb.log(scalars, iteration)
 
     def training(self, iteration: int, samples: int, *, learning_rate: float, batch_size: int,
                  losses: dict, grad_norm: float | None, iteration_time_s: float,
                  loss_scale: float) -> None:
-        if self.writer is None:
+        if self.writer is None and self.wandb is None:
             return
-        self._both("learning-rate", learning_rate, iteration, samples)
-        self._both("batch-size", batch_size, iteration, samples)
-        for key, value in losses.items():
-            self._both(key, value, iteration, samples)
-        self._both("loss-scale", loss_scale, iteration, samples)
+        scalars = {"learning-rate": learning_rate, "batch-size": batch_size, **losses,
+                   "loss-scale": loss_scale}
         if grad_norm is not None:
-            self._both("grad-norm", grad_norm, iteration, samples)
-        self.writer.add_scalar("iteration-time", iteration_time_s, iteration)
+            scalars["grad-norm"] = grad_norm
+        scalars["iteration-time"] = iteration_time_s
+        self._write(scalars, iteration, samples)
 
     def validation(self, iteration: int, samples: int, losses: dict) -> None:
-        if self.writer is None:
+        if self.writer is None and self.wandb is None:
             return
+        scalars = {}
         for key, value in losses.items():
-            self._both(f"{key} validation", value, iteration, samples)
-            self._both(f"{key} validation ppl", math.exp(min(20.0, value)), iteration, samples)
-        self.writer.flush()
+            scalars[f"{key} validation"] = value
+            scalars[f"{key} validation ppl"] = math.exp(min(20.0, value))
+        self._write(scalars, iteration, samples)
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()

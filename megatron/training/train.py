@@ -34,6 +34,7 @@ from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
 from megatron.training.microbatches import build_num_microbatches_calculator
 from megatron.training.resilience import ExitConditions, collective_guard
 from megatron.training.startup_report import StartupReport
+from megatron.training.wandb_writer import open_wandb
 
 
 @dataclass
@@ -184,7 +185,9 @@ class _Trainer:
         self.schedule_config, self.state = schedule_config, state
         self.run_flags = checkpoint_args(config)  # what every checkpoint of the run records
         logging, training = config.logging, config.training
-        self.tb = TensorBoardLogger(logging.tensorboard_dir, logging.tensorboard_queue_size)
+        self.tb = TensorBoardLogger(logging.tensorboard_dir, logging.tensorboard_queue_size,
+                                    open_wandb(logging, config.checkpoint, self.run_flags,
+                                               pg_collection.rank == pg_collection.world_size - 1))
         self.memory_reported = False
         self.logged_once = False  # the run's first iteration is logged whatever --log-interval
         self.peak_tflops = resolve_peak_tflops(logging.peak_tflops, logging.measure_peak,

@@ -19,7 +19,18 @@
 # (the last two files in name order, the two editions of The Winter's Tale), so validation
 # measures text the model never saw rather than paragraphs of scenes it trained on.
 #
+# Continuing: run it again with a larger ITERS (e.g. ITERS=600) and it resumes from the checkpoint
+# in OUT_DIR/checkpoints (iteration, optimizer, data position and RNG). The learning-rate schedule
+# is fixed by the demo's own settings, not by ITERS: linear warmup over LR_WARMUP_ITERS (15), cosine
+# decay to the minimum over LR_DECAY_ITERS (300), then the minimum; so a continued run follows the
+# schedule the first one started (--override-opt_param-scheduler: the schedule is taken from these
+# flags, not from the checkpoint, whose weight-decay length follows the first run's ITERS; the
+# weight decay is constant, so that length changes nothing). An ITERS not above the checkpoint's iteration trains nothing
+# (it says so, then plots and samples). Start afresh with FRESH=1 (deletes OUT_DIR's checkpoints
+# and TensorBoard events) or another OUT_DIR.
+#
 # Environment: ITERS (default 300; CI runs ITERS=40), EVAL_INTERVAL (default ITERS/6),
+# LR_WARMUP_ITERS (default 15), LR_DECAY_ITERS (default 300), FRESH (1: start afresh),
 # CACHE_DIR (default ./cache), OUT_DIR (default ./runs/llama_cpu_demo), NPROC (default 4),
 # PYTHON (an interpreter to use instead of creating .venv), MASTER_PORT (default: none, torchrun
 # --standalone picks a free port, so two demos on one machine never join each other; given, the
@@ -34,6 +45,8 @@ EVAL_INTERVAL="${EVAL_INTERVAL:-$(( ITERS >= 12 ? ITERS / 6 : 2 ))}"
 CACHE_DIR="${CACHE_DIR:-$ROOT/cache}"
 OUT_DIR="${OUT_DIR:-$ROOT/runs/llama_cpu_demo}"
 NPROC="${NPROC:-4}"
+LR_WARMUP_ITERS="${LR_WARMUP_ITERS:-15}"
+LR_DECAY_ITERS="${LR_DECAY_ITERS:-300}"
 
 # 1. Python environment ---------------------------------------------------------------------------
 if [[ -z "${PYTHON:-}" ]]; then
@@ -101,9 +114,23 @@ rendezvous() {
     echo "--master-port=$port"
 }
 
-# 3. Train ----------------------------------------------------------------------------------------
+# 3. Train (or continue) ---------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
+if [[ "${FRESH:-0}" == 1 ]]; then
+    echo "FRESH=1: deleting $OUT_DIR/checkpoints and $OUT_DIR/tensorboard"
+    rm -rf "$OUT_DIR/checkpoints" "$OUT_DIR/tensorboard"
+fi
+DONE=0
+if [[ -f "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt" ]]; then
+    DONE=$(cat "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt")
+fi
+if [[ "$DONE" =~ ^[0-9]+$ && "$DONE" -gt 0 ]]; then
+    echo "continuing from the checkpoint of iteration $DONE in $OUT_DIR/checkpoints to ITERS=$ITERS (lr: warmup $LR_WARMUP_ITERS, cosine decay over $LR_DECAY_ITERS iterations, then the minimum); FRESH=1 starts afresh"
+fi
 TRAIN_RDZV=$(rendezvous 0) || exit 2
+if [[ "$DONE" =~ ^[0-9]+$ && "$DONE" -ge "$ITERS" ]]; then
+    echo "the checkpoint is at iteration $DONE, not below ITERS=$ITERS: nothing to train; pass a larger ITERS to continue"
+else
 "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$TRAIN_RDZV" \
     pretrain_llama.py \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
@@ -114,17 +141,20 @@ TRAIN_RDZV=$(rendezvous 0) || exit 2
     --untie-embeddings-and-output-weights \
     --hidden-dropout 0 --attention-dropout 0 \
     --micro-batch-size 2 --global-batch-size 8 --train-iters "$ITERS" \
-    --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters $(( ITERS / 20 )) \
+    --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters "$LR_WARMUP_ITERS" \
+    --lr-decay-iters "$LR_DECAY_ITERS" --override-opt_param-scheduler \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
     --data-path "$PREFIX" --split 98,2,0 --data-cache-path "$CACHE_DIR/index-cache" \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
     --distributed-backend gloo \
     --log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 10 \
-    --save "$OUT_DIR/checkpoints" --save-interval "$ITERS" \
+    --save "$OUT_DIR/checkpoints" --save-interval "$ITERS" --load "$OUT_DIR/checkpoints" \
     --tensorboard-dir "$OUT_DIR/tensorboard" \
     "$@"
+fi
 
-echo "checkpoint:  $OUT_DIR/checkpoints (latest_checkpointed_iteration.txt, iter_$(printf '%07d' "$ITERS")/)"
+LATEST=$(cat "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo "$ITERS")
+echo "checkpoint:  $OUT_DIR/checkpoints (latest_checkpointed_iteration.txt, iter_$(printf '%07d' "$LATEST")/); continue with a larger ITERS, start afresh with FRESH=1"
 echo "TensorBoard: tensorboard --logdir $OUT_DIR/tensorboard"
 "$PYTHON" tools/plot_training.py "$OUT_DIR/tensorboard" --output "$OUT_DIR/training.png" --seq-length 256
 

@@ -439,7 +439,7 @@ def _validate_wandb(args):
     error = wandb_flag_error(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                              args.save)
     if error:
-        raise ValueError(error)
+        raise UsageError(error)
 
 
 def _validate_checkpointing(args):

@@ -77,7 +77,8 @@ def _is_nccl(group) -> bool:
 
 
 def reduce_scatter_bucket(bucket_data: torch.Tensor, rank: int, group, *, async_op: bool,
-                          bucket: int = 0) -> PendingCollective:
+                          bucket: int = 0,
+                          output: Optional[torch.Tensor] = None) -> PendingCollective:
     """Sum ``bucket_data`` over ``group``; rank r's shard ``[r*S, (r+1)*S)`` receives the result.
 
     Args:
@@ -86,13 +87,24 @@ def reduce_scatter_bucket(bucket_data: torch.Tensor, rank: int, group, *, async_
         group: the data-parallel group.
         async_op: return before the collective completes (wait on the result).
         bucket: bucket index, for the recorder.
+        output: where the rank's reduced shard goes (S elements, a tensor of its own: the
+            sharded-gradient strategies keep it after the bucket is freed); None: the shard view
+            of ``bucket_data`` itself.
 
     Returns:
-        a :class:`PendingCollective`; after ``wait()`` only the rank's own shard is meaningful.
+        a :class:`PendingCollective`; after ``wait()`` only the rank's own shard (or ``output``)
+        is meaningful.
     """
     _record("reduce_scatter", bucket, bucket_data)
     size = bucket_data.numel() // dist.get_world_size(group)
     shard = bucket_data[rank * size:(rank + 1) * size]
+    if output is not None:
+        try:
+            return PendingCollective(_reduce_scatter(output, bucket_data, group=group,
+                                                     async_op=async_op))
+        except (RuntimeError, NotImplementedError):  # backend without reduce-scatter
+            work = dist.all_reduce(bucket_data, group=group, async_op=async_op)
+            return PendingCollective(work, lambda: output.copy_(shard))
     if _is_nccl(group):
         return PendingCollective(_reduce_scatter(shard, bucket_data, group=group,
                                                  async_op=async_op))
@@ -106,19 +118,20 @@ def reduce_scatter_bucket(bucket_data: torch.Tensor, rank: int, group, *, async_
 
 
 def all_gather_bucket(bucket_data: torch.Tensor, rank: int, group, *, async_op: bool,
-                      bucket: int = 0) -> PendingCollective:
+                      bucket: int = 0, source: Optional[torch.Tensor] = None) -> PendingCollective:
     """Fill ``bucket_data`` with every rank's shard ``[r*S, (r+1)*S)`` (inverse of the scatter).
 
-    Args: as :func:`reduce_scatter_bucket`; rank r's shard of ``bucket_data`` is the input.
+    Args: as :func:`reduce_scatter_bucket`; rank r's shard of ``bucket_data`` is the input, or
+    ``source`` (S elements kept apart from the bucket: the sharded-parameter strategy's shard).
     """
     _record("all_gather", bucket, bucket_data)
     world = dist.get_world_size(group)
     size = bucket_data.numel() // world
     shard = bucket_data[rank * size:(rank + 1) * size]
     if _is_nccl(group):
-        return PendingCollective(_all_gather(bucket_data, shard, group=group,
-                                                 async_op=async_op))
-    source = shard.clone()
+        return PendingCollective(_all_gather(bucket_data, shard if source is None else source,
+                                             group=group, async_op=async_op))
+    source = shard.clone() if source is None else source
     try:
         work = _all_gather(bucket_data, source, group=group, async_op=async_op)
     except (RuntimeError, NotImplementedError):  # backend without all_gather_into_tensor

@@ -26,13 +26,19 @@ Typical iteration::
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer, default_bucket_size
+from megatron.core.distributed.param_and_grad_buffer import (ParamAndGradBuffer, allocated_bytes,
+                                                            default_bucket_size)
+from megatron.core.distributed.param_units import ParamUnits, order_by_unit, unit_assignment
 from megatron.core.process_groups import group_size
+
+
+# Megatron-Core's --data-parallel-sharding-strategy choices.
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -57,16 +63,28 @@ class DistributedDataParallel(torch.nn.Module):
         overlap_param_gather: with the distributed optimizer, the parameter all-gathers launched
             after the step (:meth:`start_param_sync`) are waited on in forward pre-hooks, just
             before the first module using a bucket (``--overlap-param-gather``).
+        data_parallel_sharding_strategy: with the distributed optimizer, what else is sharded
+            over data parallelism (``--data-parallel-sharding-strategy``, Megatron-FSDP's
+            names): ``optim`` (the optimizer state only, ZeRO-1), ``optim_grads`` (and the
+            gradients: only each bucket's ``grad_shard`` outlives its reduce-scatter, ZeRO-2),
+            ``optim_grads_params`` (and the parameters, gathered per unit:
+            :mod:`~megatron.core.distributed.param_units`, ZeRO-3). ``no_shard``: plain.
+        fsdp_unit_modules: module classes whose instances are ZeRO-3 units (the transformer
+            layer); every other parameter is the root unit. None: the root unit only.
 
     Raises:
-        ValueError: if ``average_in_collective`` is asked on a backend without ``ReduceOp.AVG``.
+        ValueError: if ``average_in_collective`` is asked on a backend without ``ReduceOp.AVG``;
+            an unknown strategy, a sharding strategy without the distributed optimizer, or
+            ``overlap_param_gather`` with sharded parameters (the forward gathers them).
     """
 
     def __init__(self, module: torch.nn.Module, *, data_parallel_group,
                  accumulate_allreduce_grads_in_fp32: bool = True,
                  bucket_size: Optional[int] = None, average_in_collective: bool = False,
                  overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False,
+                 data_parallel_sharding_strategy: str = "optim",
+                 fsdp_unit_modules: Optional[Sequence[type]] = None):
         super().__init__()
         self.module = module
         self.data_parallel_group = data_parallel_group
@@ -89,6 +107,20 @@ class DistributedDataParallel(torch.nn.Module):
         if overlap_param_gather and not use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         self.overlap_param_gather = overlap_param_gather
+        strategy = data_parallel_sharding_strategy
+        if strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy ({strategy!r}) must be one of "
+                             f"{', '.join(SHARDING_STRATEGIES)}")
+        if strategy in ("optim_grads", "optim_grads_params") and not use_distributed_optimizer:
+            raise ValueError(f"data_parallel_sharding_strategy {strategy} needs "
+                             "use_distributed_optimizer=True")
+        shard_grads = strategy in ("optim_grads", "optim_grads_params")
+        shard_params = strategy == "optim_grads_params"
+        if shard_params and overlap_param_gather:
+            raise ValueError("--overlap-param-gather does not apply to "
+                             "--data-parallel-sharding-strategy optim_grads_params: its forward "
+                             "gathers each unit itself (with prefetch); drop the flag")
+        self.data_parallel_sharding_strategy = strategy
         # Buckets already launched when the last gradient of the backward arrived (benchmark).
         self.launched_before_last_grad = 0
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
@@ -102,14 +134,24 @@ class DistributedDataParallel(torch.nn.Module):
                 continue
             grad_dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
             groups.setdefault((p.dtype, grad_dtype), []).append(p)
+        unit_modules, unit_of = [], None
+        if shard_params:
+            kinds = tuple(fsdp_unit_modules or ())
+            unit_modules = [m for m in module.modules() if kinds and isinstance(m, kinds)]
+            unit_of = unit_assignment(module, unit_modules)
+            groups = {k: order_by_unit(v, unit_of) for k, v in groups.items()}
         self.buffers = [
             ParamAndGradBuffer(params, grad_dtype, data_parallel_group, bucket_size,
                                gradient_scaling_factor=1.0 if average_in_collective else 1.0 / dp,
                                use_avg_op=average_in_collective,
                                use_param_buffer=use_distributed_optimizer,
-                               reduce_scatter=use_distributed_optimizer)
+                               reduce_scatter=use_distributed_optimizer,
+                               shard_grads=shard_grads, shard_params=shard_params,
+                               unit_of=unit_of)
             for (_, grad_dtype), params in groups.items()]
         self.param_to_buffer = {p: buf for buf in self.buffers for p in buf.params}
+        self.param_units = (ParamUnits(module, self.buffers, unit_modules) if shard_params
+                            else None)
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
                               for p in self.param_to_buffer]
@@ -164,6 +206,8 @@ class DistributedDataParallel(torch.nn.Module):
                 else:
                     param.main_grad.add_(param.grad)
                 param.grad = None
+            if self.param_units is not None:
+                self.param_units.grad_ready(param)
             if self.overlap_grad_reduce and self.is_last_microbatch:
                 self.launched_before_last_grad = sum(
                     b.launched for buf in self.buffers for b in buf.buckets)
@@ -207,10 +251,15 @@ class DistributedDataParallel(torch.nn.Module):
         """Complete the data-parallel reduction: ``main_grad`` holds the DP-averaged gradient."""
         for buf in self.buffers:
             buf.finish_grad_sync()
+        if self.param_units is not None:  # units whose gradients did not all arrive
+            self.param_units.free_all()
 
     def start_param_sync(self) -> None:
         """Launch the all-gather of every bucket's updated parameter shards (distributed
-        optimizer), asynchronously under ``overlap_param_gather``, else completed here."""
+        optimizer), asynchronously under ``overlap_param_gather``, else completed here.
+        Nothing with sharded parameters: the next forward gathers each unit."""
+        if self.param_units is not None:
+            return
         for buf in self.buffers:
             buf.start_param_sync(async_op=self.overlap_param_gather)
         if not self.overlap_param_gather:
@@ -218,9 +267,37 @@ class DistributedDataParallel(torch.nn.Module):
 
     def finish_param_sync(self) -> None:
         """Complete every pending parameter all-gather: call before anything reads the weights
-        outside a forward (evaluation, checkpoint saving, export)."""
+        outside a forward (evaluation, checkpoint saving, export). With sharded parameters
+        this all-gathers every unit (a collective: call it on every data-parallel rank); each
+        unit is freed again after its next forward, or by a ``load_state_dict``."""
+        self.wait_param_sync()
+        if self.param_units is not None:
+            self.param_units.gather_all()
+
+    def wait_param_sync(self) -> None:
+        """Wait for the parameter all-gathers in flight (never starts one)."""
         for buf in self.buffers:
             buf.finish_param_sync()
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds now, from the storages themselves: ``param_shards`` (the
+        sharded parameters' ``param_shard``; 0 unless ZeRO-3), ``params`` (full parameter
+        storage: the whole model, or ZeRO-3's gathered units), ``grad_shards`` (ZeRO-2/3's
+        ``grad_shard``), ``grads`` (full gradient storage)."""
+        out = dict.fromkeys(("param_shards", "params", "grad_shards", "grads"), 0)
+        for buf in self.buffers:
+            for b in buf.buckets:
+                if b.shard_params:
+                    out["param_shards"] += allocated_bytes(b.param_shard)
+                if b.shard_grads:
+                    out["grad_shards"] += allocated_bytes(b.grad_shard)
+                out["grads"] += allocated_bytes(b.grad_data) if buf.sharded else 0
+                out["params"] += allocated_bytes(b.param_data) if buf.sharded else 0
+            if not buf.sharded:
+                out["grads"] += allocated_bytes(buf.grad_data)
+                out["params"] += (allocated_bytes(buf.param_data) if buf.param_data is not None
+                                  else sum(allocated_bytes(p.data) for p in buf.params))
+        return out
 
     def param_gathers_in_flight(self) -> int:
         """Number of bucket all-gathers launched and not yet completed."""

@@ -19,6 +19,15 @@ Example, params a (3 elements), b (4), c (2) registered in that order, ``bucket_
 
     buffer:  [c c | b b b b] [a a a pad]      bucket 0 = c, b (6 elements); bucket 1 = a (+1 pad)
     shards:   bucket 0 -> rank 0 [0, 3), rank 1 [3, 6); bucket 1 -> rank 0 [6, 8), rank 1 [8, 10)
+
+Sharded gradients and parameters (ZeRO-2 / ZeRO-3, ``shard_grads`` / ``shard_params``; see
+:mod:`megatron.core.distributed.param_units` for the design): every bucket then owns its storage
+(no buffer-wide tensor), so one bucket's full gradient or parameter storage can be freed
+(``untyped_storage().resize_(0)``, the views ``param.data`` / ``param.main_grad`` stay valid
+objects) and re-allocated on its own. The rank's shard lives apart in ``grad_shard`` /
+``param_shard`` (``shard_range(r)`` of the bucket, padding included): the reduce-scatter writes
+``grad_shard``, the all-gather reads ``param_shard``. Without sharding both are views of the
+bucket.
 """
 
 from __future__ import annotations
@@ -34,6 +43,26 @@ from megatron.core.process_groups import group_rank, group_size
 # Megatron-Core's default bucket: at least this many elements (and 1e6 per data-parallel rank),
 # i.e. one bucket for small models. The one definition: DDP, the planner and the docs read it.
 DEFAULT_BUCKET_SIZE = 40_000_000
+
+
+def _free(t: torch.Tensor) -> None:
+    """Release ``t``'s memory; its views stay valid objects (not to be read until re-allocated)."""
+    t.untyped_storage().resize_(0)
+
+
+def _allocate(t: torch.Tensor) -> bool:
+    """Give a freed ``t`` its memory back (contents undefined); False if it had it."""
+    storage = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if storage.size() == nbytes:
+        return False
+    storage.resize_(nbytes)
+    return True
+
+
+def allocated_bytes(t: Optional[torch.Tensor]) -> int:
+    """Bytes of memory ``t``'s storage holds now (0 when freed or None)."""
+    return 0 if t is None else t.untyped_storage().nbytes()
 
 
 def default_bucket_size(data_parallel_size: int) -> int:
@@ -58,7 +87,8 @@ class Bucket:
     def __init__(self, params: List[torch.nn.Parameter], grad_data: torch.Tensor,
                  param_data: Optional[torch.Tensor], offset: int, numel_unpadded: int, index: int,
                  data_parallel_group, gradient_scaling_factor: float, use_avg_op: bool,
-                 reduce_scatter: bool = False):
+                 reduce_scatter: bool = False, shard_grads: bool = False,
+                 shard_params: bool = False):
         self.params = params
         self.params_set = set(params)
         self.grad_data = grad_data
@@ -74,6 +104,15 @@ class Bucket:
         self.reduce_scatter = reduce_scatter
         self.data_parallel_rank = group_rank(data_parallel_group)
         self.param_handle = None
+        self.shard_grads = shard_grads
+        self.shard_params = shard_params and param_data is not None
+        lo, hi = self.shard_range(self.data_parallel_rank)
+        self.grad_shard = (torch.zeros(hi - lo, dtype=grad_data.dtype, device=grad_data.device)
+                           if shard_grads else grad_data[lo:hi])
+        self.param_shard = None
+        if param_data is not None:
+            self.param_shard = param_data[lo:hi].clone() if self.shard_params else param_data[lo:hi]
+        self.params_gathered = True  # the sharded-parameter buffer frees them once built
         self.reset()
 
     def reset(self) -> None:
@@ -81,6 +120,48 @@ class Bucket:
         self.params_with_grad = set()
         self.handle = None
         self.launched = False
+
+    def zero_sharded_grads(self) -> None:
+        """Start of an iteration with sharded gradients: zero the shard and (ZeRO-2) give back
+        the zeroed full gradient storage, which ZeRO-3 allocates per unit when the unit's
+        backward starts (:meth:`allocate_grads`)."""
+        self.grad_shard.zero_()
+        if not self.shard_params:
+            self.allocate_grads()
+
+    def allocate_grads(self) -> None:
+        """Sharded gradients: give the bucket's full gradient storage back, zeroed (no-op if
+        it has it)."""
+        if _allocate(self.grad_data):
+            self.grad_data.zero_()
+
+    def gather_params(self, async_op: bool) -> None:
+        """Sharded parameters: allocate the full parameter storage and all-gather every rank's
+        ``param_shard`` into it (no-op if gathered). Collective: all-gather over the
+        data-parallel group (a copy at DP = 1)."""
+        if self.params_gathered:
+            return
+        _allocate(self.param_data)
+        self.params_gathered = True
+        if self.data_parallel_world_size == 1:
+            self.param_data.copy_(self.param_shard)
+            return
+        self.param_handle = all_gather_bucket(self.param_data, self.data_parallel_rank,
+                                              self.data_parallel_group, async_op=async_op,
+                                              bucket=self.index, source=self.param_shard)
+
+    def free_params(self) -> None:
+        """Sharded parameters: release the full parameter storage (the shard stays)."""
+        if self.shard_params and self.params_gathered:
+            self.finish_param_sync()
+            _free(self.param_data)
+            self.params_gathered = False
+
+    def write_shard_from_params(self) -> None:
+        """Sharded parameters: copy the gathered full parameters' shard into ``param_shard``
+        (after the full parameters were loaded from a checkpoint)."""
+        lo, hi = self.shard_range(self.data_parallel_rank)
+        self.param_shard.copy_(self.param_data[lo:hi])
 
     def shard_range(self, data_parallel_rank: int) -> Tuple[int, int]:
         """``(start, end)`` of rank ``data_parallel_rank``'s shard, in elements within the bucket."""
@@ -97,7 +178,11 @@ class Bucket:
         if self.launched:
             return
         self.launched = True
+        if self.shard_grads:
+            self.allocate_grads()  # a unit whose backward never ran: zero gradients
         if self.data_parallel_world_size == 1:
+            if self.shard_grads:
+                self.grad_shard.copy_(self.grad_data)
             return
         op = dist.ReduceOp.SUM
         if self.use_avg_op:
@@ -108,26 +193,31 @@ class Bucket:
             if self.use_avg_op:
                 raise ValueError("average_in_collective is not available with the distributed "
                                  "optimizer; leave it False")
-            self.handle = reduce_scatter_bucket(self.grad_data, self.data_parallel_rank,
-                                                self.data_parallel_group, async_op=async_op,
-                                                bucket=self.index)
+            self.handle = reduce_scatter_bucket(
+                self.grad_data, self.data_parallel_rank, self.data_parallel_group,
+                async_op=async_op, bucket=self.index,
+                output=self.grad_shard if self.shard_grads else None)
             return
         self.handle = dist.all_reduce(self.grad_data, op=op, group=self.data_parallel_group,
                                       async_op=async_op)
 
     def finish_grad_sync(self) -> None:
-        """Launch the collective if it was not launched yet, then wait for it."""
+        """Launch the collective if it was not launched yet, then wait for it; with sharded
+        gradients the full gradient storage is freed then (only ``grad_shard`` remains)."""
         self.start_grad_sync(async_op=False)
         if self.handle is not None:
             self.handle.wait()
         self.handle = None
+        if self.shard_grads:
+            _free(self.grad_data)
 
     def start_param_sync(self, async_op: bool) -> None:
         """Launch the all-gather of the updated parameter shards into ``param_data``.
 
-        Collective: all-gather over the data-parallel group (no-op at DP = 1).
+        Collective: all-gather over the data-parallel group (no-op at DP = 1, and with sharded
+        parameters, which are gathered by the next forward instead).
         """
-        if self.data_parallel_world_size == 1 or self.param_data is None:
+        if self.data_parallel_world_size == 1 or self.param_data is None or self.shard_params:
             return
         self.finish_param_sync()
         self.param_handle = all_gather_bucket(self.param_data, self.data_parallel_rank,
@@ -166,10 +256,17 @@ class ParamAndGradBuffer:
             (``param.data`` becomes a view), as the distributed optimizer's all-gather needs.
         reduce_scatter: reduce-scatter the buckets instead of all-reducing them (distributed
             optimizer); also gives a ``shared_embedding`` parameter a bucket of its own.
+        shard_grads: keep only ``grad_shard`` of each bucket after its reduce-scatter (ZeRO-2;
+            needs ``reduce_scatter``).
+        shard_params: keep only ``param_shard`` of each bucket between uses (ZeRO-3; needs
+            ``shard_grads`` and ``use_param_buffer``): the buckets start freed.
+        unit_of: ``param -> unit index`` (ZeRO-3): a bucket closes where the unit changes (and
+            never by size), so a unit is whole buckets; the params must come unit by unit.
 
     Attributes:
-        grad_data: the 1-D gradient buffer, ``numel`` elements of ``grad_dtype``.
-        param_data: the 1-D parameter buffer or None.
+        grad_data: the 1-D gradient buffer, ``numel`` elements of ``grad_dtype`` (None with
+            sharding: each bucket owns its storage).
+        param_data: the 1-D parameter buffer or None (None with sharding too).
         buckets: list of :class:`Bucket` in buffer order (= readiness order in the backward).
         param_index_map: ``param -> (start, end, bucket index)`` in elements within the buffer.
     """
@@ -177,7 +274,9 @@ class ParamAndGradBuffer:
     def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype,
                  data_parallel_group, bucket_size: Optional[int],
                  gradient_scaling_factor: float, use_avg_op: bool = False,
-                 use_param_buffer: bool = False, reduce_scatter: bool = False):
+                 use_param_buffer: bool = False, reduce_scatter: bool = False,
+                 shard_grads: bool = False, shard_params: bool = False,
+                 unit_of: Optional[Dict[torch.nn.Parameter, int]] = None):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.param_dtype = params[0].dtype
@@ -189,34 +288,54 @@ class ParamAndGradBuffer:
         self.data_parallel_world_size = group_size(data_parallel_group)
         device = params[0].device
 
+        if (shard_grads and not reduce_scatter) or (shard_params and not (
+                shard_grads and use_param_buffer)):
+            raise ValueError("sharded gradients need reduce_scatter; sharded parameters need "
+                             "sharded gradients and the parameter buffer")
         self.reduce_scatter = reduce_scatter
-        layout, bucket_bounds = self._layout(bucket_size)
+        self.sharded = shard_grads or shard_params
+        layout, bucket_bounds = self._layout(bucket_size, unit_of)
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = layout
         self.numel = bucket_bounds[-1][1] if bucket_bounds else 0
         self.numel_unpadded = sum(p.numel() for p in params)
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        self.param_data = None
-        if use_param_buffer:
-            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
 
-        for p, (start, end, _) in layout.items():
-            if self.param_data is not None:
-                view = self.param_data[start:end].view(p.shape)
+        def storage(dtype, start, end):  # one buffer, or one tensor per bucket when sharded
+            return torch.zeros(end - start, dtype=dtype, device=device)
+
+        self.grad_data = None if self.sharded else storage(grad_dtype, 0, self.numel)
+        self.param_data = None
+        if use_param_buffer and not self.sharded:
+            self.param_data = storage(self.param_dtype, 0, self.numel)
+        grads, datas = [], []
+        for start, end in bucket_bounds:
+            grads.append(storage(grad_dtype, start, end) if self.sharded
+                         else self.grad_data[start:end])
+            datas.append(None if not use_param_buffer else
+                         storage(self.param_dtype, start, end) if self.sharded
+                         else self.param_data[start:end])
+
+        for p, (start, end, b) in layout.items():
+            offset = bucket_bounds[b][0]
+            if datas[b] is not None:
+                view = datas[b][start - offset:end - offset].view(p.shape)
                 view.copy_(p.data)
                 p.data = view
-            p.main_grad = self.grad_data[start:end].view(p.shape)
+            p.main_grad = grads[b][start - offset:end - offset].view(p.shape)
 
         self.buckets: List[Bucket] = []
         for i, (start, end) in enumerate(bucket_bounds):
             members = [p for p, (_, _, b) in layout.items() if b == i]
             used = sum(p.numel() for p in members)
-            pdata = self.param_data[start:end] if self.param_data is not None else None
-            self.buckets.append(Bucket(members, self.grad_data[start:end], pdata, start, used, i,
+            self.buckets.append(Bucket(members, grads[i], datas[i], start, used, i,
                                        data_parallel_group, gradient_scaling_factor, use_avg_op,
-                                       reduce_scatter))
+                                       reduce_scatter, shard_grads, shard_params))
         self.param_to_bucket = {p: self.buckets[b] for p, (_, _, b) in layout.items()}
+        for b in self.buckets:
+            if b.shard_params:  # ZeRO-3: from here on only the shards are held
+                b.free_params()
+                _free(b.grad_data)
 
-    def _layout(self, bucket_size):
+    def _layout(self, bucket_size, unit_of=None):
         """Assign ``(start, end, bucket)`` to every param; return it and the padded bucket bounds."""
         n = self.data_parallel_world_size
         layout, bounds = {}, []
@@ -229,13 +348,17 @@ class ParamAndGradBuffer:
             bucket_start = cursor
 
         # Reverse order: gradients arrive roughly in reverse registration order in backward.
+        unit = None
         for p in reversed(self.params):
             alone = self.reduce_scatter and getattr(p, "shared_embedding", False)
-            if alone and cursor > bucket_start:
+            new_unit = unit_of is not None and unit_of[p] != unit
+            if (alone or new_unit) and cursor > bucket_start:
                 close_bucket()
+            unit = None if unit_of is None else unit_of[p]
             layout[p] = (cursor, cursor + p.numel(), len(bounds))
             cursor += p.numel()
-            if alone or (bucket_size is not None and cursor - bucket_start >= bucket_size):
+            by_size = unit_of is None and bucket_size is not None
+            if alone or (by_size and cursor - bucket_start >= bucket_size):
                 close_bucket()
         if cursor > bucket_start:
             close_bucket()
@@ -243,9 +366,12 @@ class ParamAndGradBuffer:
 
     def reset(self) -> None:
         """Zero the gradient buffer and forget the bucket states (start of an iteration)."""
-        self.grad_data.zero_()
+        if self.grad_data is not None:
+            self.grad_data.zero_()
         for b in self.buckets:
             b.reset()
+            if b.shard_grads:
+                b.zero_sharded_grads()
 
     def start_grad_sync(self, async_op: bool) -> None:
         for b in self.buckets:
@@ -270,4 +396,10 @@ class ParamAndGradBuffer:
         self.param_to_bucket[param].register_grad_ready(param, async_op)
 
     def scale_gradients(self, factor: float) -> None:
-        self.grad_data.mul_(factor)
+        """Multiply the gradients by ``factor`` (with sharded gradients: the shards, which are
+        all there is after the reduce-scatter)."""
+        if self.grad_data is not None:
+            self.grad_data.mul_(factor)
+        for b in self.buckets:
+            if b.shard_grads:
+                b.grad_shard.mul_(factor)

@@ -98,7 +98,7 @@ def _runs_of_shard(bucket, buf, lo: int, hi: int, main: torch.Tensor, names, gro
         view = main[a - lo:end - lo]
         # What grads_for_norm reads to count each element of the model once.
         view.tensor_model_parallel, view.shared_embedding = key[1], key[2]
-        runs.append(Run(key[0], view, buf.grad_data[a:end], pieces, real_end - a))
+        runs.append(Run(key[0], view, bucket.grad_shard[a - lo:end - lo], pieces, real_end - a))
     return runs
 
 
@@ -147,7 +147,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 for bucket in buf.buckets:
                     s, e = bucket.shard_range(bucket.data_parallel_rank)
                     lo, hi = bucket.offset + s, bucket.offset + e
-                    model_shard = buf.param_data[lo:hi]
+                    model_shard = bucket.param_shard
                     main = model_shard if model_shard.dtype == torch.float32 else model_shard.float()
                     self.shards.append((model_shard, main))
                     self.runs += _runs_of_shard(bucket, buf, lo, hi, main, names, group_of)
@@ -204,9 +204,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             r.main.grad = None
 
     def finish_param_sync(self) -> None:
-        """Complete pending parameter all-gathers (before reading weights outside a forward)."""
+        """Complete pending parameter all-gathers (before reading weights outside a forward);
+        never starts one (ZeRO-3's gather of every unit is the model's finish_param_sync)."""
         for chunk in self.model_chunks:
-            chunk.finish_param_sync()
+            getattr(chunk, "wait_param_sync", chunk.finish_param_sync)()
 
     def reload_model_params(self) -> None:
         with torch.no_grad():

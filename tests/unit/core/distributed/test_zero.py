@@ -1,0 +1,140 @@
+"""ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``)
+on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 and 4 micro-batches
+ZeRO-2 equals the distributed optimizer (``optim``) bitwise, and every strategy equals plain
+single-process AdamW within rtol 1e-6; the collectives counted (ZeRO-3: per micro-batch one all-gather of every
+parameter for forward and one for backward, one reduce-scatter of every gradient per iteration);
+the bytes held per rank equal the formulas; torch-format state dicts round-trip."""
+
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.helpers.dist import run_distributed
+from tests.helpers.groups import current_groups
+from tests.helpers.toy import (BUCKET, CLIP, LR, Net, WD, distrib_batch, distrib_iteration,
+                               reference_adamw)
+
+STEPS = 4
+STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+
+
+def _build(strategy, overlap_grad):
+    from megatron.core.distributed import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = Net()
+    # Units: the LayerNorm (its own all-gather per pass); the rest is the root unit (Net reads
+    # inp.weight outside inp's forward, so inp cannot be a unit of its own).
+    ddp = DistributedDataParallel(net, data_parallel_group=ps.get_data_parallel_group(),
+                                  bucket_size=BUCKET, overlap_grad_reduce=overlap_grad,
+                                  use_distributed_optimizer=True,
+                                  data_parallel_sharding_strategy=strategy,
+                                  fsdp_unit_modules=(torch.nn.LayerNorm,))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
+                                                 use_distributed_optimizer=True), [ddp],
+                                 pg_collection=current_groups())
+    return net, ddp, opt
+
+
+def _bytes(ddp):
+    buckets = [b for buf in ddp.buffers for b in buf.buckets]
+    return sum(b.numel_padded for b in buckets), max(b.numel_padded for b in buckets)
+
+
+def _check_zero3_counts(ddp, events, num_mb):
+    units = ddp.param_units.units
+    assert [len(u.buckets) for u in units] == [1, 1]  # root, LayerNorm
+    psi_pad, _ = _bytes(ddp)
+    ag = [e for e in events if e["op"] == "all_gather"]
+    rs = [e for e in events if e["op"] == "reduce_scatter"]
+    # forward: root then norm; backward: root (the loss) then norm; per micro-batch
+    root, norm = units[0].buckets[0].index, units[1].buckets[0].index
+    assert [e["bucket"] for e in ag] == [root, norm, root, norm] * num_mb
+    assert sum(e["numel"] for e in ag) == 2 * num_mb * psi_pad
+    assert sorted(e["bucket"] for e in rs) == [0, 1]
+    assert sum(e["numel"] for e in rs) == psi_pad
+
+
+def _train():
+    ps.initialize_model_parallel(1, 1)
+    dp = ps.get_data_parallel_world_size()
+    out = {}
+    for num_mb in (1, 4):
+        for strategy in STRATEGIES:
+            for overlap in (False, True):
+                net, ddp, opt = _build(strategy, overlap)
+                losses = []
+                for step in range(STEPS):
+                    loss, events = distrib_iteration(ddp, opt, step, num_mb)
+                    losses.append(loss)
+                    mem = ddp.memory_bytes()
+                    psi_pad, largest = _bytes(ddp)
+                    if strategy == "optim":
+                        assert mem["grads"] == mem["params"] == 4 * psi_pad
+                        continue
+                    # after the step: fp32 gradient shards only, 4 Psi / N
+                    assert mem["grads"] == 0 and mem["grad_shards"] * dp == 4 * psi_pad
+                    if strategy == "optim_grads":
+                        assert mem["params"] == 4 * psi_pad and mem["param_shards"] == 0
+                        continue
+                    _check_zero3_counts(ddp, events, num_mb)
+                    # fp32 params: 4 Psi / N held; nothing gathered between iterations; the
+                    # gather window is both units at once (the root is in use around the norm)
+                    assert mem["params"] == 0 and mem["param_shards"] * dp == 4 * psi_pad
+                    assert ddp.param_units.peak_gathered_bytes == 4 * psi_pad
+                    ddp.param_units.reset_peak()
+                # fp32 optimizer state: 8 Psi / N (the main params are the shards themselves)
+                assert opt.state_bytes() * dp == 8 * psi_pad
+                ddp.finish_param_sync()
+                params = {n: p.detach().clone() for n, p in net.named_parameters()}
+                out[(num_mb, strategy, overlap)] = (params, losses)
+                if strategy == "optim_grads_params":
+                    state = ddp.state_dict()
+                    _roundtrip(ddp, state)
+    return out
+
+
+def _roundtrip(ddp, state):
+    """A ZeRO-3 state dict (gathered on every rank) loads into a fresh ZeRO-3 model: the same
+    shards, the full parameters freed again."""
+    _, fresh, _ = _build("optim_grads_params", False)
+    with pytest.raises(RuntimeError, match="finish_param_sync"):
+        fresh.module.state_dict()  # as checkpointing reads it
+    fresh.finish_param_sync()
+    fresh.load_state_dict(state)
+    for a, b in zip(fresh.buffers[0].buckets, ddp.buffers[0].buckets):
+        assert torch.equal(a.param_shard, b.param_shard)
+        assert not a.params_gathered
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_strategies_equal_distributed_optimizer_and_adamw(dp):
+    ref, _, ref_losses = reference_adamw(STEPS, distrib_batch)
+    results = run_distributed(dp, _train)[0]
+    for (num_mb, strategy, overlap), (params, losses) in results.items():
+        base_params, base_losses = results[(num_mb, "optim", False)]
+        case = (num_mb, strategy, overlap)
+        if strategy != "optim_grads_params":  # the same buckets: the same arithmetic
+            assert losses == base_losses, case
+            for name, p in params.items():
+                assert torch.equal(p, base_params[name]), (case, name)
+        # ZeRO-3's buckets are its units: the norm sums its squares in other pieces
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref[name], rtol=1e-6, atol=1e-7, msg=f"{case} {name}")
+        assert losses == pytest.approx(ref_losses, rel=1e-6), case
+
+
+def test_strategy_checks():
+    from megatron.core.distributed import DistributedDataParallel
+
+    with pytest.raises(ValueError, match="must be one of"):
+        DistributedDataParallel(Net(), data_parallel_group=None, use_distributed_optimizer=True,
+                                data_parallel_sharding_strategy="zero3")
+    with pytest.raises(ValueError, match="needs use_distributed_optimizer"):
+        DistributedDataParallel(Net(), data_parallel_group=None,
+                                data_parallel_sharding_strategy="optim_grads")
+    with pytest.raises(ValueError, match="overlap-param-gather"):
+        DistributedDataParallel(Net(), data_parallel_group=None, use_distributed_optimizer=True,
+                                overlap_param_gather=True,
+                                data_parallel_sharding_strategy="optim_grads_params")

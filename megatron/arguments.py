@@ -346,6 +346,19 @@ def _add_distributed_args(parser):
     g.add_argument("--overlapped-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="shard over data parallelism what --data-parallel-sharding-strategy "
+                        "names (Megatron-Core's flag; built on our own buffers)")
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="with --use-megatron-fsdp: optim = the distributed optimizer (ZeRO-1), "
+                        "optim_grads = and gradients (ZeRO-2), optim_grads_params = and "
+                        "parameters, gathered per transformer layer (ZeRO-3)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="distributed optimizer: fp32 main params and Adam moments in host "
+                        "memory, the step on the CPU (ZeRO-Offload)")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="share of the optimizer state offloaded; only 1.0 is supported")
     g.add_argument("--reduce-bucket-size", type=float, default=None,
                    help="gradient bucket size in elements (e.g. 2e8); default Megatron-Core's "
                         "max(4e7, 1e6 x DP), one bucket for small models")

@@ -427,10 +427,28 @@ def _validate_distributed_optimizer(args):
         args.use_distributed_optimizer = True
         args.overlap_grad_reduce = True
         args.overlap_param_gather = True
+    strategy = args.data_parallel_sharding_strategy
+    if strategy != "no_shard" and not args.use_megatron_fsdp:
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp")
+    if args.use_megatron_fsdp and strategy != "no_shard":
+        args.use_distributed_optimizer = True  # the sharded optimizer state of every strategy
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise UsageError("--overlap-param-gather needs --use-distributed-optimizer (plain data "
                          "parallelism has no parameter all-gather): add it, or use "
                          "--overlapped-distributed-optimizer")
+    if strategy == "optim_grads_params" and args.overlap_param_gather:
+        raise ValueError("--overlap-param-gather (also set by --overlapped-distributed-optimizer) "
+                         "does not apply to --data-parallel-sharding-strategy optim_grads_params: "
+                         "its forward gathers each layer itself, with prefetch; drop it (keep "
+                         "--overlap-grad-reduce)")
+    if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
+        raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer (or "
+                         "--use-megatron-fsdp with a sharding strategy): it offloads the "
+                         "distributed optimizer's shards")
+    if args.optimizer_offload_fraction != 1.0:
+        raise ValueError(f"--optimizer-offload-fraction ({args.optimizer_offload_fraction:g}) "
+                         "is not supported: only 1.0 (all of the optimizer state on the host "
+                         "with --optimizer-cpu-offload); drop the flag")
 
 
 def _validate_wandb(args):

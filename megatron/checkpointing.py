@@ -402,6 +402,8 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "with the virtual pipeline flags it was saved with, or re-cut it with "
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
+        # ZeRO-3: gather the sharded parameters (every rank loads); loading reshards them.
+        getattr(chunk, "finish_param_sync", lambda: None)()
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 

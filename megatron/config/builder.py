@@ -37,6 +37,8 @@ FLAGS_NOT_IN_CONFIG = {
     "causal_lm": "Megatron-LLaMA's flag: validation turns it into "
                  "--untie-embeddings-and-output-weights",
     "recompute_activations": "validation turns it into --recompute-granularity selective",
+    "use_megatron_fsdp": "validation turns it into use_distributed_optimizer for a sharding "
+                         "strategy (data_parallel_sharding_strategy carries the rest)",
     "overlapped_distributed_optimizer": "Megatron-LLaMA's flag: validation turns it into "
                                         "--use-distributed-optimizer with both overlaps",
     "use_rope_scaling": "with --rope-scaling-*, becomes ModelConfig.rope_scaling",

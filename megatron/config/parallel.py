@@ -51,6 +51,11 @@ class ParallelConfig:
     """``--reduce-bucket-size``: gradient bucket size in elements; None (the default) is
     Megatron-Core's ``max(4e7, 1e6 x DP)``
     (:func:`megatron.core.distributed.param_and_grad_buffer.default_bucket_size`)."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """``--data-parallel-sharding-strategy``: ``no_shard`` (the default), ``optim`` (the
+    distributed optimizer, ZeRO-1), ``optim_grads`` (and gradients, ZeRO-2),
+    ``optim_grads_params`` (and parameters, ZeRO-3); see
+    :mod:`megatron.core.distributed.param_units`."""
     accumulate_allreduce_grads_in_fp32: bool = True
     """``--no-accumulate-allreduce-grads-in-fp32`` turns it off (bf16 only): fp32 gradient
     buffers and reduction. Default on."""

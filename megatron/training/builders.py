@@ -49,18 +49,23 @@ def setup_model_and_optimizer(config, model_provider, pg_collection, device, *,
         stage.
     """
     from megatron.core.optimizer import build_opt_param_scheduler, get_megatron_optimizer
+    from megatron.model.transformer import TransformerLayer  # ZeRO-3's unit
 
     parallel = config.parallel
     bucket = parallel.reduce_bucket_size
     # One DDP wrapper (one grad buffer) per chunk, as Megatron-LM: the optimizer and
     # finalize_model_grads take the list. Gradients reduce over DP x CP (Megatron-Core's dp_cp).
+    strategy = parallel.data_parallel_sharding_strategy
+    # The distributed optimizer without --use-megatron-fsdp is the strategy optim.
+    strategy = "optim" if strategy == "no_shard" else strategy
     chunks = [DistributedDataParallel(
         model, data_parallel_group=pg_collection.dp_cp.group,
         accumulate_allreduce_grads_in_fp32=parallel.accumulate_allreduce_grads_in_fp32,
         bucket_size=None if bucket is None else int(bucket),
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
-        overlap_param_gather=parallel.overlap_param_gather)
+        overlap_param_gather=parallel.overlap_param_gather,
+        data_parallel_sharding_strategy=strategy, fsdp_unit_modules=(TransformerLayer,))
         for model in build_model_chunks(config, model_provider, pg_collection, device,
                                         weights_from_checkpoint=weights_from_checkpoint)]
     optimizer = get_megatron_optimizer(config.optimizer, chunks, pg_collection=pg_collection)

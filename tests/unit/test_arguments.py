@@ -289,7 +289,7 @@ VALIDATION_ONLY = {"normalization", "position_embedding_type", "swiglu", "no_pos
                    "causal_lm", "group_query_attention"}
 VALIDATION_ONLY |= {"recompute_activations"}  # becomes --recompute-granularity selective
 # Megatron-LLaMA's flag: sets --use-distributed-optimizer and both overlaps.
-VALIDATION_ONLY |= {"overlapped_distributed_optimizer"}
+VALIDATION_ONLY |= {"overlapped_distributed_optimizer", "use_megatron_fsdp"}
 # Derives --virtual-pipeline-model-parallel-size (Megatron's rule).
 VALIDATION_ONLY |= {"num_layers_per_virtual_pipeline_stage"}
 

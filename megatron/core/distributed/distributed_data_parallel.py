@@ -254,6 +254,20 @@ class DistributedDataParallel(torch.nn.Module):
         if self.param_units is not None:  # units whose gradients did not all arrive
             self.param_units.free_all()
 
+    def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s gradient as the reduction left it: ``main_grad``, or with sharded
+        gradients (after :meth:`finish_grad_sync`) the flat view of the rank's ``grad_shard``
+        that belongs to ``param`` (possibly empty)."""
+        buf = self.param_to_buffer[param]
+        bucket = buf.param_to_bucket[param]
+        if not bucket.shard_grads:
+            return param.main_grad
+        start, end, _ = buf.param_index_map[param]
+        s, e = bucket.shard_range(bucket.data_parallel_rank)
+        lo, hi = bucket.offset + s, bucket.offset + e
+        a, b = max(start, lo), min(end, hi)
+        return bucket.grad_shard[a - lo:max(a, b) - lo]
+
     def start_param_sync(self) -> None:
         """Launch the all-gather of every bucket's updated parameter shards (distributed
         optimizer), asynchronously under ``overlap_param_gather``, else completed here.

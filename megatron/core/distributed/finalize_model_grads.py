@@ -26,19 +26,23 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core.process_groups import ProcessGroupCollection
 
 
-def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The accumulated gradient of ``param``: ``main_grad`` under DDP, else ``grad``."""
+def _grad(chunk, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The reduced gradient of ``param``: under DDP its ``reduced_grad`` (``main_grad``, or with
+    sharded gradients the part of the rank's shard that is ``param``'s), else ``grad``."""
+    if hasattr(chunk, "reduced_grad"):
+        return chunk.reduced_grad(param)
     g = getattr(param, "main_grad", None)
     return g if g is not None else param.grad
 
 
 def _unique_params(model_chunks):
+    """``(chunk, param)`` for every trainable parameter, once."""
     seen = set()
     for chunk in model_chunks:
         for p in chunk.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                yield p
+                yield chunk, p
 
 
 def _allreduce_coalesced(grads: List[torch.Tensor], group) -> None:
@@ -55,8 +59,9 @@ def _allreduce_sequence_parallel_grads(model_chunks, pg_collection) -> None:
     """Collective: all-reduce (sum) over the tensor-parallel group."""
     if pg_collection.tp.size == 1:
         return
-    grads = [_grad(p) for p in _unique_params(model_chunks)
-             if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
+    # With sharded gradients each TP rank's shard pieces match: equal layouts on the TP ranks.
+    grads = [_grad(c, p) for c, p in _unique_params(model_chunks)
+             if getattr(p, "sequence_parallel", False) and _grad(c, p) is not None]
     _allreduce_coalesced(grads, pg_collection.tp.group)
 
 
@@ -67,8 +72,9 @@ def _allreduce_embedding_grads(model_chunks, pg_collection) -> None:
     """
     if pg_collection.pp.size == 1 or not pg_collection.in_embedding_group:
         return
-    grads = [_grad(p) for p in _unique_params(model_chunks)
-             if getattr(p, "shared_embedding", False) and _grad(p) is not None]
+    # (a shared embedding has a bucket of its own: the same shard pieces on both stages)
+    grads = [_grad(c, p) for c, p in _unique_params(model_chunks)
+             if getattr(p, "shared_embedding", False) and _grad(c, p) is not None]
     _allreduce_coalesced(grads, pg_collection.embedding.group)
 
 
@@ -110,7 +116,7 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
 
     if num_tokens is None:
         return
-    device = next(iter(_unique_params(model_chunks))).device
+    device = next(iter(_unique_params(model_chunks)))[1].device
     total = torch.as_tensor(num_tokens, dtype=torch.float64, device=device).clone().reshape(())
     pp, dp_cp = pg_collection.pp, pg_collection.dp_cp
     if pp.size > 1:

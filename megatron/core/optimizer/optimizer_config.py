@@ -57,6 +57,12 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     """``--use-distributed-optimizer`` (implied by ``--overlapped-distributed-optimizer``): shard
     the main params and Adam moments over data parallelism. Default off."""
+    optimizer_cpu_offload: bool = False
+    """``--optimizer-cpu-offload``: the distributed optimizer keeps its fp32 main params and Adam
+    moments in host memory (pinned on CUDA) and steps there. Default off."""
+    optimizer_offload_fraction: float = 1.0
+    """``--optimizer-offload-fraction``: share of the state offloaded; only 1.0 (validation
+    refuses others). Default 1.0."""
     log_num_zeros_in_grad: bool = False
     """``--log-num-zeros-in-grad``: count the zero gradient elements every step. Default off."""
 

@@ -1,0 +1,99 @@
+"""ZeRO-2 / ZeRO-3 end to end through pretrain_llama.main() (``--use-megatron-fsdp
+--data-parallel-sharding-strategy optim_grads | optim_grads_params``), 20 iterations, fp32,
+dropout 0, clipping active: at DP=4, TP=2 x DP=2 (sequence parallel) and PP=2 x DP=2 (tied
+embedding across stages, 1F1B over 4 micro-batches) the losses, grad norms and validation losses
+(losses) equal plain data parallelism at the same layout within rtol 1e-6, grad norms and the
+weights saved at the end (ZeRO-3: gathered for the torch-format save) as closely as today's
+distributed optimizer does (see the test's docstring for why and the figures); ZeRO-2 is bitwise
+the distributed optimizer. The slow test runs the 8-rank TP=2 x PP=2 x DP=2 layout with ZeRO-3,
+full recompute and the interleaved schedule."""
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.pretrain import UNTIED, e2e_argv, layout_args, run_many
+
+ITERS = 20
+SHORT = ["--train-iters", str(ITERS), "--eval-iters", "1", "--eval-interval", "10",
+         "--global-batch-size", "8", "--micro-batch-size", "1", "--log-interval", "10"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+STRATEGIES = {"plain": [], "zero1": FSDP + ["optim"], "zero2": FSDP + ["optim_grads"],
+              "zero3": FSDP + ["optim_grads_params"]}
+LAYOUTS = {"dp4": ((1, 1), UNTIED, ("plain", "zero1", "zero2", "zero3")),
+           "tp2": ((2, 1), UNTIED + ["--sequence-parallel"], ("plain", "zero1", "zero2", "zero3")),
+           "pp2": ((1, 2), [], ("plain", "zero1", "zero2", "zero3"))}
+
+
+def _weights(folder, files):
+    out = {}
+    for f in files:
+        state = torch.load(str(folder / f"iter_{ITERS:07d}" / f / "model_optim_rng.pt"),
+                           weights_only=False)
+        out.update({f"{f}/{k}": v for k, v in state["model"].items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(data_prefix, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("zero_cache"))
+    save = tmp_path_factory.mktemp("zero_ckpt")
+    argvs = [(f"{layout} {s}", e2e_argv(data_prefix, cache, *SHORT, *extra, *layout_args(*tp_pp),
+                                        *STRATEGIES[s], "--save", str(save / f"{layout}_{s}")))
+             for layout, (tp_pp, extra, strategies) in LAYOUTS.items() for s in strategies]
+    return run_distributed(4, run_many, argvs, timeout=900)[3], save
+
+
+def _assert_close(a, b, name, rtol):
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    worst = ((a - b).abs() / b.abs()).max().item()
+    assert a.shape == b.shape and worst <= rtol, f"{name}: relative difference {worst:.2e}"
+
+
+def _assert_history(a, b, name, grad_norm_rtol):
+    assert len(a["lm loss"]) == ITERS, name
+    _assert_close(a["lm loss"], b["lm loss"], f"{name}: lm loss", 1e-6)
+    _assert_close([v for _, v in a["valid"]], [v for _, v in b["valid"]],
+                  f"{name}: validation loss", 1e-6)
+    _assert_close(a["grad norm"], b["grad norm"], f"{name}: grad norm", grad_norm_rtol)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_strategies_equal_plain_data_parallel(runs, layout):
+    """Losses within 1e-6 of plain DP. Grad norms and weights are as close as today's distributed
+    optimizer (ZeRO-1) is to plain DP, and no closer can be asked: gloo's all-reduce and its
+    reduce-scatter sum the ranks' fp32 gradients in other orders, and ZeRO-3's buckets (its
+    units) change which rank reduces which element; measured over 20 iterations: grad norms
+    <= 1.3e-5 relative, weights <= 4.5e-6 absolute (ZeRO-1 and ZeRO-3 alike), losses <= 1e-7.
+    ZeRO-2 keeps ZeRO-1's buckets: bitwise ZeRO-1."""
+    out, save = runs
+    files = {"dp4": ["mp_rank_00"], "tp2": ["mp_rank_00", "mp_rank_01"],
+             "pp2": ["mp_rank_00_000", "mp_rank_00_001"]}[layout]
+    plain = _weights(save / f"{layout}_plain", files)
+    zero1 = _weights(save / f"{layout}_zero1", files)
+    for strategy in LAYOUTS[layout][2][1:]:
+        name = f"{layout} {strategy}"
+        _assert_history(out[name], out[f"{layout} plain"], name, grad_norm_rtol=2e-5)
+        weights = _weights(save / f"{layout}_{strategy}", files)
+        assert weights.keys() == plain.keys()
+        for k, v in weights.items():
+            torch.testing.assert_close(v, plain[k], rtol=1e-6, atol=1e-5, msg=f"{name} {k}")
+        if strategy == "zero2":
+            for key in ("lm loss", "grad norm", "valid"):
+                assert out[name][key] == out[f"{layout} zero1"][key], (name, key)
+            assert all(torch.equal(v, zero1[k]) for k, v in weights.items()), name
+        if strategy == "zero3":
+            _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_zero3_tp2_pp2_dp2_interleaved_recompute(data_prefix, tmp_path):
+    """8 ranks, TP=2 x PP=2 x DP=2, two virtual stages per pipeline rank, full recompute, sequence
+    parallel, tied embedding: ZeRO-3 against plain DP at the same layout."""
+    extra = [*layout_args(2, 2), "--num-layers-per-virtual-pipeline-stage", "1",
+             "--sequence-parallel", "--recompute-granularity", "full",
+             "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    argvs = [(s, e2e_argv(data_prefix, str(tmp_path), *SHORT, *extra, *STRATEGIES[s]))
+             for s in ("plain", "zero3")]
+    out = run_distributed(8, run_many, argvs, timeout=1200)[7]
+    _assert_history(out["zero3"], out["plain"], "TP2 PP2 DP2 zero3", grad_norm_rtol=2e-5)

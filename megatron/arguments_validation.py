@@ -441,6 +441,10 @@ def _validate_distributed_optimizer(args):
                          "does not apply to --data-parallel-sharding-strategy optim_grads_params: "
                          "its forward gathers each layer itself, with prefetch; drop it (keep "
                          "--overlap-grad-reduce)")
+    if strategy == "optim_grads_params" and getattr(args, "async_save", False):
+        raise ValueError("--async-save with --data-parallel-sharding-strategy optim_grads_params "
+                         "is not supported yet (the host copy would read layers the next forward "
+                         "frees); drop --async-save")
     if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
         raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer (or "
                          "--use-megatron-fsdp with a sharding strategy): it offloads the "

@@ -472,6 +472,8 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     with_optimizer = optimizer is not None and not weights_only and not config.no_load_optim
     device = next(unwrap_model(model_chunks[0]).parameters()).device
     error, prepared = None, None
+    for chunk in model_chunks:  # ZeRO-3: DCP reads into the full (gathered) parameters
+        getattr(chunk, "finish_param_sync", lambda: None)()
     try:
         prepared = _prepare(folder, model_chunks, optimizer, layout, with_optimizer)
     except (CheckpointError, dcp.CheckpointFormatError, ValueError) as exc:
@@ -488,6 +490,8 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
         dcp.load(boxes, folder, process_group=group, metadata=metadata)
     except dcp.CheckpointFormatError as exc:
         raise CheckpointError(str(exc)) from None
+    for chunk in model_chunks:  # ZeRO-3: the loaded weights into the shards, the rest freed
+        getattr(chunk, "reshard_params", lambda: None)()
     if finish is not None:
         finish(common["optimizer"])
     elif optimizer is not None:

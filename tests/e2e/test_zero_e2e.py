@@ -41,6 +41,14 @@ def runs(data_prefix, tmp_path_factory):
     argvs = [(f"{layout} {s}", e2e_argv(data_prefix, cache, *SHORT, *extra, *layout_args(*tp_pp),
                                         *STRATEGIES[s], "--save", str(save / f"{layout}_{s}")))
              for layout, (tp_pp, extra, strategies) in LAYOUTS.items() for s in strategies]
+    # torch_dist: ZeRO-3 at TP=2 x DP=2 saves at iteration 10, read at DP=4 by ZeRO-3 and by plain
+    (tp_pp, extra, _), dist_dir = LAYOUTS["tp2"], str(save / "tp2_zero3_dist")
+    argvs.append(("tp2 zero3 dist", e2e_argv(
+        data_prefix, cache, *SHORT, *extra, *layout_args(*tp_pp), *STRATEGIES["zero3"],
+        "--ckpt-format", "torch_dist", "--save", dist_dir, "--exit-interval", "10")))
+    for s in ("zero3", "plain"):
+        argvs.append((f"dp4 {s} resumed", e2e_argv(
+            data_prefix, cache, *SHORT, *LAYOUTS["dp4"][1], *STRATEGIES[s], "--load", dist_dir)))
     return run_distributed(4, run_many, argvs, timeout=900)[3], save
 
 
@@ -84,6 +92,19 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
             assert all(torch.equal(v, zero1[k]) for k, v in weights.items()), name
         if strategy == "zero3":
             _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-5)
+
+
+def test_torch_dist_checkpoint_reshards_across_strategies_and_dp_sizes(runs):
+    """Saved by ZeRO-3 at TP=2 x DP=2 (iteration 10), resumed at TP=1 x DP=4 by ZeRO-3 and by
+    plain DP: iterations 11..20 equal the uninterrupted DP=4 runs."""
+    out, _ = runs
+    assert out["tp2 zero3 dist"]["lm loss"] == out["tp2 zero3"]["lm loss"][:10]
+    for s in ("zero3", "plain"):
+        resumed, whole = out[f"dp4 {s} resumed"], out[f"dp4 {s}"]
+        assert resumed["iteration"] == list(range(11, ITERS + 1))
+        _assert_close(resumed["lm loss"], whole["lm loss"][10:], f"{s} resumed: lm loss", 1e-6)
+        _assert_close(resumed["grad norm"], whole["grad norm"][10:], f"{s} resumed: grad norm",
+                      2e-5)
 
 
 @pytest.mark.slow

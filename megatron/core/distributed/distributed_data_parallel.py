@@ -288,6 +288,12 @@ class DistributedDataParallel(torch.nn.Module):
         if self.param_units is not None:
             self.param_units.gather_all()
 
+    def reshard_params(self) -> None:
+        """Sharded parameters: copy the (gathered, just loaded) full parameters into the shards
+        and free them; nothing otherwise."""
+        if self.param_units is not None:
+            self.param_units.reshard()
+
     def wait_param_sync(self) -> None:
         """Wait for the parameter all-gathers in flight (never starts one)."""
         for buf in self.buffers:

@@ -236,12 +236,17 @@ class ParamUnits:
     def _load_pre_hook(self, *_args):
         self._require_gathered("load_state_dict()")
 
-    def _load_post_hook(self, _module, _incompatible):
+    def reshard(self) -> None:
+        """The gathered full parameters (just loaded) into the shards; then free them."""
+        self._require_gathered("resharding")
         with torch.no_grad():
             for u in self.units:
                 for b in u.buckets:
                     b.write_shard_from_params()
         self.free_all()
+
+    def _load_post_hook(self, _module, _incompatible):
+        self.reshard()
 
 
 def unit_assignment(module: torch.nn.Module,

@@ -5,7 +5,7 @@ embedding across stages, 1F1B over 4 micro-batches) the losses, grad norms and v
 (losses) equal plain data parallelism at the same layout within rtol 1e-6, grad norms and the
 weights saved at the end (ZeRO-3: gathered for the torch-format save) as closely as today's
 distributed optimizer does (see the test's docstring for why and the figures); ZeRO-2 is bitwise
-the distributed optimizer. The slow test runs the 8-rank TP=2 x PP=2 x DP=2 layout with ZeRO-3,
+the distributed optimizer, ZeRO-3 with --optimizer-cpu-offload bitwise ZeRO-3. The slow test runs the 8-rank TP=2 x PP=2 x DP=2 layout with ZeRO-3,
 full recompute and the interleaved schedule."""
 
 import pytest
@@ -19,8 +19,9 @@ SHORT = ["--train-iters", str(ITERS), "--eval-iters", "1", "--eval-interval", "1
          "--global-batch-size", "8", "--micro-batch-size", "1", "--log-interval", "10"]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 STRATEGIES = {"plain": [], "zero1": FSDP + ["optim"], "zero2": FSDP + ["optim_grads"],
-              "zero3": FSDP + ["optim_grads_params"]}
-LAYOUTS = {"dp4": ((1, 1), UNTIED, ("plain", "zero1", "zero2", "zero3")),
+              "zero3": FSDP + ["optim_grads_params"],
+              "zero3 offload": FSDP + ["optim_grads_params", "--optimizer-cpu-offload"]}
+LAYOUTS = {"dp4": ((1, 1), UNTIED, ("plain", "zero1", "zero2", "zero3", "zero3 offload")),
            "tp2": ((2, 1), UNTIED + ["--sequence-parallel"], ("plain", "zero1", "zero2", "zero3")),
            "pp2": ((1, 2), [], ("plain", "zero1", "zero2", "zero3"))}
 
@@ -39,7 +40,7 @@ def runs(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("zero_cache"))
     save = tmp_path_factory.mktemp("zero_ckpt")
     argvs = [(f"{layout} {s}", e2e_argv(data_prefix, cache, *SHORT, *extra, *layout_args(*tp_pp),
-                                        *STRATEGIES[s], "--save", str(save / f"{layout}_{s}")))
+                                        *STRATEGIES[s], "--save", str(save / f"{layout}_{s.replace(' ', '_')}")))
              for layout, (tp_pp, extra, strategies) in LAYOUTS.items() for s in strategies]
     # torch_dist: ZeRO-3 at TP=2 x DP=2 saves at iteration 10, read at DP=4 by ZeRO-3 and by plain
     (tp_pp, extra, _), dist_dir = LAYOUTS["tp2"], str(save / "tp2_zero3_dist")
@@ -82,7 +83,7 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
     for strategy in LAYOUTS[layout][2][1:]:
         name = f"{layout} {strategy}"
         _assert_history(out[name], out[f"{layout} plain"], name, grad_norm_rtol=2e-5)
-        weights = _weights(save / f"{layout}_{strategy}", files)
+        weights = _weights(save / f"{layout}_{strategy.replace(' ', '_')}", files)
         assert weights.keys() == plain.keys()
         for k, v in weights.items():
             torch.testing.assert_close(v, plain[k], rtol=1e-6, atol=1e-5, msg=f"{name} {k}")
@@ -92,6 +93,9 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
             assert all(torch.equal(v, zero1[k]) for k, v in weights.items()), name
         if strategy == "zero3":
             _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-5)
+        if strategy == "zero3 offload":  # the step on host copies: the same arithmetic
+            for key in ("lm loss", "grad norm", "valid"):
+                assert out[name][key] == out[f"{layout} zero3"][key], (name, key)
 
 
 def test_torch_dist_checkpoint_reshards_across_strategies_and_dp_sizes(runs):

@@ -90,20 +90,22 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], norm_type: float = 2.0, *,
 
 
 def grad_norm_power_fp32(grads: List[torch.Tensor], norm_type: float = 2.0, *,
-                         model_parallel_group, data_parallel_group) -> torch.Tensor:
+                         model_parallel_group, data_parallel_group,
+                         device: Optional[torch.device] = None) -> torch.Tensor:
     """The sum of ``|g| ** norm_type`` over the gradients of the whole model (finite p), combined
-    over the groups as in :func:`get_grad_norm_fp32`: a 0-dim fp64 tensor on the gradients'
-    device, read by nobody here (no host sync).
+    over the groups as in :func:`get_grad_norm_fp32`: a 0-dim fp64 tensor on ``device`` (default
+    the gradients'; host gradients of the offloaded optimizer reduce on the model's device, as
+    NCCL needs), read by nobody here (no host sync).
 
     Accurate to fp32 rounding whatever the layout (:func:`tensor_power_sums`); the per-tensor
     sums and their combination over the groups are fp64, so a tensor-parallel split, a pipeline
     split or a data-parallel shard of the same gradients gives the same value within about 1e-9
     relative.
     """
-    device = grads[0].device if grads else torch.device("cpu")
+    device = device or (grads[0].device if grads else torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
     if grads:
-        total = tensor_power_sums(grads, norm_type).sum()
+        total = tensor_power_sums(grads, norm_type).sum().to(device)
     if data_parallel_group is not None:
         dist.all_reduce(total, group=data_parallel_group)
     if model_parallel_group is not None:

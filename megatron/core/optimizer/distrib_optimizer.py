@@ -23,6 +23,13 @@ element counted once over TP, PP and DP), steps AdamW, writes the main shards in
 buffer and launches the bucket all-gathers (waited on in the next forward's pre-hooks under
 ``--overlap-param-gather``, else at once).
 
+``--optimizer-cpu-offload`` (Megatron's flag; DeepSpeed's ZeRO-Offload, Ren et al. 2021): the
+fp32 main shards, their gradients and the moments live in host memory (pinned on CUDA) and AdamW
+steps there with torch's fused CPU kernel; each step copies the reduced gradient shards
+device -> host (non-blocking, one synchronisation) and the updated shards host -> device. The
+step's flag and norm are reduced on the model's device. Overlapping those copies with the
+backward and the next forward on CUDA is not built yet (the copies run in the step).
+
 Checkpoints keep the state per parameter name and element range, padding dropped
 (:meth:`DistributedOptimizer.parameter_state`), so a checkpoint saved at one DP size is re-cut at
 another, and converts to and from the plain optimizer's layout
@@ -32,7 +39,7 @@ another, and converts to and from the plain optimizer's layout
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +76,16 @@ class Run:
     grad_shard: torch.Tensor
     pieces: List[Piece] = field(default_factory=list)
     numel_real: int = 0
+    host_grad: Optional[torch.Tensor] = None  # --optimizer-cpu-offload: where grad_shard lands
+
+
+def _host_tensor(like: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """An fp32 host tensor shaped as ``like`` (its values when ``copy``), pinned when ``like``
+    is on CUDA (so the copies between them can be asynchronous)."""
+    out = torch.zeros(like.shape, dtype=torch.float32, pin_memory=like.is_cuda)
+    if copy:
+        out.copy_(like)
+    return out
 
 
 def _unwrap(chunk):
@@ -140,6 +157,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         names = param_names(model_chunks)
         groups = get_param_groups(model_chunks, config.weight_decay)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
+        self.offload = bool(getattr(config, "optimizer_cpu_offload", False))
         self.shards: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.runs: List[Run] = []
         for chunk in model_chunks:
@@ -148,9 +166,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     s, e = bucket.shard_range(bucket.data_parallel_rank)
                     lo, hi = bucket.offset + s, bucket.offset + e
                     model_shard = bucket.param_shard
-                    main = model_shard if model_shard.dtype == torch.float32 else model_shard.float()
+                    if self.offload:
+                        main = _host_tensor(model_shard)
+                    else:
+                        main = (model_shard if model_shard.dtype == torch.float32
+                                else model_shard.float())
                     self.shards.append((model_shard, main))
-                    self.runs += _runs_of_shard(bucket, buf, lo, hi, main, names, group_of)
+                    runs = _runs_of_shard(bucket, buf, lo, hi, main, names, group_of)
+                    if self.offload:
+                        host_grad = _host_tensor(model_shard, copy=False)
+                        for r in runs:
+                            at = r.main.storage_offset() - main.storage_offset()
+                            r.host_grad = host_grad[at:at + r.main.numel()]
+                    self.runs += runs
+        self.model_device = self.shards[0][0].device if self.shards else torch.device("cpu")
         # Empty groups stay (a rank may own no piece of a group): indices equal on every rank.
         torch_groups = [{**g, "params": [r.main for r in self.runs if r.group == gi]}
                         for gi, g in enumerate(groups)]
@@ -170,18 +199,28 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return [r.main.grad for r in self.runs]
 
     def _copy_model_grads_to_main_grads(self) -> None:
+        if self.offload:  # device -> host, then one wait for all the copies
+            for r in self.runs:
+                r.host_grad.copy_(r.grad_shard, non_blocking=r.host_grad.is_pinned())
+                r.main.grad = r.host_grad
+            if self.model_device.type == "cuda":
+                torch.cuda.current_stream(self.model_device).synchronize()
+            return
         for r in self.runs:  # a view for fp32 grad buffers, an fp32 copy for bf16 ones
             r.main.grad = r.grad_shard if r.grad_shard.dtype == torch.float32 else r.grad_shard.float()
 
     def _copy_main_params_to_model_params(self) -> None:
         for model_shard, main in self.shards:
-            if main is not model_shard:
-                model_shard.copy_(main)
+            if main is not model_shard:  # host -> device under offload, ordered on the stream
+                model_shard.copy_(main, non_blocking=main.is_pinned())
+
+    def _collective_device(self):
+        return self.model_device if self.offload else None
 
     def count_zeros(self) -> int:
         """Zero gradient elements of the model (padding excluded), each counted once."""
         counted = {id(g) for g in grads_for_norm(self.get_parameters(), self.pg_collection)}
-        device = self.runs[0].main.device
+        device = self._collective_device() or self.runs[0].main.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         for r in self.runs:
             if id(r.main.grad) in counted:

@@ -111,7 +111,13 @@ class MegatronOptimizer:
         (layout-exact to fp32 rounding: :func:`~megatron.core.optimizer.clip_grads.tensor_power_sums`)."""
         return grad_norm_power_fp32(self.get_main_grads_for_grad_norm(), 2.0,
                                     model_parallel_group=self.model_parallel_group,
-                                    data_parallel_group=self._data_parallel_group())
+                                    data_parallel_group=self._data_parallel_group(),
+                                    device=self._collective_device())
+
+    def _collective_device(self) -> Optional[torch.device]:
+        """Where the step's flag and norm are reduced: None for the main grads' device (an
+        offloaded optimizer reduces its host results on the model's device)."""
+        return None
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), pg_collection=self.pg_collection,
@@ -196,7 +202,7 @@ class MegatronOptimizer:
         """
         self._copy_model_grads_to_main_grads()
         grads = self._main_grads()
-        device = grads[0].device if grads else torch.device("cpu")
+        device = self._collective_device() or (grads[0].device if grads else torch.device("cpu"))
         # Made on the device, never copied from the host: a host-to-GPU copy waits for the queue.
         found = torch.zeros((), dtype=torch.float32, device=device)
         if isinstance(nonfinite_loss, torch.Tensor):
@@ -213,7 +219,7 @@ class MegatronOptimizer:
             # A sum is inf/NaN iff an element is (or the sum overflows fp32, i.e. the gradient is
             # past any useful range): one read pass, where isfinite().any() makes five.
             sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
-            found = torch.maximum(found, (~torch.isfinite(sums)).any().float())
+            found = torch.maximum(found, (~torch.isfinite(sums)).any().float().to(device))
         for group in (self.model_parallel_group, self._data_parallel_group()):
             if group is not None:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)

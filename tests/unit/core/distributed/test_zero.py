@@ -1,5 +1,5 @@
 """ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``)
-on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 and 4 micro-batches
+on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 micro-batch, and 4 with the overlapped reduce-scatter,
 ZeRO-2 equals the distributed optimizer (``optim``) bitwise, and every strategy equals plain
 single-process AdamW within rtol 1e-6; the collectives counted (ZeRO-3: per micro-batch one all-gather of every
 parameter for forward and one for backward, one reduce-scatter of every gradient per iteration);
@@ -60,38 +60,37 @@ def _train():
     ps.initialize_model_parallel(1, 1)
     dp = ps.get_data_parallel_world_size()
     out = {}
-    for num_mb in (1, 4):
+    for num_mb, overlap in ((1, False), (4, True)):
         for strategy in STRATEGIES:
-            for overlap in (False, True):
-                net, ddp, opt = _build(strategy, overlap)
-                losses = []
-                for step in range(STEPS):
-                    loss, events = distrib_iteration(ddp, opt, step, num_mb)
-                    losses.append(loss)
-                    mem = ddp.memory_bytes()
-                    psi_pad, largest = _bytes(ddp)
-                    if strategy == "optim":
-                        assert mem["grads"] == mem["params"] == 4 * psi_pad
-                        continue
-                    # after the step: fp32 gradient shards only, 4 Psi / N
-                    assert mem["grads"] == 0 and mem["grad_shards"] * dp == 4 * psi_pad
-                    if strategy == "optim_grads":
-                        assert mem["params"] == 4 * psi_pad and mem["param_shards"] == 0
-                        continue
-                    _check_zero3_counts(ddp, events, num_mb)
-                    # fp32 params: 4 Psi / N held; nothing gathered between iterations; the
-                    # gather window is both units at once (the root is in use around the norm)
-                    assert mem["params"] == 0 and mem["param_shards"] * dp == 4 * psi_pad
-                    assert ddp.param_units.peak_gathered_bytes == 4 * psi_pad
-                    ddp.param_units.reset_peak()
-                # fp32 optimizer state: 8 Psi / N (the main params are the shards themselves)
-                assert opt.state_bytes() * dp == 8 * psi_pad
-                ddp.finish_param_sync()
-                params = {n: p.detach().clone() for n, p in net.named_parameters()}
-                out[(num_mb, strategy, overlap)] = (params, losses)
-                if strategy == "optim_grads_params":
-                    state = ddp.state_dict()
-                    _roundtrip(ddp, state)
+            net, ddp, opt = _build(strategy, overlap)
+            losses = []
+            for step in range(STEPS):
+                loss, events = distrib_iteration(ddp, opt, step, num_mb)
+                losses.append(loss)
+                mem = ddp.memory_bytes()
+                psi_pad, _ = _bytes(ddp)
+                if strategy == "optim":
+                    assert mem["grads"] == mem["params"] == 4 * psi_pad
+                    continue
+                # after the step: fp32 gradient shards only, 4 Psi / N
+                assert mem["grads"] == 0 and mem["grad_shards"] * dp == 4 * psi_pad
+                if strategy == "optim_grads":
+                    assert mem["params"] == 4 * psi_pad and mem["param_shards"] == 0
+                    continue
+                _check_zero3_counts(ddp, events, num_mb)
+                # fp32 params: 4 Psi / N held; nothing gathered between iterations; the
+                # gather window is both units at once (the root is in use around the norm)
+                assert mem["params"] == 0 and mem["param_shards"] * dp == 4 * psi_pad
+                assert ddp.param_units.peak_gathered_bytes == 4 * psi_pad
+                ddp.param_units.reset_peak()
+            # fp32 optimizer state: 8 Psi / N (the main params are the shards themselves)
+            assert opt.state_bytes() * dp == 8 * psi_pad
+            ddp.finish_param_sync()
+            params = {n: p.detach().clone() for n, p in net.named_parameters()}
+            out[(num_mb, strategy, overlap)] = (params, losses)
+            if strategy == "optim_grads_params":
+                state = ddp.state_dict()
+                _roundtrip(ddp, state)
     return out
 
 
@@ -113,7 +112,7 @@ def test_strategies_equal_distributed_optimizer_and_adamw(dp):
     ref, _, ref_losses = reference_adamw(STEPS, distrib_batch)
     results = run_distributed(dp, _train)[0]
     for (num_mb, strategy, overlap), (params, losses) in results.items():
-        base_params, base_losses = results[(num_mb, "optim", False)]
+        base_params, base_losses = results[(num_mb, "optim", overlap)]
         case = (num_mb, strategy, overlap)
         if strategy != "optim_grads_params":  # the same buckets: the same arithmetic
             assert losses == base_losses, case
@@ -138,3 +137,72 @@ def test_strategy_checks():
         DistributedDataParallel(Net(), data_parallel_group=None, use_distributed_optimizer=True,
                                 overlap_param_gather=True,
                                 data_parallel_sharding_strategy="optim_grads_params")
+
+
+def _offload_and_bf16():
+    """--optimizer-cpu-offload: the same numbers as without, the state in host tensors of its
+    own; bf16 ZeRO-3: the bytes of Megatron-FSDP's formulas."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    ps.initialize_model_parallel(1, 1)
+    dp = ps.get_data_parallel_world_size()
+    out = {}
+    for strategy in ("optim", "optim_grads_params"):
+        for offload in (False, True):
+            torch.manual_seed(0)
+            net = Net()
+            ddp = DistributedDataParallel(net, data_parallel_group=ps.get_data_parallel_group(),
+                                          bucket_size=BUCKET, use_distributed_optimizer=True,
+                                          data_parallel_sharding_strategy=strategy,
+                                          fsdp_unit_modules=(torch.nn.LayerNorm,))
+            opt = get_megatron_optimizer(
+                OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
+                                use_distributed_optimizer=True, optimizer_cpu_offload=offload),
+                [ddp], pg_collection=current_groups())
+            losses = [distrib_iteration(ddp, opt, step, 2)[0] for step in range(STEPS)]
+            if offload:
+                model = {p.untyped_storage().data_ptr() for p in net.parameters()}
+                model |= {b.param_shard.untyped_storage().data_ptr()
+                          for buf in ddp.buffers for b in buf.buckets}
+                for model_shard, main in opt.shards:
+                    assert main.device.type == "cpu" and main.dtype == torch.float32
+                    assert main.untyped_storage().data_ptr() not in model
+                for r in opt.runs:
+                    state = opt.optimizer.state[r.main]
+                    assert state["exp_avg"].device.type == "cpu"
+                    assert r.host_grad.untyped_storage().data_ptr() not in model
+                assert all(p.device.type == "cpu" for p in net.parameters())  # the model's
+            ddp.finish_param_sync()
+            out[(strategy, offload)] = (losses, [p.detach().clone() for p in net.parameters()])
+    torch.manual_seed(0)
+    net = Net().to(torch.bfloat16)
+    ddp = DistributedDataParallel(net, data_parallel_group=ps.get_data_parallel_group(),
+                                  use_distributed_optimizer=True,
+                                  data_parallel_sharding_strategy="optim_grads_params",
+                                  fsdp_unit_modules=(torch.nn.LayerNorm,))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
+                                                 bf16=True, use_distributed_optimizer=True),
+                                 [ddp], pg_collection=current_groups())
+    for step in range(2):
+        distrib_iteration(ddp, opt, step, 2)
+    psi_pad, _ = _bytes(ddp)
+    mem = ddp.memory_bytes()
+    window = 2 * psi_pad  # both units at once: the root is in use around the LayerNorm
+    out["bf16"] = (mem["param_shards"] * dp, 2 * psi_pad, ddp.param_units.peak_gathered_bytes,
+                   window, mem["grad_shards"] * dp, 4 * psi_pad, opt.state_bytes() * dp,
+                   12 * psi_pad, mem["params"], mem["grads"])
+    return out
+
+
+def test_cpu_offload_exact_and_bf16_zero3_bytes():
+    out = run_distributed(2, _offload_and_bf16)[0]
+    for strategy in ("optim", "optim_grads_params"):
+        (l0, p0), (l1, p1) = out[(strategy, False)], out[(strategy, True)]
+        assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1)), strategy
+    shards, shard_formula, peak, window, grads, grads_formula, state, state_formula, params, \
+        full_grads = out["bf16"]
+    assert shards == shard_formula        # bf16 params 2 Psi / N
+    assert peak == window                 # + the gather window
+    assert grads == grads_formula         # fp32 gradient shards 4 Psi / N
+    assert state == state_formula         # fp32 main + two moments 12 Psi / N
+    assert params == full_grads == 0      # nothing full held between iterations

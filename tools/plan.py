@@ -206,6 +206,16 @@ def main(argv=None) -> int:
           f"{L.micro_batch_size} (GiB; busiest stage, {min(L.pp, L.num_microbatches)} micro-batches in flight):")
     print(f"  parameters {_gib(best.memory.parameters)}   gradients (fp32 buffer) {_gib(best.memory.gradients)}"
           f"   optimizer {_gib(best.memory.optimizer)} plain / {_gib(best.memory.optimizer_distributed)} distributed")
+    for strategy, label in (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"),
+                            ("optim_grads_params", "ZeRO-3")):
+        z = estimate_memory(tp_config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=args.seq_length,
+                            micro_batch_size=L.micro_batch_size,
+                            num_microbatches=L.num_microbatches, bf16=bf16,
+                            sequence_parallel=L.sequence_parallel, recompute=L.recompute,
+                            cp=L.cp, use_distributed_optimizer=True, sharding_strategy=strategy)
+        print(f"  {label} (--data-parallel-sharding-strategy {strategy}): parameters "
+              f"{_gib(z.parameters)}   gradients {_gib(z.gradients)}   optimizer "
+              f"{_gib(z.optimizer_distributed)}   total {_gib(z.total)}")
     print("  activations:  recompute   no SP      SP")
     for recompute in RECOMPUTE_CHOICES:
         row = []

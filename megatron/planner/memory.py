@@ -82,6 +82,28 @@ def grad_buffer_numel(numels: List[int], dp: int, bucket_size: Optional[int] = N
     return cursor
 
 
+def zero3_unit_numels(config: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int) -> List[int]:
+    """Padded elements of ZeRO-3's units on one rank of stage ``pp_rank``
+    (:mod:`megatron.core.distributed.param_units`): the root unit (embedding, final norm, output
+    layer: one bucket, the tied copy at PP > 1 a bucket of its own) first, then one bucket per
+    transformer layer, each padded to a multiple of ``dp``."""
+    numels = param_numels(config, tp, pp, pp_rank)
+    per_layer = 6 + 4 * bool(config.add_bias_linear)
+    lead = 1 if pp_rank == 0 else 0
+    n_layers = config.num_layers // pp
+    body = numels[lead:lead + n_layers * per_layer]
+    rest = numels[:lead] + numels[lead + n_layers * per_layer:]
+    pad = lambda n: -(-n // dp) * dp  # noqa: E731
+    tied_alone = pp > 1 and not config.untie_embeddings_and_output_weights
+    v_rows = config.padded_vocab_size // tp * config.hidden_size
+    alone = [n for n in rest if tied_alone and n == v_rows][:1]
+    others = list(rest)
+    for n in alone:
+        others.remove(n)
+    root = sum(pad(n) for n in alone) + (pad(sum(others)) if others else 0)
+    return [root] + [pad(sum(body[i * per_layer:(i + 1) * per_layer])) for i in range(n_layers)]
+
+
 def optimizer_state_bytes(numels: List[int], *, mixed_precision: bool, distributed: bool = False,
                           dp: int = 1, bucket_size: Optional[int] = None) -> int:
     """AdamW state of one rank.
@@ -244,16 +266,36 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
                     sequence_parallel: bool = False, recompute: str = "none",
                     recompute_method: str = "uniform", recompute_num_layers: int = 1,
                     use_distributed_optimizer: bool = False,
-                    bucket_size: Optional[int] = None, cp: int = 1) -> MemoryEstimate:
+                    bucket_size: Optional[int] = None, cp: int = 1,
+                    sharding_strategy: str = "optim") -> MemoryEstimate:
     """Per-rank memory of the busiest stage: the max over stages of weights + optimizer (the
     first or last stage, which hold the embedding / output layer) with the first stage's
     activations (the most in-flight micro-batches). ``cp``: context-parallel size (activations
-    of ``seq_length / cp`` tokens; gradient buffer and optimizer shards over ``dp x cp``)."""
+    of ``seq_length / cp`` tokens; gradient buffer and optimizer shards over ``dp x cp``).
+
+    ``sharding_strategy`` (with ``use_distributed_optimizer``; ``--data-parallel-sharding-strategy``):
+    ``optim`` as above; ``optim_grads`` adds the fp32 gradient shards ``4 Psi / N`` to the full
+    gradient storage, which lives through the backward; ``optim_grads_params`` also holds the
+    parameters as shards, ``e Psi / N``, plus the gather window: the root unit and the two
+    largest layers (the one computing and the prefetched next), ``Psi`` padded per unit
+    (:func:`zero3_unit_numels`). The full gradients are counted whole: with gradient
+    accumulation they live through the last backward."""
     e = 2 if bf16 else 4
     seq_length, dp = seq_length // cp, dp * cp
-    stages = [param_numels(config, tp, pp, r) for r in sorted({0, pp - 1})]
+    ranks = sorted({0, pp - 1})
+    stages = [param_numels(config, tp, pp, r) for r in ranks]
     numels = max(stages, key=sum)
     grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer
+    params = e * sum(numels)
+    strategy = sharding_strategy if use_distributed_optimizer else "optim"
+    psi_pad = None
+    if strategy == "optim_grads":
+        grads += grads // dp
+    elif strategy == "optim_grads_params":
+        units = zero3_unit_numels(config, tp, pp, ranks[stages.index(numels)], dp)
+        psi_pad = sum(units)
+        grads = 4 * psi_pad + 4 * psi_pad // dp
+        params = e * psi_pad // dp + e * (units[0] + sum(sorted(units[1:])[-2:]))
     rc = dict(recompute=recompute, recompute_method=recompute_method,
               recompute_num_layers=recompute_num_layers)
     act = stage_activation_bytes(config, seq_length, micro_batch_size, tp, pp, num_microbatches,
@@ -264,8 +306,9 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
                 + head_activation_bytes(config, seq_length, micro_batch_size, tp, e))
         act = max(act, last)
     return MemoryEstimate(
-        parameters=e * sum(numels), gradients=grads,
+        parameters=params, gradients=grads,
         optimizer=optimizer_state_bytes(numels, mixed_precision=bf16),
-        optimizer_distributed=optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True,
-                                                    dp=dp, bucket_size=bucket_size),
+        optimizer_distributed=(optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True,
+                                                     dp=dp, bucket_size=bucket_size)
+                               if psi_pad is None else (12 if bf16 else 8) * psi_pad // dp),
         activations=act, use_distributed_optimizer=use_distributed_optimizer)

@@ -135,6 +135,11 @@ class Bucket:
         if _allocate(self.grad_data):
             self.grad_data.zero_()
 
+    def free_grads(self) -> None:
+        """Sharded gradients: release the full gradient storage (after the reduce-scatter)."""
+        if self.shard_grads:
+            _free(self.grad_data)
+
     def gather_params(self, async_op: bool) -> None:
         """Sharded parameters: allocate the full parameter storage and all-gather every rank's
         ``param_shard`` into it (no-op if gathered). Collective: all-gather over the
@@ -208,8 +213,7 @@ class Bucket:
         if self.handle is not None:
             self.handle.wait()
         self.handle = None
-        if self.shard_grads:
-            _free(self.grad_data)
+        self.free_grads()
 
     def start_param_sync(self, async_op: bool) -> None:
         """Launch the all-gather of the updated parameter shards into ``param_data``.

@@ -29,8 +29,12 @@ contiguous bucket shards that the distributed optimizer's state, its checkpoints
   instead and keeps the unit;
 * gradients accumulate over micro-batches in the full gradient storage and each bucket is
   reduce-scattered into ``grad_shard`` after the last micro-batch (during the backward under
-  ``--overlap-grad-reduce``), then its full gradient storage is freed: the reduction is the
-  distributed optimizer's, element for element, so every strategy gives the same numbers;
+  ``--overlap-grad-reduce``), then its full gradient storage is freed (under the overlap as the
+  next unit's backward starts): the reduction is the distributed optimizer's, element for
+  element. A unit's full gradients therefore live from its first micro-batch's backward to its
+  reduce-scatter: with gradient accumulation the whole chunk's gradients are held during the
+  last backward (Megatron-FSDP's reduce-scatter per micro-batch, which avoids this, is not
+  built);
 * the optimizer steps the shards (:class:`~megatron.core.optimizer.DistributedOptimizer`, whose
   model shard is ``param_shard``); nothing is gathered after the step, the next forward does it.
 
@@ -142,6 +146,7 @@ class ParamUnit:
         if self.backward_started:
             return
         self.backward_started = True
+        self.owner.release_reduced_grads()
         self.gather()
         for b in self.buckets:
             b.allocate_grads()
@@ -186,6 +191,7 @@ class ParamUnits:
         for a, b in zip(layers, layers[1:]):
             a.next, b.previous = b, a
         self.peak_gathered_bytes = 0
+        self.peak_grad_bytes = 0  # full gradient bytes, sampled as each unit's backward starts
         self._handles = []
         for unit, m in zip(self.units, [module, *unit_modules]):
             self._handles.append(m.register_forward_pre_hook(
@@ -208,11 +214,28 @@ class ParamUnits:
 
     def reset_peak(self) -> None:
         self.peak_gathered_bytes = self.gathered_bytes()
+        self.peak_grad_bytes = self.grad_bytes()
 
     def gather_all(self) -> None:
         """All-gather every unit (collective: every data-parallel rank must call it)."""
         for u in self.units:
             u.gather()
+
+    def release_reduced_grads(self) -> None:
+        """Free the full gradient storage of buckets whose reduce-scatter (launched from the
+        backward under --overlap-grad-reduce) was issued: wait for it, the shard holds the
+        result. Called as each unit's backward starts, so at most the units still computing
+        hold full gradients."""
+        for u in self.units:
+            for b in u.buckets:
+                if b.handle is not None:
+                    b.handle.wait()
+                    b.handle = None
+                    b.free_grads()
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes())
+
+    def grad_bytes(self) -> int:
+        return sum(allocated_bytes(b.grad_data) for u in self.units for b in u.buckets)
 
     def free_all(self) -> None:
         for u in self.units:

@@ -120,6 +120,7 @@ RANGES = {
     "lr_decay_samples": _positive("samples"),
     "lr_warmup_iters": _at_least_0("iterations"),
     "lr_warmup_fraction": Range(0, 1, "a fraction of the decay length", high_open=False),
+    "optimizer_offload_fraction": Range(0, 1, "a share of the optimizer state", high_open=False),
     "lr_warmup_samples": _at_least_0("samples"),
     # mixed precision
     "loss_scale": _above_0("the constant fp16 loss scale"),

@@ -1,7 +1,7 @@
 """ZeRO-2 / ZeRO-3 end to end through pretrain_llama.main() (``--use-megatron-fsdp
 --data-parallel-sharding-strategy optim_grads | optim_grads_params``), 20 iterations, fp32,
-dropout 0, clipping active: at DP=4, TP=2 x DP=2 (sequence parallel) and PP=2 x DP=2 (tied
-embedding across stages, 1F1B over 4 micro-batches) the losses, grad norms and validation losses
+dropout 0, clipping active: at DP=4, TP=2 x DP=2 (sequence parallel), PP=2 x DP=2 (tied
+embedding across stages, 1F1B over 4 micro-batches) and (slow) CP=2 x DP=2 the losses, grad norms and validation losses
 (losses) equal plain data parallelism at the same layout within rtol 1e-6, grad norms and the
 weights saved at the end (ZeRO-3: gathered for the torch-format save) as closely as today's
 distributed optimizer does (see the test's docstring for why and the figures); ZeRO-2 is bitwise
@@ -77,7 +77,7 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
     ZeRO-2 keeps ZeRO-1's buckets: bitwise ZeRO-1."""
     out, save = runs
     files = {"dp4": ["mp_rank_00"], "tp2": ["mp_rank_00", "mp_rank_01"],
-             "pp2": ["mp_rank_00_000", "mp_rank_00_001"]}[layout]
+             "pp2": ["mp_rank_00_000", "mp_rank_00_001"], "cp2": ["mp_rank_00"]}[layout]
     plain = _weights(save / f"{layout}_plain", files)
     zero1 = _weights(save / f"{layout}_zero1", files)
     for strategy in LAYOUTS[layout][2][1:]:
@@ -122,3 +122,15 @@ def test_zero3_tp2_pp2_dp2_interleaved_recompute(data_prefix, tmp_path):
              for s in ("plain", "zero3")]
     out = run_distributed(8, run_many, argvs, timeout=1200)[7]
     _assert_history(out["zero3"], out["plain"], "TP2 PP2 DP2 zero3", grad_norm_rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_zero3_cp2_dp2(data_prefix, tmp_path):
+    """Context parallelism: ZeRO-3 shards over DP x CP = 4 ranks; against plain DP at CP=2 x DP=2
+    and the distributed optimizer there."""
+    extra = UNTIED + ["--context-parallel-size", "2"]
+    argvs = [(s, e2e_argv(data_prefix, str(tmp_path), *SHORT, *extra, *STRATEGIES[s]))
+             for s in ("plain", "zero1", "zero3")]
+    out = run_distributed(4, run_many, argvs, timeout=1200)[3]
+    _assert_history(out["zero3"], out["plain"], "CP2 DP2 zero3", grad_norm_rtol=2e-5)
+    _assert_history(out["zero3"], out["zero1"], "CP2 DP2 zero3 vs zero1", grad_norm_rtol=1e-5)

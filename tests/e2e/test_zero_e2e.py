@@ -1,22 +1,24 @@
 """ZeRO-2 / ZeRO-3 end to end through pretrain_llama.main() (``--use-megatron-fsdp
 --data-parallel-sharding-strategy optim_grads | optim_grads_params``), 20 iterations, fp32,
-dropout 0, clipping active: at DP=4, TP=2 x DP=2 (sequence parallel), PP=2 x DP=2 (tied
-embedding across stages, 1F1B over 4 micro-batches) and (slow) CP=2 x DP=2 the losses, grad norms and validation losses
-(losses) equal plain data parallelism at the same layout within rtol 1e-6, grad norms and the
-weights saved at the end (ZeRO-3: gathered for the torch-format save) as closely as today's
-distributed optimizer does (see the test's docstring for why and the figures); ZeRO-2 is bitwise
-the distributed optimizer, ZeRO-3 with --optimizer-cpu-offload bitwise ZeRO-3. The slow test runs the 8-rank TP=2 x PP=2 x DP=2 layout with ZeRO-3,
-full recompute and the interleaved schedule."""
+dropout 0, clipping active, at the layout tests' learning rate (tests/helpers/pretrain.py
+LAYOUT_LR: at 5e-3 clipped AdamW grows fp32 rounding to 1e-5 in the grad norm whatever the
+strategy): at DP=4, TP=2 x DP=2 (sequence parallel), PP=2 x DP=2 (tied embedding across stages,
+1F1B over 4 micro-batches) and (slow) CP=2 x DP=2 the losses, validation losses and grad norms
+equal plain data parallelism at the same layout within rtol 1e-6 and the weights saved at the end
+(ZeRO-3: gathered for the save) within 1e-7; ZeRO-2 is bitwise the distributed optimizer, ZeRO-3
+with --optimizer-cpu-offload bitwise ZeRO-3. The slow test runs the 8-rank TP=2 x PP=2 x DP=2
+layout with ZeRO-3, full recompute and the interleaved schedule."""
 
 import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.pretrain import UNTIED, e2e_argv, layout_args, run_many
+from tests.helpers.pretrain import LAYOUT_LR, UNTIED, e2e_argv, layout_args, run_many
 
 ITERS = 20
 SHORT = ["--train-iters", str(ITERS), "--eval-iters", "1", "--eval-interval", "10",
-         "--global-batch-size", "8", "--micro-batch-size", "1", "--log-interval", "10"]
+         "--global-batch-size", "8", "--micro-batch-size", "1", "--log-interval", "10",
+         *LAYOUT_LR]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 STRATEGIES = {"plain": [], "zero1": FSDP + ["optim"], "zero2": FSDP + ["optim_grads"],
               "zero3": FSDP + ["optim_grads_params"],
@@ -30,7 +32,7 @@ def _weights(folder, files):
     out = {}
     for f in files:
         state = torch.load(str(folder / f"iter_{ITERS:07d}" / f / "model_optim_rng.pt"),
-                           weights_only=False)
+                           weights_only=True)
         out.update({f"{f}/{k}": v for k, v in state["model"].items()})
     return out
 
@@ -39,9 +41,10 @@ def _weights(folder, files):
 def runs(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("zero_cache"))
     save = tmp_path_factory.mktemp("zero_ckpt")
-    argvs = [(f"{layout} {s}", e2e_argv(data_prefix, cache, *SHORT, *extra, *layout_args(*tp_pp),
-                                        *STRATEGIES[s], "--save", str(save / f"{layout}_{s.replace(' ', '_')}")))
-             for layout, (tp_pp, extra, strategies) in LAYOUTS.items() for s in strategies]
+    argvs = [(f"{layout} {s}", e2e_argv(
+        data_prefix, cache, *SHORT, *extra, *layout_args(*tp_pp), *STRATEGIES[s],
+        "--save", str(save / f"{layout}_{s.replace(' ', '_')}")))
+        for layout, (tp_pp, extra, strategies) in LAYOUTS.items() for s in strategies]
     # torch_dist: ZeRO-3 at TP=2 x DP=2 saves at iteration 10, read at DP=4 by ZeRO-3 and by plain
     (tp_pp, extra, _), dist_dir = LAYOUTS["tp2"], str(save / "tp2_zero3_dist")
     argvs.append(("tp2 zero3 dist", e2e_argv(
@@ -69,12 +72,11 @@ def _assert_history(a, b, name, grad_norm_rtol):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_strategies_equal_plain_data_parallel(runs, layout):
-    """Losses within 1e-6 of plain DP. Grad norms and weights are as close as today's distributed
-    optimizer (ZeRO-1) is to plain DP, and no closer can be asked: gloo's all-reduce and its
-    reduce-scatter sum the ranks' fp32 gradients in other orders, and ZeRO-3's buckets (its
-    units) change which rank reduces which element; measured over 20 iterations: grad norms
-    <= 1.3e-5 relative, weights <= 4.5e-6 absolute (ZeRO-1 and ZeRO-3 alike), losses <= 1e-7.
-    ZeRO-2 keeps ZeRO-1's buckets: bitwise ZeRO-1."""
+    """Losses, validation losses and grad norms within rtol 1e-6 of plain DP, the saved weights
+    within 1e-7 (gloo's all-reduce and reduce-scatter sum the ranks' fp32 gradients in other
+    orders, and ZeRO-3's units change which rank reduces which element: rounding, which the
+    layout tests' learning rate keeps from growing). ZeRO-2 keeps ZeRO-1's buckets: bitwise
+    ZeRO-1."""
     out, save = runs
     files = {"dp4": ["mp_rank_00"], "tp2": ["mp_rank_00", "mp_rank_01"],
              "pp2": ["mp_rank_00_000", "mp_rank_00_001"], "cp2": ["mp_rank_00"]}[layout]
@@ -82,17 +84,17 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
     zero1 = _weights(save / f"{layout}_zero1", files)
     for strategy in LAYOUTS[layout][2][1:]:
         name = f"{layout} {strategy}"
-        _assert_history(out[name], out[f"{layout} plain"], name, grad_norm_rtol=2e-5)
+        _assert_history(out[name], out[f"{layout} plain"], name, grad_norm_rtol=1e-6)
         weights = _weights(save / f"{layout}_{strategy.replace(' ', '_')}", files)
         assert weights.keys() == plain.keys()
         for k, v in weights.items():
-            torch.testing.assert_close(v, plain[k], rtol=1e-6, atol=1e-5, msg=f"{name} {k}")
+            torch.testing.assert_close(v, plain[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")
         if strategy == "zero2":
             for key in ("lm loss", "grad norm", "valid"):
                 assert out[name][key] == out[f"{layout} zero1"][key], (name, key)
             assert all(torch.equal(v, zero1[k]) for k, v in weights.items()), name
         if strategy == "zero3":
-            _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-5)
+            _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-6)
         if strategy == "zero3 offload":  # the step on host copies: the same arithmetic
             for key in ("lm loss", "grad norm", "valid"):
                 assert out[name][key] == out[f"{layout} zero3"][key], (name, key)
@@ -108,7 +110,7 @@ def test_torch_dist_checkpoint_reshards_across_strategies_and_dp_sizes(runs):
         assert resumed["iteration"] == list(range(11, ITERS + 1))
         _assert_close(resumed["lm loss"], whole["lm loss"][10:], f"{s} resumed: lm loss", 1e-6)
         _assert_close(resumed["grad norm"], whole["grad norm"][10:], f"{s} resumed: grad norm",
-                      2e-5)
+                      1e-6)
 
 
 @pytest.mark.slow
@@ -121,7 +123,7 @@ def test_zero3_tp2_pp2_dp2_interleaved_recompute(data_prefix, tmp_path):
     argvs = [(s, e2e_argv(data_prefix, str(tmp_path), *SHORT, *extra, *STRATEGIES[s]))
              for s in ("plain", "zero3")]
     out = run_distributed(8, run_many, argvs, timeout=1200)[7]
-    _assert_history(out["zero3"], out["plain"], "TP2 PP2 DP2 zero3", grad_norm_rtol=2e-5)
+    _assert_history(out["zero3"], out["plain"], "TP2 PP2 DP2 zero3", grad_norm_rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -132,5 +134,5 @@ def test_zero3_cp2_dp2(data_prefix, tmp_path):
     argvs = [(s, e2e_argv(data_prefix, str(tmp_path), *SHORT, *extra, *STRATEGIES[s]))
              for s in ("plain", "zero1", "zero3")]
     out = run_distributed(4, run_many, argvs, timeout=1200)[3]
-    _assert_history(out["zero3"], out["plain"], "CP2 DP2 zero3", grad_norm_rtol=2e-5)
-    _assert_history(out["zero3"], out["zero1"], "CP2 DP2 zero3 vs zero1", grad_norm_rtol=1e-5)
+    _assert_history(out["zero3"], out["plain"], "CP2 DP2 zero3", grad_norm_rtol=1e-6)
+    _assert_history(out["zero3"], out["zero1"], "CP2 DP2 zero3 vs zero1", grad_norm_rtol=1e-6)

@@ -146,7 +146,9 @@ def assumptions(args) -> str:
             "(--intra-node-bandwidth, --gpus-per-node) and {:g} GB/s across nodes "
             "(--inter-node-bandwidth), {:g} GiB per GPU kept back (--reserved-gib); the last "
             "pipeline stage computes the output layer besides its layers and sets the pace, the "
-            "first holds the embedding; not modelled yet: ZeRO-2/3"
+            "first holds the embedding; layouts are ranked with ZeRO-1 (the distributed optimizer), "
+            "ZeRO-2/3's memory is shown for the best one and ZeRO-3's extra all-gathers are not "
+            "in the times"
             ).format(args.peak_tflops, args.mfu, args.intra_node_bandwidth, args.gpus_per_node,
                      args.inter_node_bandwidth, args.reserved_gib)
 

@@ -7,8 +7,8 @@ model is built to its end, written by global rank 0:
 
 * it holds JSON: ``host``, ``pid``, the process's start time (Linux ``/proc``: a pid reused by
   another process is not mistaken for the holder), ``job`` (``slurm:$SLURM_JOB_ID`` or
-  ``torchrun:$TORCHELASTIC_RUN_ID``, empty outside a launcher), ``started`` (UTC) and a random
-  ``token``;
+  ``torchrun:$TORCHELASTIC_RUN_ID``, empty outside a launcher and for torchrun's default run
+  id ``none``), ``started`` (UTC) and a random ``token``;
 * it is created atomically (written under a temporary name, then hard-linked to the lock's name,
   which fails if it exists; ``O_EXCL`` where the file system has no hard links);
 * a lock whose holder is gone is taken over, saying so: on this host, a holder process that has
@@ -71,10 +71,12 @@ class LockHolder:
 
 def job_id() -> str:
     """The launcher's id of this job: Slurm's job id, else torchrun's run id (its rendezvous id,
-    kept across elastic restarts), else empty."""
+    kept across elastic restarts), else empty. torchrun's default ``--rdzv-id`` ("none", every
+    job launched without one has it) names no job: two such jobs on two hosts would otherwise
+    take each other's lock as an earlier attempt of their own."""
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm:{os.environ['SLURM_JOB_ID']}"
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}"
     return ""
 

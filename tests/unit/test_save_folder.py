@@ -121,6 +121,18 @@ def test_an_earlier_attempt_of_the_same_job_on_another_host_is_taken_over(tmp_pa
     assert notes[0].endswith("it is an earlier attempt of this job (slurm:7) on host node-b")
 
 
+def test_torchrun_s_default_run_id_names_no_job(tmp_path, monkeypatch):
+    # torchrun without --rdzv-id (nor --standalone) sets TORCHELASTIC_RUN_ID to "none" in every
+    # job: two such jobs on two hosts are not attempts of one job.
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert sf.job_id() == ""
+    _write_lock(tmp_path, host="node-b", pid=1, job="torchrun:none")
+    with pytest.raises(UsageError, match=r"in use by another job \(host node-b, pid 1, job "
+                                         r"torchrun:none"):
+        sf.SaveFolderLock(str(tmp_path)).acquire()
+
+
 def test_a_garbage_lock_file_is_named(tmp_path):
     (tmp_path / sf.LOCK_FILENAME).write_text("not json")
     with pytest.raises(UsageError, match=r"the lock file .* names no job .*delete .* and start"):

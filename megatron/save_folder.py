@@ -117,8 +117,12 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        return LockHolder(**{k: data[k] for k in ("host", "pid", "job", "started", "token")},
-                          process_start=data.get("process_start"))
+        holder = LockHolder(**{k: data[k] for k in ("host", "pid", "job", "started", "token")},
+                            process_start=data.get("process_start"))
+        # A hand-edited pid ("123", 1.5, true) must not reach os.kill, nor pass for pid 1.
+        if type(holder.pid) is not int or not 0 < holder.pid < 2 ** 31:
+            raise ValueError(f"pid {holder.pid!r} is no process id")
+        return holder
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -133,6 +133,13 @@ def test_torchrun_s_default_run_id_names_no_job(tmp_path, monkeypatch):
         sf.SaveFolderLock(str(tmp_path)).acquire()
 
 
+@pytest.mark.parametrize("pid", ["123", 2 ** 70, None, 1.5, True])
+def test_a_lock_file_with_a_pid_that_is_no_process_id_is_named(tmp_path, pid):
+    _write_lock(tmp_path, pid=pid)
+    with pytest.raises(UsageError, match=r"the lock file .* names no job .*delete .* and start"):
+        sf.SaveFolderLock(str(tmp_path)).acquire()
+
+
 def test_a_garbage_lock_file_is_named(tmp_path):
     (tmp_path / sf.LOCK_FILENAME).write_text("not json")
     with pytest.raises(UsageError, match=r"the lock file .* names no job .*delete .* and start"):

@@ -362,6 +362,10 @@ def read_common(folder: str) -> dict:
     common = load_torch_file(path, what="torch_dist common state")
     if not isinstance(common, dict) or common.get("format_version") is None:
         raise CheckpointError(f"{path} is not the common part of a torch_dist checkpoint")
+    if type(common["format_version"]) is not int:  # a foreign file: no TypeError below
+        raise CheckpointError(f"{path} has format version {common['format_version']!r}: not an "
+                              "integer; it is not the common part of a torch_dist checkpoint "
+                              "this code wrote")
     if common["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {common['format_version']}; this "
                                      f"code reads up to {FORMAT_VERSION}")

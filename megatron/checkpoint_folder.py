@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from megatron import save_folder
 from megatron.checkpoint_io import CheckpointError
+from megatron.core.optimizer.lr_scheduler import ScheduleMismatchError
+from megatron.usage_error import UsageError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
@@ -76,6 +78,20 @@ def checkpoints_to_remove(save_dir: str, keep_last: int, final_dir: str, protect
     kept = {os.path.abspath(p) for p in protect if p}
     surplus = older[:max(len(older) - (keep_last - 1), 0)]
     return [d for d in surplus if os.path.abspath(d) not in kept]
+
+
+def load_scheduler_state(scheduler, state: dict, load_dir: str) -> None:
+    """``scheduler.load_state_dict(state)``, a schedule that differs from the flags' being a
+    usage error (every rank reads the same state and raises alike).
+
+    Raises:
+        UsageError: :class:`~megatron.core.optimizer.lr_scheduler.ScheduleMismatchError`, with
+            ``--load`` named.
+    """
+    try:
+        scheduler.load_state_dict(state)
+    except ScheduleMismatchError as exc:
+        raise UsageError(f"--load ({load_dir}): {exc}") from None
 
 
 def write_atomic(obj, path: str) -> None:

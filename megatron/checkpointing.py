@@ -43,7 +43,8 @@ import torch.distributed as dist
 from megatron import checkpointing_torch_dist as torch_dist
 from megatron.checkpoint_folder import (TRACKER_FILENAME, all_ranks_ok, complete_checkpoints,
                                         get_checkpoint_dir, get_checkpoint_tracker_filename,
-                                        prepare_staging, publish, read_metadata, write_atomic)
+                                        load_scheduler_state, prepare_staging, publish,
+                                        read_metadata, write_atomic)
 from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
 from megatron.config.saved_args import check_resume_precision, plain
 from megatron.model import unwrap_model
@@ -419,7 +420,7 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
             _load_optimizer(optimizer, state["optimizer"], sorted(glob.glob(os.path.join(
                 os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
-            opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+            load_scheduler_state(opt_param_scheduler, state["opt_param_scheduler"], config.load)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # The fp32 main params were copied from the weights before the load: without optimizer
         # state they must follow the loaded weights, or the first step would restore the old ones.

@@ -502,7 +502,8 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
         optimizer.reload_model_params()
     if not weights_only and scheduler is not None and not config.no_load_optim \
             and common.get("opt_param_scheduler") is not None:
-        scheduler.load_state_dict(common["opt_param_scheduler"])
+        checkpoint_folder.load_scheduler_state(scheduler, common["opt_param_scheduler"],
+                                               config.load)
     if not weights_only and not config.no_load_rng:
         _restore_rng(common, layout, folder, notes)
     if dist.get_rank() == 0:

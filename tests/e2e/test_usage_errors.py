@@ -1,7 +1,7 @@
 """Usage errors of pretrain_llama.py (issue 13): one line ``pretrain_llama.py: error: ...`` and
 status 2, before anything heavy where the flags alone tell: an unusable or busy ``--save``, a
 tracker file of garbage, ``--train-iters`` below the loaded iteration, a resume in another
-precision. The same under ``torchrun`` with 4 ranks (one line for the whole job) is the slow part,
+precision, a resume whose schedule differs from the checkpoint's. The same under ``torchrun`` with 4 ranks (one line for the whole job) is the slow part,
 at the end."""
 
 import contextlib
@@ -61,6 +61,9 @@ def refused(tmp_path_factory):
         ("fp32 dist save", tiny_argv(data, cache, 2, "--save", fp32_dist, "--ckpt-format",
                                      "torch_dist")),
         ("bf16 dist resume", tiny_argv(data, cache, 4, "--load", fp32_dist, "--bf16")),
+        # --lr-decay-iters follows --train-iters: 4 iterations of 8 samples against the saved 2
+        ("longer resume", tiny_argv(data, cache, 4, "--load", fp32)),
+        ("longer dist resume", tiny_argv(data, cache, 4, "--load", fp32_dist)),
     ]
     return run_distributed(1, _commands, cases, timeout=600)[0], root, me
 
@@ -117,6 +120,17 @@ def test_a_resume_in_another_precision_names_both_and_the_fixes(refused, fmt):
                     "--finetune (weights only; iteration, optimizer and schedule start afresh) or "
                     "--no-load-optim (weights, iteration and schedule; a new optimizer state), or "
                     "resume in fp32 (no --bf16 / --fp16)")
+
+
+@pytest.mark.parametrize("fmt", ["", "dist"], ids=["torch", "torch_dist"])
+def test_a_resume_with_another_schedule_names_the_values_and_the_policy_flags(refused, fmt):
+    out, root, _ = refused
+    name = "fp32_dist" if fmt else "fp32"
+    line = _one_line(out[f"longer {fmt} resume".replace("  ", " ")])
+    assert line == (f"--load ({root / name}): OptimizerParamScheduler: total number of decay "
+                    "steps is 32 but the checkpoint has 16; pass --override-opt_param-scheduler "
+                    "to keep the new value or --use-checkpoint-opt_param-scheduler to take the "
+                    "checkpoint's")
 
 
 # torchrun with 4 ranks (slow) ------------------------------------------------------------------

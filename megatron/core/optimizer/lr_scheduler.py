@@ -28,6 +28,12 @@ _WD_STYLES = ("constant", "linear", "cosine")
 _WSD_STYLES = ("linear", "cosine", "exponential")
 
 
+class ScheduleMismatchError(ValueError):
+    """The flags' schedule differs from the checkpoint's (e.g. a resume with a longer
+    ``--train-iters``, so ``--lr-decay-iters`` follows it) and neither policy flag says which
+    wins: the user's to fix (the checkpoint loaders report it as a usage error)."""
+
+
 class OptimizerParamScheduler:
     """Sets ``lr`` and ``weight_decay`` of every param group of ``optimizer`` at each step.
 
@@ -161,7 +167,7 @@ class OptimizerParamScheduler:
         if self.override_opt_param_scheduler:
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(f"OptimizerParamScheduler: {name} is {cls_value} but the checkpoint "
+            raise ScheduleMismatchError(f"OptimizerParamScheduler: {name} is {cls_value} but the checkpoint "
                              f"has {sd_value}; pass --override-opt_param-scheduler to keep the new "
                              "value or --use-checkpoint-opt_param-scheduler to take the checkpoint's")
         return sd_value

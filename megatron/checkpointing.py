@@ -331,8 +331,11 @@ def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, confi
         return torch_dist.load_checkpoint(folder, model_chunks, optimizer, opt_param_scheduler,
                                           config, torch_dist.Layout.of(pg_collection, optimizer),
                                           group, run_flags=run_flags)
+    except torch_dist.CheckpointMismatchError:
+        raise  # the flags' to fix: another checkpoint of this run would not fit either
     except CheckpointError as exc:
-        raise CheckpointError(f"{exc}{last_complete_hint(config.load, folder)}") from None
+        raise CheckpointError(str(exc).rstrip(".") + "."
+                              + last_complete_hint(config.load, folder)) from None
     finally:
         if made:
             dist.destroy_process_group(group)

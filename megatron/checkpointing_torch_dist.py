@@ -69,6 +69,11 @@ _BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
 
 
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint is whole but is not what this run's flags ask for (another model shape, no
+    optimizer or RNG state): the fix is in the flags, not in choosing another checkpoint."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """This rank's place in the run's layout, as the checkpoint needs it."""
@@ -387,7 +392,7 @@ def _prefer_fp32_weights(boxes, saved: set):
 def _restore_rng(common: dict, layout: Layout, folder: str, notes: list) -> None:
     rng = common.get("rng_state")
     if not rng:
-        raise CheckpointError(f"checkpoint {folder} holds no RNG state (saved with "
+        raise CheckpointMismatchError(f"checkpoint {folder} holds no RNG state (saved with "
                                      "--no-save-rng); pass --no-load-rng to start new RNG streams")
     if (rng["tp"], rng["pp"]) != (layout.tp_size, layout.pp_size):
         notes.append(f"(TP, PP) mismatch after resume ({(layout.tp_size, layout.pp_size)} vs "
@@ -414,7 +419,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
     finish = None
     if with_optimizer:
         if common.get("optimizer") is None:
-            raise CheckpointError(f"checkpoint {folder} holds no optimizer state (saved "
+            raise CheckpointMismatchError(f"checkpoint {folder} holds no optimizer state (saved "
                                          "with --no-save-optim); pass --no-load-optim or --finetune")
         targets = optimizer.sharded_load_targets(
             model_shardings(model_chunks, layout.tp_rank, layout.tp_size), saved)
@@ -423,7 +428,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
     try:
         boxes = dcp.check_fits(boxes, metadata, folder)
     except dcp.CheckpointFormatError as exc:
-        raise CheckpointError(str(exc)) from None
+        raise CheckpointMismatchError(str(exc)) from None
     return common, metadata, boxes, finish, notes
 
 
@@ -442,7 +447,7 @@ def _vocabulary_notes(boxes, shapes: dict, common: dict, folder: str) -> list:
             continue
         seen.add(b.key)
         if true is not None and min(rows, b.global_shape[0]) < true:
-            raise CheckpointError(
+            raise CheckpointMismatchError(
                 f"{folder}: {b.key} has {rows} vocabulary rows, this run {b.global_shape[0]}, "
                 f"fewer than the true vocabulary ({true}); check the tokenizer flags")
         notes.append(f"{b.key}: {rows} padded vocabulary rows saved, {b.global_shape[0]} in this "

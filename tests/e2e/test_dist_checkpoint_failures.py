@@ -129,6 +129,8 @@ def test_bad_checkpoints_name_the_file_and_the_last_complete_one(saved, data_pre
                          r"write 3 into .*latest_checkpointed_iteration\.txt", message), message
     assert re.search(r"tensor model\.layers\.0\.mlp\.gate\.weight has global shape \[64, 32\] in "
                      r"the checkpoint but \[48, 32\] in the model", got["other shape"])
+    # the flags are wrong, not the checkpoint: no advice to resume from another one
+    assert "last complete checkpoint" not in got["other shape"], got["other shape"]
     padded = got["other padding"]
     assert not isinstance(padded, str), padded
     # 192 rows now, 128 saved: the 128 loaded, the rest as initialised (rows clipped and kept:

@@ -306,12 +306,16 @@ def check_save_folder(save_dir: str, needed_bytes: int) -> bool:
         whether the folder was created here.
 
     Raises:
-        UsageError: ``save_dir`` is a file, cannot be created, is not writable, or has less free
-            space than ``needed_bytes`` (one checkpoint).
+        UsageError: ``save_dir`` is a file or a symbolic link to nothing, cannot be created, is
+            not writable, or has less free space than ``needed_bytes`` (one checkpoint).
     """
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise UsageError(f"--save ({save_dir}) is a file, not a folder: give a folder for the "
                          "checkpoints (it is created if missing)")
+    if os.path.islink(save_dir) and not os.path.exists(save_dir):  # makedirs: "File exists"
+        raise UsageError(f"--save ({save_dir}) is a symbolic link to "
+                         f"{os.path.realpath(save_dir)}, which does not exist: create that "
+                         "folder, or give --save a folder")
     created = not os.path.isdir(save_dir)
     try:
         os.makedirs(save_dir, exist_ok=True)

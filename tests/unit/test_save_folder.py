@@ -30,6 +30,19 @@ def test_a_folder_that_cannot_be_created_is_refused(tmp_path):
         sf.check_save_folder(str(tmp_path / "f" / "ckpt"), 0)
 
 
+def test_a_symlink_to_nothing_is_refused_naming_its_target(tmp_path):
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "gone" / "ckpt")
+    with pytest.raises(UsageError, match=rf"^--save \({link}\) is a symbolic link to "
+                                         rf"{tmp_path}/gone/ckpt, which does not exist: create "
+                                         r"that folder, or give --save a folder$"):
+        sf.check_save_folder(str(link), 0)
+    assert link.is_symlink() and not (tmp_path / "gone").exists()  # nothing created
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "ckpt").mkdir()
+    assert sf.check_save_folder(str(link), 0) is False  # a link to a folder is that folder
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any folder")
 def test_an_unwritable_folder_is_refused(tmp_path):
     folder = tmp_path / "ro"

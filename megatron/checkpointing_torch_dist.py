@@ -352,14 +352,33 @@ class TorchDistSaver:
 
 # Loading -----------------------------------------------------------------------------------------
 
+def _refuse_megatron_lm_s(folder: str) -> None:
+    """Megatron-Core writes ``metadata.json`` with its four backend keys only; ours adds
+    ``format_version``. Its ``common.pt`` pickles the run's args and its tensors are laid out
+    otherwise (module docstring): named as such, not as a damaged or dangerous file."""
+    try:
+        with open(os.path.join(folder, METADATA_JSON), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(meta, dict) and "format_version" not in meta:
+        raise CheckpointMismatchError(
+            f"{folder} is a torch_dist checkpoint of Megatron-LM itself (its {METADATA_JSON} has "
+            "no format_version), which this code does not read: convert it to --ckpt-format "
+            "torch with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR), then "
+            "--load DIR/torch")
+
+
 def read_common(folder: str) -> dict:
     """The plain data of the checkpoint in ``folder`` (``torch.load(weights_only=True)``).
 
     Raises:
-        CheckpointError: missing, truncated or refused.
+        CheckpointError: missing, truncated or refused; ``CheckpointMismatchError`` for
+            Megatron-LM's own torch_dist checkpoint.
     """
     from megatron.checkpoint_io import load_torch_file
 
+    _refuse_megatron_lm_s(folder)
     path = os.path.join(folder, COMMON_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} does not exist: {folder} is not a complete "

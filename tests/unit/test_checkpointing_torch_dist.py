@@ -27,3 +27,23 @@ def test_a_newer_format_version_is_refused_and_the_current_one_read(tmp_path):
         torch_dist.read_common(str(tmp_path))
     torch.save({"format_version": torch_dist.FORMAT_VERSION, "iteration": 4}, str(path))
     assert torch_dist.read_common(str(tmp_path))["iteration"] == 4
+
+
+def test_megatron_lm_s_own_torch_dist_checkpoint_is_named_as_such(tmp_path):
+    # Megatron-Core's metadata.json holds the four backend keys only (ours adds format_version);
+    # its common.pt pickles the run's argparse.Namespace (refused by weights_only).
+    import argparse
+    import json
+
+    (tmp_path / torch_dist.METADATA_JSON).write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+         "common_backend": "torch", "common_backend_version": 1}))
+    torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 4},
+               str(tmp_path / torch_dist.COMMON_FILE))
+    assert torch_dist.is_torch_dist_checkpoint(str(tmp_path))
+    with pytest.raises(torch_dist.CheckpointMismatchError, match="^" + re.escape(
+            f"{tmp_path} is a torch_dist checkpoint of Megatron-LM itself (its metadata.json "
+            "has no format_version), which this code does not read: convert it to --ckpt-format "
+            "torch with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR), then "
+            "--load DIR/torch") + "$"):
+        torch_dist.read_common(str(tmp_path))

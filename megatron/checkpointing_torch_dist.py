@@ -61,6 +61,7 @@ from megatron.core.dist_checkpointing.async_writer import (DONE, FAILED, RUNNING
 from megatron.model import unwrap_model
 from megatron.model.sharded_state import model_shardings, model_sharded_tensors
 from megatron.rng_state import get_rng_state, set_rng_state
+from megatron.usage_error import UsageError, agree_on_usage_error
 
 FORMAT_VERSION = 1
 COMMON_FILE = "common.pt"
@@ -511,9 +512,20 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
         raise error or CheckpointError(
             f"loading the checkpoint {folder} failed on another rank (see its error)")
     common, metadata, boxes, finish, notes = prepared
-    if with_optimizer and run_flags is not None and common.get("optimizer") is not None:
-        check_resume_precision(common.get("args") or {}, run_flags, config.load,
-                                      common["iteration"])
+    # Every rank finds these alike; agreed (one rank prints, a barrier, then all leave) so that
+    # torchrun does not stop rank 0 before its line is out when another rank exits first.
+    usage = None
+    try:
+        if with_optimizer and run_flags is not None and common.get("optimizer") is not None:
+            check_resume_precision(common.get("args") or {}, run_flags, config.load,
+                                   common["iteration"])
+        if not weights_only and scheduler is not None and not config.no_load_optim \
+                and common.get("opt_param_scheduler") is not None:
+            checkpoint_folder.load_scheduler_state(scheduler, common["opt_param_scheduler"],
+                                                   config.load)
+    except UsageError as exc:
+        usage = exc
+    agree_on_usage_error(usage, device)
     try:
         dcp.load(boxes, folder, process_group=group, metadata=metadata)
     except dcp.CheckpointFormatError as exc:
@@ -524,10 +536,6 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
         finish(common["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()
-    if not weights_only and scheduler is not None and not config.no_load_optim \
-            and common.get("opt_param_scheduler") is not None:
-        checkpoint_folder.load_scheduler_state(scheduler, common["opt_param_scheduler"],
-                                               config.load)
     if not weights_only and not config.no_load_rng:
         _restore_rng(common, layout, folder, notes)
     if dist.get_rank() == 0:

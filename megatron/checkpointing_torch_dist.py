@@ -368,6 +368,13 @@ def _refuse_megatron_lm_s(folder: str) -> None:
             "no format_version), which this code does not read: convert it to --ckpt-format "
             "torch with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR), then "
             "--load DIR/torch")
+    # The backends' versions say how the files are laid out; a newer one is not read as ours.
+    unknown = {k: meta.get(k) for k, v in _BACKEND.items() if isinstance(meta, dict)
+               and k in meta and meta.get(k) != v}
+    if unknown:
+        raise CheckpointMismatchError(
+            f"{os.path.join(folder, METADATA_JSON)} names {unknown}; this code reads "
+            f"{ {k: _BACKEND[k] for k in unknown} }: load it with the version that wrote it")
 
 
 def read_common(folder: str) -> dict:

@@ -381,6 +381,10 @@ def hold_save_folder(config, device) -> Optional[SaveFolderLock]:
             notes = lock.acquire()
         except UsageError as exc:
             error = exc
+        except OSError as exc:  # e.g. disk_usage or a rename refused: the others must not wait
+            error = UsageError(f"--save ({save}): {exc.strerror or exc}"
+                               f"{f' ({exc.filename})' if exc.filename else ''}: give a folder "
+                               "this job can read and write")
     agree_on_usage_error(error, device)
     token = [lock.holder.token if lock is not None else None]
     dist.broadcast_object_list(token, src=0)

@@ -47,3 +47,18 @@ def test_megatron_lm_s_own_torch_dist_checkpoint_is_named_as_such(tmp_path):
             "torch with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR), then "
             "--load DIR/torch") + "$"):
         torch_dist.read_common(str(tmp_path))
+
+
+def test_a_metadata_json_naming_another_backend_version_is_refused_naming_it(tmp_path):
+    import json
+
+    (tmp_path / torch_dist.METADATA_JSON).write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 99,
+         "common_backend": "torch", "common_backend_version": 1,
+         "format_version": torch_dist.FORMAT_VERSION}))
+    torch.save({"format_version": torch_dist.FORMAT_VERSION, "iteration": 4},
+               str(tmp_path / torch_dist.COMMON_FILE))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "names {'sharded_backend_version': 99}; this code reads "
+            "{'sharded_backend_version': 1}: load it with the version that wrote it")):
+        torch_dist.read_common(str(tmp_path))

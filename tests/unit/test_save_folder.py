@@ -192,3 +192,34 @@ def test_a_conversion_holds_its_target_folder_not_save():
     convert = SimpleNamespace(save=None, ckpt_convert_format="torch_dist", ckpt_convert_save="out")
     assert sf.save_target(plain) == "ckpt"
     assert sf.save_target(convert) == os.path.join("out", "torch_dist")
+
+
+def _rank0_disk_fails(folder):
+    import errno
+
+    import torch
+    import torch.distributed as dist
+
+    sf.save_target = lambda checkpoint: folder
+    sf.checkpoint_bytes = lambda config: 0
+    if dist.get_rank() == 0:
+        def broken(path):
+            raise OSError(errno.EIO, "Input/output error", path)
+        sf.shutil.disk_usage = broken
+    try:
+        sf.hold_save_folder(namedtuple("config", "checkpoint")(None), torch.device("cpu"))
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+def test_an_os_error_on_rank_0_is_one_usage_error_on_every_rank(tmp_path):
+    """An OSError of rank 0's checks (here disk_usage) reaches every rank as a usage error; no
+    rank waits in a collective for rank 0 (the world would time out)."""
+    from tests.helpers.dist import run_distributed
+
+    folder = str(tmp_path / "ckpt")
+    said = run_distributed(2, _rank0_disk_fails, folder, timeout=60)
+    assert said[0] == (f"--save ({folder}): Input/output error ({folder}): give a folder this "
+                       "job can read and write")
+    assert said[1] == "rank 0 found a usage error (see its line)"

@@ -160,7 +160,8 @@ def test_virtual_size_is_derived_as_megatron_does():
     (["--num-layers-per-virtual-pipeline-stage", "2", "--virtual-pipeline-model-parallel-size",
       "4"], 2, r"gives 2 virtual stages per pipeline rank, but "
                r"--virtual-pipeline-model-parallel-size is 4"),
-    (["--virtual-pipeline-model-parallel-size", "0"], 2, r"must be >= 1"),
+    (["--virtual-pipeline-model-parallel-size", "0"], 2,
+     r"--virtual-pipeline-model-parallel-size \(0\) must be positive"),
     # 8 / (2 x DP 2) = 2 micro-batches at PP=2 is fine; 6 / (2 x 1) = 3 is not.
     (["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "6"], 2,
      r"number of micro-batches \(3: --global-batch-size \(6\) / \(--micro-batch-size \(2\) x "

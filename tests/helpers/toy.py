@@ -64,9 +64,11 @@ def distrib_batch(step):
     return x[-GLOBAL:], y[-GLOBAL:]
 
 
-def distrib_iteration(ddp, opt, step, num_mb):
+def distrib_iteration(ddp, opt, step, num_mb, poison=None):
     """One training iteration on this rank's part of the global batch; returns the global loss
-    (mean over ranks) and the collectives issued."""
+    (mean over ranks) and the collectives issued. ``poison = (rank, factor)`` multiplies that
+    data-parallel rank's last micro-batch loss by ``factor`` (inf, NaN): its gradients turn
+    non-finite and the step must be skipped, which is asserted on every rank."""
     from megatron.core.distributed import finalize_model_grads
 
     rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -82,10 +84,12 @@ def distrib_iteration(ddp, opt, step, num_mb):
             ctx = ddp.no_sync() if not last else torch.enable_grad()
             with ctx:
                 loss = torch.nn.functional.mse_loss(ddp(xm.to(dtype)).float(), ym) / num_mb
+                if last and poison is not None and poison[0] == rank:
+                    loss = loss * poison[1]
                 loss.backward()
             total += loss.detach()
         finalize_model_grads([ddp], pg_collection=current_groups())
         ok, _, _ = opt.step()
-    assert ok
+    assert ok == (poison is None), (rank, ok, poison)
     torch.distributed.all_reduce(total)
     return total.item() / dp, events

@@ -1,7 +1,8 @@
 """ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``)
 on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 micro-batch, and 4 with the overlapped reduce-scatter,
 ZeRO-2 equals the distributed optimizer (``optim``) bitwise, and every strategy equals plain
-single-process AdamW within rtol 1e-6; the collectives counted (ZeRO-3: per micro-batch one all-gather of every
+single-process AdamW within rtol 1e-6; a step with one rank's inf/NaN gradient is skipped on
+every rank with shards, gathered parameters and moments unchanged; the collectives counted (ZeRO-3: per micro-batch one all-gather of every
 parameter for forward and one for backward, one reduce-scatter of every gradient per iteration);
 the bytes held per rank equal the formulas; torch-format state dicts round-trip."""
 
@@ -206,3 +207,65 @@ def test_cpu_offload_exact_and_bf16_zero3_bytes():
     assert grads == grads_formula         # fp32 gradient shards 4 Psi / N
     assert state == state_formula         # fp32 main + two moments 12 Psi / N
     assert params == full_grads == 0      # nothing full held between iterations
+
+
+# Step 2: rank 1's gradients inf; step 4: rank 0's NaN. Both skipped on every rank.
+POISON = {2: (1, float("inf")), 4: (0, float("nan"))}
+SKIP_STEPS = 6
+
+
+def _full_params(ddp, net):
+    ddp.finish_param_sync()  # ZeRO-3: gathers every unit (freed again by the next forward)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _state(ddp, opt):
+    shards = [b.param_shard.clone() for buf in ddp.buffers for b in buf.buckets
+              if b.param_shard is not None]
+    moments = [v.clone() for s in opt.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor)]
+    return shards, moments
+
+
+def _train_with_nonfinite_steps():
+    ps.initialize_model_parallel(1, 1)
+    out = {}
+    for strategy in ("optim", "optim_grads_params"):
+        net, ddp, opt = _build(strategy, overlap_grad=True)
+        losses, unchanged = [], []
+        for step in range(SKIP_STEPS):
+            before, state = _full_params(ddp, net), _state(ddp, opt)
+            loss, _ = distrib_iteration(ddp, opt, step, 2, poison=POISON.get(step))
+            mem = ddp.memory_bytes()
+            if strategy == "optim_grads_params":  # nothing full held after a skip either
+                assert mem["params"] == mem["grads"] == 0, (step, mem)
+            if step in POISON:
+                after, state_after = _full_params(ddp, net), _state(ddp, opt)
+                unchanged.append(all(torch.equal(a, b) for a, b in zip(before, after))
+                                 and all(len(x) > 0 and all(torch.equal(a, b) for a, b in
+                                                            zip(x, y))
+                                         for x, y in zip(state, state_after)))
+            else:
+                losses.append(loss)
+        out[strategy] = (_full_params(ddp, net), losses, unchanged)
+    return out
+
+
+def test_zero3_skips_a_nonfinite_step_on_every_rank():
+    """One rank's inf (step 2) or NaN (step 4) gradient: ``step()`` reports the skip on every
+    rank (asserted in distrib_iteration), the parameter shards, the gathered full parameters and
+    the moments are left bitwise unchanged, and training goes on as if the step had not been
+    taken: equal to the distributed optimizer's run and to plain AdamW on the kept batches
+    (rtol 1e-6, fp32)."""
+    results = run_distributed(2, _train_with_nonfinite_steps)
+    kept = [s for s in range(SKIP_STEPS) if s not in POISON]
+    ref, _, ref_losses = reference_adamw(len(kept), lambda i: distrib_batch(kept[i]))
+    ref = list(ref.values())
+    for rank in results:
+        for strategy, (params, losses, unchanged) in rank.items():
+            assert unchanged == [True, True], strategy
+            assert losses == pytest.approx(ref_losses, rel=1e-6), strategy
+            for p, r in zip(params, ref):
+                torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7, msg=strategy)
+        zero1, zero3 = rank["optim"], rank["optim_grads_params"]
+        assert zero3[1] == pytest.approx(zero1[1], rel=1e-6)

@@ -35,17 +35,23 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
                           elapsed_ms: float, tokens_per_s: float, learning_rate: float,
                           global_batch_size: int, losses: dict, loss_scale: float,
                           grad_norm: float | None, skipped: int, nans: int,
-                          tflops_per_device: float, mfu: float | None = None) -> str:
+                          tflops_per_device: float, mfu: float | None = None,
+                          device_type: str = "cuda") -> str:
     """Megatron-LM's iteration log line, plus ``tokens/s`` (total over all ranks) and, when a
-    peak is known (``--peak-tflops`` / ``--measure-peak``), ``MFU`` (a fraction, printed in %)."""
+    peak is known (``--peak-tflops`` / ``--measure-peak``), ``MFU`` (a fraction, printed in %).
+
+    The throughput is Megatron's ``throughput per GPU (TFLOP/s/GPU)`` on CUDA and
+    ``throughput per device (TFLOP/s/device)`` on any other ``device_type`` (a CPU process is
+    no GPU)."""
     s = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     s += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
     s += " consumed samples: {:12d} |".format(consumed_samples)
     s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_ms)
     s += " tokens/s: {:.1f} |".format(tokens_per_s)
     # Megatron prints one decimal; CPU throughputs are far below 0.1 TFLOP/s, so show three.
-    s += " throughput per GPU (TFLOP/s/GPU): {:.{p}f} |".format(
-        tflops_per_device, p=1 if tflops_per_device >= 1 else 3)
+    unit = "GPU" if device_type == "cuda" else "device"
+    s += " throughput per {u} (TFLOP/s/{u}): {:.{p}f} |".format(
+        tflops_per_device, u=unit, p=1 if tflops_per_device >= 1 else 3)
     if mfu is not None:
         s += " MFU: {:.1f}% |".format(100.0 * mfu)
     s += " learning rate: {:.6E} |".format(learning_rate)

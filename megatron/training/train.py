@@ -311,7 +311,8 @@ class _Trainer:
             losses={k: v / max(w["iters"] - w["skipped"], 1) for k, v in w["losses"].items()},
             loss_scale=loss_scale,
             grad_norm=grad_norm, skipped=w["skipped"], nans=w["nans"],
-            tflops_per_device=flops / (per_iter * 1e12 * world), mfu=mfu))
+            tflops_per_device=flops / (per_iter * 1e12 * world), mfu=mfu,
+            device_type=self.device.type))
         if not self.memory_reported:
             if self.groups.dp_cp.rank == 0:
                 print(memory_report(f"(after {st.iteration} iterations)", self.device), flush=True)

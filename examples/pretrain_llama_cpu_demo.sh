@@ -156,7 +156,8 @@ fi
 LATEST=$(cat "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo "$ITERS")
 echo "checkpoint:  $OUT_DIR/checkpoints (latest_checkpointed_iteration.txt, iter_$(printf '%07d' "$LATEST")/); continue with a larger ITERS, start afresh with FRESH=1"
 echo "TensorBoard: tensorboard --logdir $OUT_DIR/tensorboard"
-"$PYTHON" tools/plot_training.py "$OUT_DIR/tensorboard" --output "$OUT_DIR/training.png" --seq-length 256
+"$PYTHON" tools/plot_training.py "$OUT_DIR/tensorboard" --output "$OUT_DIR/training.png" --seq-length 256 \
+    --title "LLaMA 19M (4 layers, hidden 256), TP=2 x PP=2 on $NPROC CPU processes, global batch 8 x 256 tokens"
 
 # 4. Sample ---------------------------------------------------------------------------------------
 echo "greedy sample from the checkpoint:"

@@ -118,3 +118,15 @@ def test_describe_and_comments(tmp_path):
     script.write_text("#!/bin/bash\n# Not tools/plan.py's first layout: it ranks TP=1 x\n"
                       "#   CP=8 first.\nrun # trailing\n")
     assert comments(str(script)) == "!/bin/bash Not tools/plan.py's first layout: it ranks TP=1 x CP=8 first."
+
+
+def test_mock_data_smoke_test_of_a_recipe(sandbox, tmp_path):  # noqa: F811
+    """MOCK_DATA=1 runs a recipe without DATA_PATH: --mock-data replaces the data flags and the
+    flags still validate at the recipe's world size."""
+    script = os.path.join(ROOT, "examples", "pretrain_llama3_8b.sh")
+    argv = next(a for a in _launches(sandbox, script, tmp_path, MOCK_DATA="1", DATA_PATH="")
+                if any(w.endswith("pretrain_llama.py") for w in a))
+    flags = argv[next(i for i, a in enumerate(argv) if a.endswith("pretrain_llama.py")) + 1:]
+    assert "--mock-data" in flags and "--data-path" not in flags
+    args = validate_args(parse_args(flags), 8)
+    assert args.mock_data and args.context_parallel_size == 2

@@ -160,10 +160,10 @@ class IterationProgress:
         self.last_line = now
         reached = min(self.num_microbatches, -(-self.calls // self.chunks))
         elapsed = now - self.started
+        mean = self.finished_s / self.finished if self.finished else None
         eta = eta_seconds(iteration=self.iteration, train_iters=self.train_iters,
                           microbatch=reached, num_microbatches=self.num_microbatches,
-                          iteration_elapsed_s=elapsed,
-                          mean_iteration_s=self.finished_s / self.finished if self.finished else None)
+                          iteration_elapsed_s=elapsed, mean_iteration_s=mean)
         line = format_progress_line(iteration=self.iteration, train_iters=self.train_iters,
                                     microbatch=reached, num_microbatches=self.num_microbatches,
                                     iteration_elapsed_s=elapsed, eta_s=eta)

@@ -41,7 +41,8 @@ def describe(layout: Layout) -> str:
 
 def comments(path: str) -> str:
     """The script's comment text, lines joined by single spaces."""
-    lines = [re.sub(r"^#+ ?", "", line.strip()) for line in open(path) if line.lstrip().startswith("#")]
+    lines = [re.sub(r"^#+ ?", "", line.strip()) for line in open(path)
+             if line.lstrip().startswith("#")]
     return re.sub(r"\s+", " ", " ".join(lines))
 
 
@@ -117,7 +118,8 @@ def test_describe_and_comments(tmp_path):
     script = tmp_path / "x.sh"
     script.write_text("#!/bin/bash\n# Not tools/plan.py's first layout: it ranks TP=1 x\n"
                       "#   CP=8 first.\nrun # trailing\n")
-    assert comments(str(script)) == "!/bin/bash Not tools/plan.py's first layout: it ranks TP=1 x CP=8 first."
+    assert comments(str(script)) == ("!/bin/bash Not tools/plan.py's first layout: it ranks "
+                                     "TP=1 x CP=8 first.")
 
 
 def test_mock_data_smoke_test_of_a_recipe(sandbox, tmp_path):  # noqa: F811

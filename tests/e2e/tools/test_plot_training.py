@@ -95,9 +95,9 @@ def test_log_title_reads_the_start_up_report(tmp_path):
     from tools.plot_training import describe_log
 
     log = tmp_path / "train.log"
-    log.write_text(" > parallel layout: world size 8 = tensor (TP) 2 x pipeline (PP) 2 x data (DP) 2 "
-                   "x context (CP) 1; virtual ...\n > total number of parameters: 19021056 "
-                   "(19.021 M)\n" + _log_text())
+    log.write_text(" > parallel layout: world size 8 = tensor (TP) 2 x pipeline (PP) 2 x data "
+                   "(DP) 2 x context (CP) 1; virtual ...\n > total number of parameters: "
+                   "19021056 (19.021 M)\n" + _log_text())
     assert describe_log(str(log)) == "19.021 M parameters, TP=2 x PP=2 x DP=2"
     out = tmp_path / "t.png"
     assert main([str(log), "--output", str(out)]) == 0

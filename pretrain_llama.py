@@ -161,12 +161,20 @@ def forward_step(data, eod, data_iterator, model, vocab_size=None):
     return output, partial(loss_func, loss_mask)
 
 
-def train_valid_test_datasets_provider(config, train_val_test_num_samples):
+def train_valid_test_datasets_provider(config, train_val_test_num_samples, eod=None):
     """Megatron's GPT datasets of ``--data-path`` (or the per-split paths) for the given numbers
-    of samples (``config``: the run's :class:`~megatron.config.Config`)."""
+    of samples (``config``: the run's :class:`~megatron.config.Config`); with ``--mock-data``
+    synthetic ones over the tokenizer's vocabulary, ``eod`` its end-of-document id."""
     from megatron.data.dataset_builder import build_train_valid_test_datasets
 
     data = config.data
+    if data.mock_data:
+        from megatron.data.mock_dataset import build_mock_datasets
+
+        print_rank_0(" > building mock train, validation, and test datasets (--mock-data) ...")
+        return build_mock_datasets(
+            train_val_test_num_samples, seq_length=data.seq_length,
+            vocab_size=config.model.true_vocab_size, eod=eod, seed=config.training.seed)
     print_rank_0(" > building train, validation, and test datasets for LLaMA ...")
     return build_train_valid_test_datasets(
         data_path=data.data_path, split=data.split,
@@ -227,7 +235,8 @@ def main(argv=None):
     return pretrain(config, model_provider=model_provider,
                     forward_step_func=partial(forward_step, config.data, tokenizer.eod,
                                               vocab_size=tokenizer.vocab_size),
-                    datasets_provider=train_valid_test_datasets_provider)
+                    datasets_provider=partial(train_valid_test_datasets_provider,
+                                              eod=tokenizer.eod))
 
 
 def command(argv=None) -> int:

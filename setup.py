@@ -7,6 +7,7 @@ setup(
     description="Megatron-style 3D-parallel (tensor, pipeline, data) LLaMA pretraining on PyTorch",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
+    license="Apache-2.0",  # LICENSE: the Apache License 2.0, as Megatron-LM and Megatron-LLaMA
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*"]),
     py_modules=["pretrain_llama"],

@@ -5,6 +5,8 @@
 # Environment:
 #   DATA_PATH        (required) prefix of a dataset made by tools/preprocess_data.py (PREFIX.bin and
 #                    PREFIX.idx), or a blend "0.3 PREFIX_A 0.7 PREFIX_B"
+#   MOCK_DATA=1      instead of DATA_PATH: train on synthetic tokens (--mock-data), to smoke-test
+#                    the launch, the layout and the memory before any data is prepared
 #   CHECKPOINT_DIR   checkpoints are saved here and resumed from here (default ./checkpoints/$NAME)
 #   TENSORBOARD_DIR  TensorBoard events (default ./tensorboard/$NAME)
 #   GPUS_PER_NODE    processes per node (default 8)
@@ -24,7 +26,9 @@
 
 set -euo pipefail
 
-: "${DATA_PATH:?set DATA_PATH to the prefix of a preprocessed dataset (PREFIX.bin, PREFIX.idx)}"
+if [ "${MOCK_DATA:-}" != 1 ]; then
+    : "${DATA_PATH:?set DATA_PATH to the prefix of a preprocessed dataset (PREFIX.bin, PREFIX.idx), or MOCK_DATA=1}"
+fi
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$NAME}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-tensorboard/$NAME}
@@ -46,9 +50,11 @@ OPTIMIZER_ARGS=(
 
 # $DATA_PATH is left unquoted on purpose: a blend is several words.
 # shellcheck disable=SC2206
-DATA_ARGS=(
-    --data-path $DATA_PATH --split 969,30,1 --data-impl mmap --num-workers 2
-)
+if [ "${MOCK_DATA:-}" = 1 ]; then
+    DATA_ARGS=(--mock-data --data-impl mmap --num-workers 2)
+else
+    DATA_ARGS=(--data-path $DATA_PATH --split 969,30,1 --data-impl mmap --num-workers 2)
+fi
 
 OUTPUT_ARGS=(
     --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 1000

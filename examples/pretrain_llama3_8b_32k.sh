@@ -6,11 +6,16 @@
 # (TOKENIZER_DIR: a local folder with Llama 3's tokenizer.json; nothing is downloaded.)
 # Multi-node: NNODES=N MASTER_ADDR=<first node> on every node. See examples/_llama_common.sh.
 #
-# Layout: TP=2 x CP=2 x PP=2, DP = 1 per node (WORLD_SIZE = TP x CP x PP x DP). Each rank holds
-# 16384 tokens of every sequence (chunks i and 3 - i of 4), split again over TP by
-# --sequence-parallel; attention all-gathers keys and values over the CP pair (Llama 3's
-# context parallelism; --cp-comm-type p2p is the ring). tools/plan.py estimates 56 GiB per GPU
-# (3.7 parameters, 7.5 fp32 gradients, 11.2 optimizer sharded over DP x CP, 34 activations).
+# Layout: tools/plan.py's first for this shape on 8 x 80 GB: TP=2 x CP=2 x PP=1, DP = 2 per node
+# (WORLD_SIZE = TP x CP x PP x DP). Each rank holds 16384 tokens of every sequence (chunks i and
+# 3 - i of 4), split again over TP by --sequence-parallel; attention all-gathers keys and values
+# over the CP pair (Llama 3's context parallelism; --cp-comm-type p2p is the ring). It estimates
+# 71.9 GiB per GPU (7.5 parameters, 15.0 fp32 gradients, 11.2 optimizer sharded over DP x CP, 38.2
+# activations); TP=2 x CP=2 x PP=2 (this recipe's earlier layout, 56.5 GiB) 4% slower.
+#   python tools/plan.py --num-gpus 8 --gpu-memory-gib 80 --num-layers 32 --hidden-size 4096 \
+#       --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8 --vocab-size 128256 \
+#       --make-vocab-size-divisible-by 1 --untie-embeddings-and-output-weights \
+#       --global-batch-size 128 --seq-length 32768
 NAME=${NAME:-llama3_8b_32k}
 : "${TOKENIZER_DIR:?set TOKENIZER_DIR to a local folder holding Llama 3 tokenizer.json}"
 
@@ -20,11 +25,11 @@ MODEL_ARGS=(
     --seq-length 32768 --max-position-embeddings 32768 --norm-epsilon 1e-5 --rotary-base 500000
     --init-method-std 0.01
     --tokenizer-type HuggingFaceTokenizer --tokenizer-name-or-path "$TOKENIZER_DIR"
-    # 128256 rows exactly (divisible by TP).
+    # 128256 rows exactly (divisible by any TP).
     --make-vocab-size-divisible-by 1
 )
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel
     --context-parallel-size 2 --cp-comm-type all_gather --use-distributed-optimizer
 )
 # 128 x 32768 = 4M tokens per iteration.

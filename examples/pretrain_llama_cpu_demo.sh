@@ -14,6 +14,10 @@
 #   6. prints a greedy sample (40 tokens after "ROMEO:") from the checkpoint with tools/generate.py
 #      (torchrun at the checkpoint's TP=2 x PP=2 layout, KV cache).
 #
+# Not tools/plan.py's first layout: the planner models GPUs (memory, TFLOP/s, NVLink), and this
+# demo runs on CPU processes; TP=2 x PP=2 is here to show tensor and pipeline parallelism and
+# their checkpoint layout at work, not for speed.
+#
 # One document per play (not per paragraph): a play is the natural unit of this corpus, samples
 # cross document boundaries anyway, and Megatron's --split 98,2,0 then holds out whole plays
 # (the last two files in name order, the two editions of The Winter's Tale), so validation
@@ -156,7 +160,8 @@ fi
 LATEST=$(cat "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo "$ITERS")
 echo "checkpoint:  $OUT_DIR/checkpoints (latest_checkpointed_iteration.txt, iter_$(printf '%07d' "$LATEST")/); continue with a larger ITERS, start afresh with FRESH=1"
 echo "TensorBoard: tensorboard --logdir $OUT_DIR/tensorboard"
-"$PYTHON" tools/plot_training.py "$OUT_DIR/tensorboard" --output "$OUT_DIR/training.png" --seq-length 256
+"$PYTHON" tools/plot_training.py "$OUT_DIR/tensorboard" --output "$OUT_DIR/training.png" --seq-length 256 \
+    --title "LLaMA 19M (4 layers, hidden 256), TP=2 x PP=2 on $NPROC CPU processes, global batch 8 x 256 tokens"
 
 # 4. Sample ---------------------------------------------------------------------------------------
 echo "greedy sample from the checkpoint:"

@@ -411,7 +411,8 @@ def _add_data_args(parser):
                    help="only mmap (the .bin/.idx format); accepted for compatibility")
     g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
     g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes")
-    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic tokens instead of --data-path (megatron.data.mock_dataset)")
 
 
 def _add_logging_args(parser):

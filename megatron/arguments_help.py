@@ -105,7 +105,8 @@ HELP = {
     "--test-data-path": "test data: PREFIX or WEIGHT PREFIX ...",
     "--dataloader-type": "single: the samples in the order of the dataset's shuffled index; "
                          "cyclic: freshly shuffled epochs over them, endlessly (Megatron's)",
-    "--mock-data": "synthetic data (not supported yet: use a small preprocessed dataset)",
+    "--mock-data": "synthetic tokens instead of --data-path (smoke tests; e.g. with --tokenizer-type "
+                   "NullTokenizer --vocab-size N)",
     # logging and evaluation
     "--log-interval": "iterations between log lines (the first iteration is always logged)",
     "--log-num-zeros-in-grad": "count the zero gradient elements (a host read per step)",

@@ -24,7 +24,6 @@ from megatron.usage_error import UsageError
 
 # dest -> (flag as users write it, the feature and issue that will build it).
 NOT_YET_SUPPORTED = {
-    "mock_data": ("--mock-data", "synthetic data; use a small preprocessed dataset"),
     "optimizer": ("--optimizer", "only adam (AdamW) is implemented"),
 }
 
@@ -542,6 +541,9 @@ def _validate_data(args, check_files):
         raise UsageError(f"--data-impl ({args.data_impl}) is not supported: only mmap")
     if args.num_workers < 0:
         raise UsageError(f"--num-workers ({args.num_workers}) must be >= 0")
+    if getattr(args, "mock_data", False):
+        _validate_mock_data(args)
+        return
     sources = split_sources(data_path=args.data_path, split=args.split,
                             train_data_path=args.train_data_path,
                             valid_data_path=args.valid_data_path,
@@ -559,6 +561,18 @@ def _validate_data(args, check_files):
             eval_iters=args.eval_iters)
         check_train_valid_test_data(sources, seq_length=args.seq_length, num_samples=samples,
                                     dataloader_type=args.dataloader_type)
+
+
+def _validate_mock_data(args):
+    """``--mock-data`` trains on synthetic tokens (megatron.data.mock_dataset): no data path may
+    be given too (Megatron-LM would silently ignore it)."""
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(f"--mock-data and {name} ({' '.join(map(str, value))}) are mutually "
+                             f"exclusive: --mock-data trains on synthetic tokens; remove {name} "
+                             "or --mock-data")
 
 
 def _validate_tokenizer(args, check_files):

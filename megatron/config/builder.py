@@ -46,7 +46,6 @@ FLAGS_NOT_IN_CONFIG = {
     "rope_scaling_low_freq_factor": "becomes ModelConfig.rope_scaling",
     "rope_scaling_high_freq_factor": "becomes ModelConfig.rope_scaling",
     "rope_scaling_original_max_position_embeddings": "becomes ModelConfig.rope_scaling",
-    "mock_data": "refused by validation (not supported yet)",
     "local_rank": "set by the launcher; the device follows $LOCAL_RANK as torchrun sets it",
     "auto_detect_ckpt_format": "no effect: --load always detects the format it reads",
     "use_checkpoint_args": "main() applies it to the namespace before validation "

@@ -24,6 +24,9 @@ class DataConfig:
     """``--valid-data-path``: the validation split's prefixes; default None."""
     test_data_path: Optional[tuple] = None
     """``--test-data-path``: the test split's prefixes; default None."""
+    mock_data: bool = False
+    """``--mock-data``: synthetic tokens instead of a dataset (``megatron.data.mock_dataset``);
+    excludes the data paths. Default off."""
     split: str = "969, 30, 1"
     """``--split``: train, valid, test proportions of ``--data-path``. Default ``969, 30, 1``."""
     data_cache_path: Optional[str] = None

@@ -138,6 +138,10 @@ def format_datasets(datasets: Sequence) -> List[str]:
         if dataset is None or len(dataset) == 0:
             lines.append(f" > {name} split: none")
             continue
+        describe = getattr(dataset, "describe", None)  # --mock-data: no documents to count
+        if describe is not None:
+            lines.append(f" > {name} split: {describe()}")
+            continue
         s = dataset_summary(dataset)
         blend = getattr(dataset, "datasets", None)
         lines.append(f" > {name} split: documents: {s['documents']} | tokens: {s['tokens']} | "

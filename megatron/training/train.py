@@ -26,9 +26,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.model.flops import num_floating_point_operations as model_flops
 from megatron.training import builders
 from megatron.training.initialize import initialize_megatron, shutdown
-from megatron.training.logging import (TensorBoardLogger, format_iteration_line,
-                                       format_validation_block, memory_report, print_rank_0,
-                                       print_rank_last)
+from megatron.training.logging import (IterationProgress, TensorBoardLogger,
+                                       format_iteration_line, format_validation_block,
+                                       memory_report, print_rank_0, print_rank_last)
 from megatron.training.compile import compile_transformer_layers
 from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
 from megatron.training.microbatches import build_num_microbatches_calculator
@@ -179,7 +179,11 @@ class _Trainer:
                  scheduler, iterators, schedule_config, state: TrainState, start_time: float,
                  checkpoint_group=None):
         self.config, self.groups, self.device = config, pg_collection, device
-        self.forward_step_func = forward_step_func
+        # Progress lines within long iterations on rank 0 (counts the training forward steps).
+        self.progress = IterationProgress(
+            config.training.num_iterations, enabled=pg_collection.rank == 0,
+            chunks=pg_collection.virtual_pipeline_model_parallel_size or 1)
+        self.forward_step_func = self.progress.wrap(forward_step_func)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_it, self.valid_it, self.test_it = iterators
         self.schedule_config, self.state = schedule_config, state
@@ -223,6 +227,7 @@ class _Trainer:
         while st.iteration < training.num_iterations:
             self.microbatches.update(st.consumed_train_samples, True)
             batch = self.microbatches.get_current_global_batch_size()
+            self.progress.start(st.iteration + 1, self.microbatches.get())
             start = time.perf_counter()
             at_floor = loss_scale_at_floor(self.optimizer)
             with collective_guard(f"the train step of iteration {st.iteration + 1}", self.timeout):
@@ -233,6 +238,7 @@ class _Trainer:
                     pg_collection=self.groups,
                     before_optimizer_step=self.saver.wait_for_staging if self.saver else None)
             elapsed = time.perf_counter() - start
+            self.progress.finish(elapsed)
             st.iteration += 1
             st.consumed_train_samples += batch
             self.finalize_save(blocking=False)
@@ -311,7 +317,8 @@ class _Trainer:
             losses={k: v / max(w["iters"] - w["skipped"], 1) for k, v in w["losses"].items()},
             loss_scale=loss_scale,
             grad_norm=grad_norm, skipped=w["skipped"], nans=w["nans"],
-            tflops_per_device=flops / (per_iter * 1e12 * world), mfu=mfu))
+            tflops_per_device=flops / (per_iter * 1e12 * world), mfu=mfu,
+            device_type=self.device.type))
         if not self.memory_reported:
             if self.groups.dp_cp.rank == 0:
                 print(memory_report(f"(after {st.iteration} iterations)", self.device), flush=True)

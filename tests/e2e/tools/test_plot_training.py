@@ -60,3 +60,44 @@ def test_errors_name_the_source(tmp_path, capsys):
     empty.write_text("nothing here\n")
     assert main([str(empty), "--output", str(tmp_path / "x.png")]) == 2
     assert "no training scalars" in capsys.readouterr().err
+
+
+def test_one_grad_norm_spike_does_not_flatten_the_axis(tmp_path):
+    """The grad-norm panel is logarithmic: with one spike 1e4 times the typical norm, the
+    typical norms still span a readable share of the axis (a linear axis would squeeze them
+    into its bottom 0.01%); non-finite norms are left out and counted; the title names the run
+    and the iterations."""
+    import math
+
+    from tools.plot_training import plot, plot_title
+
+    norms = [1.0 + 0.1 * (i % 5) for i in range(1, 101)]
+    norms[49] = 1e4  # the spike, at iteration 50
+    norms[79] = float("inf")  # an fp16 overflow, at iteration 80
+    series = {"lm loss": [(i, 10.0 - 0.05 * i) for i in range(1, 101)],
+              "grad-norm": list(zip(range(1, 101), norms))}
+    title = plot_title(series, "19 M parameters, TP=2 x PP=2", "llama_cpu_demo/tensorboard")
+    out = tmp_path / "spike.png"
+    fig = plot(series, str(out), title=title)
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    ax = fig.axes[2]
+    assert ax.get_ylabel() == "grad norm" and ax.get_yscale() == "log"
+    low, high = ax.get_ylim()
+    assert low <= 1.0 and high >= 1e4  # both the typical norms and the spike are on the axis
+    share = (math.log(1.4) - math.log(1.0)) / (math.log(high) - math.log(low))
+    assert share > 0.02  # typical norms 1.0 .. 1.4: on a linear axis 4e-5 of its height
+    assert ax.get_legend().get_texts()[0].get_text() == "grad-norm (1 non-finite or zero left out)"
+    assert fig._suptitle.get_text() == ("19 M parameters, TP=2 x PP=2, iterations 1-100\n"
+                                        "llama_cpu_demo/tensorboard")
+
+
+def test_log_title_reads_the_start_up_report(tmp_path):
+    from tools.plot_training import describe_log
+
+    log = tmp_path / "train.log"
+    log.write_text(" > parallel layout: world size 8 = tensor (TP) 2 x pipeline (PP) 2 x data "
+                   "(DP) 2 x context (CP) 1; virtual ...\n > total number of parameters: "
+                   "19021056 (19.021 M)\n" + _log_text())
+    assert describe_log(str(log)) == "19.021 M parameters, TP=2 x PP=2 x DP=2"
+    out = tmp_path / "t.png"
+    assert main([str(log), "--output", str(out)]) == 0

@@ -78,6 +78,17 @@ def test_log_line_shows_mfu_only_with_a_peak():
     assert "MFU" not in format_iteration_line(**common)
 
 
+def test_log_line_names_the_device_kind():
+    """Megatron's "per GPU" wording on CUDA only; a CPU process's throughput is per device."""
+    common = dict(iteration=1, train_iters=2, consumed_samples=8, elapsed_ms=10.0, tokens_per_s=1.0,
+                  learning_rate=1e-4, global_batch_size=8, losses={"lm loss": 1.0}, loss_scale=1.0,
+                  grad_norm=1.0, skipped=0, nans=0, tflops_per_device=0.5)
+    cpu = format_iteration_line(**common, device_type="cpu")
+    assert "| throughput per device (TFLOP/s/device): 0.500 |" in cpu and "GPU" not in cpu
+    cuda = format_iteration_line(**common, device_type="cuda")
+    assert "| throughput per GPU (TFLOP/s/GPU): 0.500 |" in cuda and "device" not in cuda
+
+
 def test_compile_wraps_each_layer_in_place():
     config = ModelConfig(num_layers=3, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                          padded_vocab_size=64, max_position_embeddings=8)

@@ -17,7 +17,8 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, TensorPa
                                                   VocabParallelEmbedding,
                                                   linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from megatron.model.attention import check_attention_config
+from megatron.model.attention import check_attention_config, check_attention_mask
+from megatron.model.attention_mask import AttentionMask
 from megatron.model.initialization import init_method_normal, init_seed, init_vocab_rows
 from megatron.model.recompute import forward_layers
 from megatron.model.rms_norm import RMSNorm
@@ -179,7 +180,7 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             tp_group=self.tp_group)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None,
+                attention_mask: Optional[AttentionMask] = None,
                 labels: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
         """Run the stage.
 
@@ -188,8 +189,10 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             position_ids: ``[b, s]`` int64 (None: ``0..s-1``, or under context parallelism the
                 true positions of this rank's chunks; ``--reset-position-ids`` restarts them at
                 each document).
-            attention_mask: None for causal attention, or bool ``[b, 1, s, s]``, True = masked out
-                (Megatron's convention; ``--reset-attention-mask``).
+            attention_mask: None (causal) or an
+                :class:`~megatron.model.attention_mask.AttentionMask` (document ids of packed
+                sequences, ``--reset-attention-mask``; under context parallelism the mask given
+                the split, ``for_context_parallel``).
             labels: ``[b, s]`` int64 next-token targets (last stage).
             inference_params: None (training), or a :class:`megatron.inference.InferenceParams`
                 KV cache for generation (pass ``position_ids`` of the new tokens then).
@@ -208,6 +211,11 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             ValueError: with sequence parallelism, s not divisible by T.
         """
         tp = self.config.tensor_model_parallel_size
+        check_attention_mask(attention_mask)
+        if attention_mask is not None and attention_mask.cp_size != self.cp_size:
+            raise ValueError(f"the attention mask is split for context-parallel size "
+                             f"{attention_mask.cp_size}, the model runs at {self.cp_size}: "
+                             "split the batch with get_batch_on_this_cp_rank")
         if self.pre_process:
             if self.sequence_parallel and input_ids.shape[1] % tp:
                 raise ValueError(f"--sequence-parallel needs --seq-length ({input_ids.shape[1]}) "

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention import SelfAttention
+from megatron.model.attention_mask import AttentionMask
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.model.mlp_factory import attach_aux_loss, build_mlp, mlp_kind
 from megatron.model.recompute import recompute_active, selective_modules
@@ -76,7 +77,8 @@ class TransformerLayer(torch.nn.Module):
         return out
 
     def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
-                attention_mask: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
+                attention_mask: Optional[AttentionMask] = None,
+                inference_params=None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``; ``rotary``, ``attention_mask`` and ``inference_params``
         (KV cache, generation only) as in :meth:`SelfAttention.forward`."""
         attn = self._norm_then(self.input_layernorm, self.self_attention, hidden, rotary,

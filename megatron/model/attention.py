@@ -16,8 +16,7 @@ from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWi
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention_mask import AttentionMask, masked_attention
-from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
-                                           scaled_init_method_normal)
+from megatron.model.initialization import fused_init_method, normal_block_init, scaled_std
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rotary import apply_rotary_pos_emb
 
@@ -90,18 +89,19 @@ class SelfAttention(torch.nn.Module):
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device, tp_group=pg_collection.tp.group,
                       gradient_accumulation_fusion=config.gradient_accumulation_fusion)
-        blocks = [config.num_attention_heads * d, config.num_query_groups * d,
-                  config.num_query_groups * d]
-        with init_seed(config.seed, layer_number, "self_attention.query_key_value"):
-            self.query_key_value = ColumnParallelLinear(
-                config.hidden_size, sum(blocks), gather_output=False,
-                init_method=fused_init_method(init_method_normal(config.init_method_std), blocks, tp),
-                **common)
-        with init_seed(config.seed, layer_number, "self_attention.dense"):
-            self.dense = RowParallelLinear(
-                config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
-                init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-                **common)
+        rows = [config.num_attention_heads * d, config.num_query_groups * d,
+                config.num_query_groups * d]
+        std, seed = config.init_method_std, config.seed
+        blocks = [(r, normal_block_init(std, seed, layer_number, f"self_attention.{name}"))
+                  for r, name in zip(rows, ("query", "key", "value"))]
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size, sum(rows), gather_output=False,
+            init_method=fused_init_method(blocks, tp), **common)
+        self.dense = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
+            init_method=normal_block_init(scaled_std(std, config.num_layers), seed, layer_number,
+                                          "self_attention.dense"),
+            **common)
         self.recompute_core_attn = "core_attn" in selective_modules(config)
         # Context parallelism: this rank holds 2 of the 2 CP chunks of each sequence
         # (megatron.core.context_parallel); attention communicates over the CP group.

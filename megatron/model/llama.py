@@ -19,7 +19,7 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, TensorPa
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.model.attention import check_attention_config, check_attention_mask
 from megatron.model.attention_mask import AttentionMask
-from megatron.model.initialization import init_method_normal, init_seed, init_vocab_rows
+from megatron.model.initialization import init_vocab_rows, normal_block_init
 from megatron.model.recompute import forward_layers
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
@@ -113,13 +113,12 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
                                            sequence_parallel=self.sequence_parallel,
                                            params_dtype=config.params_dtype, device=device)
             if not self.share_embeddings_and_output_weights:
-                with init_seed(config.seed, 0, "output_layer"):
-                    self.output_layer = ColumnParallelLinear(
-                        config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
-                        sequence_parallel=self.sequence_parallel,
-                        init_method=self._vocab_init(),
-                        params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
-                        gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
+                    sequence_parallel=self.sequence_parallel,
+                    init_method=self._vocab_init("output_layer"),
+                    params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
+                    gradient_accumulation_fusion=config.gradient_accumulation_fusion)
             elif not pre_process:
                 self.word_embeddings_for_head = self._make_word_embeddings(device)
         if self.share_embeddings_and_output_weights and pre_process != post_process:
@@ -130,18 +129,19 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
     def _make_word_embeddings(self, device) -> VocabParallelEmbedding:
         # Seeded by name only, so the last stage's copy equals the first stage's embedding.
         c = self.config
-        with init_seed(c.seed, 0, "word_embeddings"):
-            return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
-                                          init_method=self._vocab_init(),
-                                          params_dtype=c.params_dtype, device=device,
-                                          tp_group=self.tp_group,
-                                          reduce_scatter_embeddings=self.sequence_parallel,
-                                          gradient_accumulation_fusion=c.gradient_accumulation_fusion)
+        return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
+                                      init_method=self._vocab_init("word_embeddings"),
+                                      params_dtype=c.params_dtype, device=device,
+                                      tp_group=self.tp_group,
+                                      reduce_scatter_embeddings=self.sequence_parallel,
+                                      gradient_accumulation_fusion=c.gradient_accumulation_fusion)
 
-    def _vocab_init(self):
-        """N(0, std) on the real vocabulary rows, zero padding rows (layout-independent)."""
-        return init_vocab_rows(init_method_normal(self.config.init_method_std),
-                               self.config.vocab_size)
+    def _vocab_init(self, name: str):
+        """N(0, std) on the real vocabulary rows from block ``(seed, 0, name)``'s generator,
+        zero padding rows (layout-independent)."""
+        c = self.config
+        return init_vocab_rows(normal_block_init(c.init_method_std, c.seed, 0, name),
+                               c.vocab_size)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Give a non-first stage its input ``[s, b, h]`` (a list of one tensor is accepted, as

@@ -218,3 +218,20 @@ def test_a_dense_tensor_is_refused_with_the_fix():
         model(tokens, positions, mask.to_dense())
     with pytest.raises(ValueError, match="must not decrease"):
         AttentionMask.from_document_ids(torch.tensor([[0, 1, 0]]))
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="selective"),
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)],
+    ids=["selective", "full"])
+def test_recompute_with_documents_equals_the_dense_mask(recompute):
+    """The mask object travels through both recompute paths (a non-tensor argument of the
+    checkpointed core attention, a closure of the checkpointed layers)."""
+    config = small_config()
+    plain = LlamaModel(config, pg_collection=current_groups())
+    recomputed = LlamaModel(small_config(**recompute), pg_collection=current_groups())
+    tokens, labels, positions, mask = _packed(config)
+    expected = _loss_and_grads(plain, tokens, positions, AttentionMask.from_dense(mask.to_dense()),
+                               labels)
+    _assert_same(_loss_and_grads(recomputed, tokens, positions, mask, labels), expected,
+                 f"recompute {recompute['recompute_granularity']}")

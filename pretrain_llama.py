@@ -17,6 +17,7 @@ from megatron import arguments
 from megatron.core import parallel_state as ps
 from megatron.core.context_parallel import (get_batch_on_this_cp_rank,
                                             reduce_loss_for_context_parallel)
+from megatron.model.attention_mask import AttentionMask
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
 from megatron.usage_error import UsageError, run_command
@@ -39,14 +40,17 @@ def model_provider(config, pg_collection, device, *, pre_process=True, post_proc
 
 def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask,
                                     eod_mask_loss):
-    """Megatron-LM's masks for left-to-right models, vectorized.
+    """Megatron-LM's masks for left-to-right models, vectorized, with the attention mask as an
+    object instead of Megatron-LM's dense ``[b, 1, s, s]`` tensor.
 
     Args:
         data: ``[b, s]`` int64 input tokens.
 
     Returns:
-        ``(attention_mask, loss_mask, position_ids)``: attention mask bool ``[b, 1, s, s]``
-        (True = masked out) with ``reset_attention_mask``, else None (plain causal); loss mask
+        ``(attention_mask, loss_mask, position_ids)``: with ``reset_attention_mask`` an
+        :class:`~megatron.model.attention_mask.AttentionMask` of the documents (a new one after
+        every end-of-document token; ``to_dense()`` is Megatron-LM's tensor), else None (plain
+        causal); loss mask
         ``[b, s]`` fp32 (0 at end-of-document tokens with ``eod_mask_loss``); position ids
         ``[b, s]`` int64, restarting after each end-of-document with ``reset_position_ids``.
     """
@@ -62,11 +66,7 @@ def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_a
     after_eod = torch.zeros_like(data, dtype=torch.bool)
     after_eod[:, 1:] = data[:, :-1] == eod_token
     doc = torch.cumsum(after_eod.long(), dim=1)
-    attention_mask = None
-    if reset_attention_mask:
-        causal = arange.view(1, s) > arange.view(s, 1)  # [s, s], True above the diagonal
-        other_doc = doc.unsqueeze(2) != doc.unsqueeze(1)  # [b, s, s]
-        attention_mask = (causal.unsqueeze(0) | other_doc).unsqueeze(1)
+    attention_mask = AttentionMask(document_ids=doc) if reset_attention_mask else None
     if reset_position_ids:
         start = torch.where(after_eod, arange.expand(b, s), torch.zeros_like(data))
         position_ids = arange - torch.cummax(start, dim=1).values

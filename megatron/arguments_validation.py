@@ -224,10 +224,6 @@ def _validate_context_parallel(args):
     cp = args.context_parallel_size
     if cp == 1:
         return
-    if args.reset_attention_mask:
-        raise UsageError(f"--reset-attention-mask is not supported with --context-parallel-size "
-                         f"({cp}): document masks are not split over context-parallel ranks; "
-                         f"remove one of the two flags (--reset-position-ids alone is supported)")
     if args.attention_dropout > 0:
         raise UsageError(f"--attention-dropout ({args.attention_dropout}) must be 0 with "
                          f"--context-parallel-size ({cp}): the split attention has no dropout; "

@@ -9,7 +9,9 @@ that uses it) and whose field docstrings give the flag, the unit and the default
 - :class:`OptimizerConfig`, :class:`SchedulerConfig` (``megatron.core.optimizer``);
 - :class:`TrainingConfig` (``training.py``): batches, length, evaluation, stopping;
 - :class:`DataConfig` (``data.py``): datasets, loading and the tokenizer;
-- :class:`CheckpointConfig` (``checkpoint.py``), :class:`LoggingConfig` (``logging.py``).
+- :class:`CheckpointConfig` (``checkpoint.py``), :class:`LoggingConfig` (``logging.py``);
+- ``extra``: the sections an entry script registers for its own flags
+  (:class:`ConfigSection`, ``sections.py``), by name.
 
 :func:`build_config` (``builder.py``) is the only reader of the argparse namespace and computes
 the derived values; :func:`checkpoint_args` (``saved_args.py``) turns a configuration back into
@@ -18,7 +20,10 @@ the plain dict of Megatron names that checkpoints store.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 from megatron.config.builder import (FLAGS_NOT_IN_CONFIG, build_config, build_model_config,
                                      params_dtype_from_args, rope_scaling_from_args)
@@ -28,10 +33,11 @@ from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.saved_args import checkpoint_args
+from megatron.config.sections import ConfigSection
 from megatron.config.training import TrainingConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerConfig
 
-__all__ = ["CheckpointConfig", "Config", "DataConfig", "FLAGS_NOT_IN_CONFIG", "LoggingConfig",
+__all__ = ["CheckpointConfig", "Config", "ConfigSection", "DataConfig", "FLAGS_NOT_IN_CONFIG", "LoggingConfig",
            "ModelConfig", "OptimizerConfig", "ParallelConfig", "SchedulerConfig",
            "TrainingConfig", "build_config", "build_model_config", "checkpoint_args",
            "params_dtype_from_args", "rope_scaling_from_args"]
@@ -54,6 +60,29 @@ class Config:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    # The entry script's registered sections, ``{name: frozen section}`` (:class:`ConfigSection`),
+    # read-only; not a dataclass field (the fields are the built-in sections), set by
+    # :meth:`with_extra`.
+    extra: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+
+    def with_extra(self, extra: Mapping[str, Any]) -> "Config":
+        """This configuration with ``extra`` as its registered sections."""
+        new = dataclasses.replace(self)
+        object.__setattr__(new, "extra", MappingProxyType(dict(extra)))
+        return new
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if "extra" in state:  # a mappingproxy does not pickle; ranks are spawned with it
+            state["extra"] = dict(state["extra"])
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        extra = state.pop("extra", None)
+        self.__dict__.update(state)
+        if extra is not None:
+            object.__setattr__(self, "extra", MappingProxyType(extra))
 
     def __post_init__(self):
         for flag, a, b in (

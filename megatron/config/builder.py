@@ -66,6 +66,15 @@ FLAGS_NOT_IN_CONFIG = {
 }
 
 
+def builtin_dests() -> set:
+    """Every ``dest`` of the built-in flags: the fields of the built-in sections and the flags
+    listed in :data:`FLAGS_NOT_IN_CONFIG` (``tests/unit/test_config.py`` holds that the parser's
+    dests are exactly these)."""
+    classes = (ModelConfig, ParallelConfig, OptimizerConfig, SchedulerConfig, TrainingConfig,
+               DataConfig, CheckpointConfig, LoggingConfig)
+    return {f.name for cls in classes for f in dataclasses.fields(cls)} | set(FLAGS_NOT_IN_CONFIG)
+
+
 def params_dtype_from_args(args) -> torch.dtype:
     """The model parameter dtype selected by ``--bf16`` / ``--fp16`` (fp32 otherwise)."""
     if getattr(args, "bf16", False):
@@ -184,25 +193,31 @@ def build_scheduler_config(args) -> SchedulerConfig:
                       wd_incr_steps=wd_incr)
 
 
-def build_config(args, *, vocab_size: int):
+def build_config(args, *, vocab_size: int, sections=()):
     """The :class:`~megatron.config.Config` of a run: validated ``args`` and the tokenizer's
-    vocabulary size (padded here, once, to a multiple of ``--make-vocab-size-divisible-by`` x TP).
+    vocabulary size (padded here, once, to a multiple of ``--make-vocab-size-divisible-by`` x TP);
+    ``sections``: the entry script's :class:`~megatron.config.ConfigSection` s (their flags
+    parsed into ``args`` by ``parse_args(argv, extra_args_provider=...)``), in ``Config.extra``.
 
     Raises:
-        ValueError: inconsistent values the sections refuse (e.g. TP x PP x DP != world size).
+        ValueError: inconsistent values the sections refuse (e.g. TP x PP x DP != world size),
+            or a registered section whose flags and fields disagree.
     """
     from megatron.config import Config
+    from megatron.config.sections import build_sections
     from megatron.tokenizer import vocab_size_with_padding
 
+    extra = build_sections(args, sections, builtin_dests()) if sections else {}
     padded = vocab_size_with_padding(vocab_size, args.make_vocab_size_divisible_by,
                                      args.tensor_model_parallel_size)
     paths = {name: _tuple(getattr(args, name, None))
              for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path")}
-    return Config(model=build_model_config(args, padded, vocab_size),
-                  parallel=_from_args(ParallelConfig, args),
-                  optimizer=_from_args(OptimizerConfig, args),
-                  scheduler=build_scheduler_config(args),
-                  training=build_training_config(args),
-                  data=_from_args(DataConfig, args, **paths),
-                  checkpoint=_from_args(CheckpointConfig, args),
-                  logging=_from_args(LoggingConfig, args))
+    config = Config(model=build_model_config(args, padded, vocab_size),
+                    parallel=_from_args(ParallelConfig, args),
+                    optimizer=_from_args(OptimizerConfig, args),
+                    scheduler=build_scheduler_config(args),
+                    training=build_training_config(args),
+                    data=_from_args(DataConfig, args, **paths),
+                    checkpoint=_from_args(CheckpointConfig, args),
+                    logging=_from_args(LoggingConfig, args))
+    return config.with_extra(extra) if extra else config

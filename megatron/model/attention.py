@@ -9,15 +9,14 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.core.context_parallel import context_parallel_attention
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_rng_tracker
-from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
-                                           scaled_init_method_normal)
+from megatron.model.attention_mask import AttentionMask, masked_attention
+from megatron.model.initialization import fused_init_method, normal_block_init, scaled_std
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rotary import apply_rotary_pos_emb
 
@@ -38,15 +37,24 @@ def check_attention_config(config: ModelConfig) -> None:
 
 def _check_context_parallel_inputs(attention_mask, inference_params, dropout_p: float) -> None:
     """Refuse what the split attention does not do (validation refuses the flags first)."""
-    if attention_mask is not None:
-        raise ValueError("context-parallel attention is causal only: an attention mask "
-                         "(--reset-attention-mask) is not supported with --context-parallel-size > 1")
+    if attention_mask is not None and attention_mask.kind == "dense":
+        raise ValueError("context-parallel attention takes causal or document masks, not a "
+                         "dense [b, 1, s, s] mask")
     if inference_params is not None:
         raise ValueError("generation with a KV cache does not run under --context-parallel-size "
                          "> 1; load the model with context-parallel size 1")
     if dropout_p > 0.0:
         raise ValueError(f"--attention-dropout ({dropout_p}) must be 0 with "
                          "--context-parallel-size > 1")
+
+
+def check_attention_mask(attention_mask) -> None:
+    """Raises TypeError for anything but None or an :class:`AttentionMask` (a dense tensor is
+    wrapped with ``AttentionMask.from_dense`` by whoever builds it)."""
+    if attention_mask is not None and not isinstance(attention_mask, AttentionMask):
+        raise TypeError(f"attention_mask must be None or a megatron.model.attention_mask."
+                        f"AttentionMask, got {type(attention_mask).__name__}; wrap a dense bool "
+                        f"[b, 1, s, s] mask with AttentionMask.from_dense")
 
 
 class SelfAttention(torch.nn.Module):
@@ -81,18 +89,19 @@ class SelfAttention(torch.nn.Module):
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device, tp_group=pg_collection.tp.group,
                       gradient_accumulation_fusion=config.gradient_accumulation_fusion)
-        blocks = [config.num_attention_heads * d, config.num_query_groups * d,
-                  config.num_query_groups * d]
-        with init_seed(config.seed, layer_number, "self_attention.query_key_value"):
-            self.query_key_value = ColumnParallelLinear(
-                config.hidden_size, sum(blocks), gather_output=False,
-                init_method=fused_init_method(init_method_normal(config.init_method_std), blocks, tp),
-                **common)
-        with init_seed(config.seed, layer_number, "self_attention.dense"):
-            self.dense = RowParallelLinear(
-                config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
-                init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-                **common)
+        rows = [config.num_attention_heads * d, config.num_query_groups * d,
+                config.num_query_groups * d]
+        std, seed = config.init_method_std, config.seed
+        blocks = [(r, normal_block_init(std, seed, layer_number, f"self_attention.{name}"))
+                  for r, name in zip(rows, ("query", "key", "value"))]
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size, sum(rows), gather_output=False,
+            init_method=fused_init_method(blocks, tp), **common)
+        self.dense = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
+            init_method=normal_block_init(scaled_std(std, config.num_layers), seed, layer_number,
+                                          "self_attention.dense"),
+            **common)
         self.recompute_core_attn = "core_attn" in selective_modules(config)
         # Context parallelism: this rank holds 2 of the 2 CP chunks of each sequence
         # (megatron.core.context_parallel); attention communicates over the CP group.
@@ -108,7 +117,7 @@ class SelfAttention(torch.nn.Module):
         return {"query_key_value.weight": rows, "query_key_value.bias": rows}
 
     def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
-                attention_mask: Optional[torch.Tensor] = None,
+                attention_mask: Optional[AttentionMask] = None,
                 inference_params=None) -> torch.Tensor:
         """Attend.
 
@@ -116,8 +125,9 @@ class SelfAttention(torch.nn.Module):
             hidden: ``[s, b, h]``, or this rank's chunk ``[s/T, b, h]`` with sequence parallelism
                 (gathered by ``query_key_value``; the output is reduce-scattered back).
             rotary: ``(cos, sin)``, each ``[s, b, 1, d]`` fp32 (:class:`RotaryEmbedding`).
-            attention_mask: None for causal attention, or bool ``[b, 1, s, s]`` with True where
-                attention is forbidden (Megatron's convention; document-level causal masks).
+            attention_mask: None (causal) or an
+                :class:`~megatron.model.attention_mask.AttentionMask`: causal, document ids of
+                packed sequences (``--reset-attention-mask``), or a dense mask.
             inference_params: None (training), or a
                 :class:`megatron.inference.InferenceParams` KV cache: this step's keys/values are
                 appended to the layer's cache and the queries attend to all cached positions.
@@ -126,6 +136,7 @@ class SelfAttention(torch.nn.Module):
             ``[s, b, h]`` (the row-parallel output, all-reduced over the tensor-parallel group), or
             ``[s/T, b, h]`` reduce-scattered with sequence parallelism.
         """
+        check_attention_mask(attention_mask)
         qkv, _ = self.query_key_value(hidden)
         if not (self.recompute_core_attn and inference_params is None and recompute_active(self)):
             out, _ = self.dense(self._core_attention(qkv, rotary[0], rotary[1], attention_mask,
@@ -138,7 +149,7 @@ class SelfAttention(torch.nn.Module):
         return out
 
     def _core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        attention_mask: Optional[torch.Tensor],
+                        attention_mask: Optional[AttentionMask],
                         inference_params=None) -> torch.Tensor:
         """RoPE and SDPA: ``qkv [s, b, (n + 2 g) d] -> [s, b, n d]``."""
         s, b = qkv.shape[:2]
@@ -150,23 +161,22 @@ class SelfAttention(torch.nn.Module):
         v = v.contiguous().view(s, b, g, d)
         if inference_params is not None:
             k, v = inference_params.append_kv(self.layer_number, k, v)
-            attention_mask = inference_params.attention_mask(s, q.device)
+            cache_mask = inference_params.attention_mask(s, q.device)
+            attention_mask = None if cache_mask is None else AttentionMask.from_dense(cache_mask)
         # SDPA wants [b, heads, s, d]; it shares each key/value head among n/g query heads itself
         # (enable_gqa), so no repeated copies of k and v are made or kept for backward.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        gqa = g != n
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.cp_group is not None:
             _check_context_parallel_inputs(attention_mask, inference_params, dropout_p)
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type)
+            documents = None if attention_mask is None else attention_mask.document_ids
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                             document_ids=documents)
             return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
-        mask = None if attention_mask is None else ~attention_mask
         if dropout_p > 0.0:
             # Heads differ per tensor-parallel rank, so their dropout masks must too.
             with get_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                     is_causal=mask is None, enable_gqa=gqa)
+                out = masked_attention(q, k, v, attention_mask, dropout_p)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=gqa)
+            out = masked_attention(q, k, v, attention_mask)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)

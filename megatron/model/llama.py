@@ -17,8 +17,9 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, TensorPa
                                                   VocabParallelEmbedding,
                                                   linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from megatron.model.attention import check_attention_config
-from megatron.model.initialization import init_method_normal, init_seed, init_vocab_rows
+from megatron.model.attention import check_attention_config, check_attention_mask
+from megatron.model.attention_mask import AttentionMask
+from megatron.model.initialization import init_vocab_rows, normal_block_init
 from megatron.model.recompute import forward_layers
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
@@ -112,13 +113,12 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
                                            sequence_parallel=self.sequence_parallel,
                                            params_dtype=config.params_dtype, device=device)
             if not self.share_embeddings_and_output_weights:
-                with init_seed(config.seed, 0, "output_layer"):
-                    self.output_layer = ColumnParallelLinear(
-                        config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
-                        sequence_parallel=self.sequence_parallel,
-                        init_method=self._vocab_init(),
-                        params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
-                        gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
+                    sequence_parallel=self.sequence_parallel,
+                    init_method=self._vocab_init("output_layer"),
+                    params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
+                    gradient_accumulation_fusion=config.gradient_accumulation_fusion)
             elif not pre_process:
                 self.word_embeddings_for_head = self._make_word_embeddings(device)
         if self.share_embeddings_and_output_weights and pre_process != post_process:
@@ -129,18 +129,19 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
     def _make_word_embeddings(self, device) -> VocabParallelEmbedding:
         # Seeded by name only, so the last stage's copy equals the first stage's embedding.
         c = self.config
-        with init_seed(c.seed, 0, "word_embeddings"):
-            return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
-                                          init_method=self._vocab_init(),
-                                          params_dtype=c.params_dtype, device=device,
-                                          tp_group=self.tp_group,
-                                          reduce_scatter_embeddings=self.sequence_parallel,
-                                          gradient_accumulation_fusion=c.gradient_accumulation_fusion)
+        return VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size,
+                                      init_method=self._vocab_init("word_embeddings"),
+                                      params_dtype=c.params_dtype, device=device,
+                                      tp_group=self.tp_group,
+                                      reduce_scatter_embeddings=self.sequence_parallel,
+                                      gradient_accumulation_fusion=c.gradient_accumulation_fusion)
 
-    def _vocab_init(self):
-        """N(0, std) on the real vocabulary rows, zero padding rows (layout-independent)."""
-        return init_vocab_rows(init_method_normal(self.config.init_method_std),
-                               self.config.vocab_size)
+    def _vocab_init(self, name: str):
+        """N(0, std) on the real vocabulary rows from block ``(seed, 0, name)``'s generator,
+        zero padding rows (layout-independent)."""
+        c = self.config
+        return init_vocab_rows(normal_block_init(c.init_method_std, c.seed, 0, name),
+                               c.vocab_size)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Give a non-first stage its input ``[s, b, h]`` (a list of one tensor is accepted, as
@@ -179,7 +180,7 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             tp_group=self.tp_group)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None,
+                attention_mask: Optional[AttentionMask] = None,
                 labels: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
         """Run the stage.
 
@@ -188,8 +189,10 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             position_ids: ``[b, s]`` int64 (None: ``0..s-1``, or under context parallelism the
                 true positions of this rank's chunks; ``--reset-position-ids`` restarts them at
                 each document).
-            attention_mask: None for causal attention, or bool ``[b, 1, s, s]``, True = masked out
-                (Megatron's convention; ``--reset-attention-mask``).
+            attention_mask: None (causal) or an
+                :class:`~megatron.model.attention_mask.AttentionMask` (document ids of packed
+                sequences, ``--reset-attention-mask``; under context parallelism the mask given
+                the split, ``for_context_parallel``).
             labels: ``[b, s]`` int64 next-token targets (last stage).
             inference_params: None (training), or a :class:`megatron.inference.InferenceParams`
                 KV cache for generation (pass ``position_ids`` of the new tokens then).
@@ -208,6 +211,11 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             ValueError: with sequence parallelism, s not divisible by T.
         """
         tp = self.config.tensor_model_parallel_size
+        check_attention_mask(attention_mask)
+        if attention_mask is not None and attention_mask.cp_size != self.cp_size:
+            raise ValueError(f"the attention mask is split for context-parallel size "
+                             f"{attention_mask.cp_size}, the model runs at {self.cp_size}: "
+                             "split the batch with get_batch_on_this_cp_rank")
         if self.pre_process:
             if self.sequence_parallel and input_ids.shape[1] % tp:
                 raise ValueError(f"--sequence-parallel needs --seq-length ({input_ids.shape[1]}) "

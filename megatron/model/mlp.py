@@ -13,8 +13,7 @@ from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWi
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                   TensorParallelGroupMixin)
 from megatron.core.tensor_parallel.random import checkpoint
-from megatron.model.initialization import (fused_init_method, init_method_normal, init_seed,
-                                           scaled_init_method_normal)
+from megatron.model.initialization import fused_init_method, normal_block_init, scaled_std
 from megatron.model.recompute import recompute_active, selective_modules
 
 
@@ -86,16 +85,18 @@ class SwiGLUMLP(TensorParallelGroupMixin, torch.nn.Module):
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device, tp_group=self.tp_group,
                       gradient_accumulation_fusion=config.gradient_accumulation_fusion)
-        with init_seed(config.seed, layer_number, "mlp.dense_h_to_4h"):
-            self.dense_h_to_4h = ColumnParallelLinear(
-                config.hidden_size, 2 * f, gather_output=False,
-                init_method=fused_init_method(init_method_normal(config.init_method_std), [f, f], tp),
-                **common)
-        with init_seed(config.seed, layer_number, "mlp.dense_4h_to_h"):
-            self.dense_4h_to_h = RowParallelLinear(
-                f, config.hidden_size, input_is_parallel=True,
-                init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-                **common)
+        std, seed = config.init_method_std, config.seed
+        self.dense_h_to_4h = ColumnParallelLinear(
+            config.hidden_size, 2 * f, gather_output=False,
+            init_method=fused_init_method(
+                [(f, normal_block_init(std, seed, layer_number, "mlp.gate")),
+                 (f, normal_block_init(std, seed, layer_number, "mlp.up"))], tp),
+            **common)
+        self.dense_4h_to_h = RowParallelLinear(
+            f, config.hidden_size, input_is_parallel=True,
+            init_method=normal_block_init(scaled_std(std, config.num_layers), seed, layer_number,
+                                          "mlp.dense_4h_to_h"),
+            **common)
         modules = selective_modules(config)
         self.recompute_mlp = "mlp" in modules
         self.recompute_act = "act" in modules and not self.recompute_mlp

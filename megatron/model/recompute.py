@@ -97,7 +97,7 @@ def _layers_function(layers, attention_mask):
 
 
 def forward_layers(layers: Sequence[torch.nn.Module], hidden: torch.Tensor, rotary,
-                   attention_mask: Optional[torch.Tensor], inference_params, config, *,
+                   attention_mask, inference_params, config, *,
                    tp_group) -> torch.Tensor:
     """Run a stage's transformer layers, with full recompute where ``config`` asks for it.
 
@@ -105,7 +105,8 @@ def forward_layers(layers: Sequence[torch.nn.Module], hidden: torch.Tensor, rota
         layers: the stage's (model chunk's) layers, in order.
         hidden: ``[s, b, h]`` (``[s/T, b, h]`` with sequence parallelism).
         rotary: ``(cos, sin)`` of :class:`megatron.model.rotary.RotaryEmbedding`.
-        attention_mask: None (causal) or bool ``[b, 1, s, s]``.
+        attention_mask: None (causal) or an
+            :class:`~megatron.model.attention_mask.AttentionMask`.
         inference_params: KV cache of generation (no recompute then), or None.
         config: the :class:`megatron.config.ModelConfig`.
         tp_group: the tensor-parallel group (of the recompute's RNG bookkeeping; None: a world

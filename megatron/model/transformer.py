@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention import SelfAttention
+from megatron.model.attention_mask import AttentionMask
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
-from megatron.model.mlp import SwiGLUMLP
+from megatron.model.mlp_factory import attach_aux_loss, build_mlp, mlp_kind
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 
@@ -56,7 +57,10 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, pg_collection=pg_collection,
                                             device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = SwiGLUMLP(config, layer_number, pg_collection=pg_collection, device=device)
+        # The MLP of this layer's kind (megatron.model.mlp_factory: dense SwiGLU, or a plug-in).
+        self.mlp_kind = mlp_kind(config, layer_number)
+        self.mlp = build_mlp(config, layer_number, pg_collection=pg_collection, device=device,
+                             kind=self.mlp_kind)
         self.recompute_norms = "layernorm" in selective_modules(config)
 
     def _norm_then(self, norm, block, hidden, *args):
@@ -65,11 +69,16 @@ class TransformerLayer(torch.nn.Module):
             return block(norm(hidden), *args)
         ckpt = CheckpointWithoutOutput()
         out = block(ckpt.checkpoint(norm, hidden), *args)
+        if isinstance(out, tuple):
+            # An aux loss is a second way back into the norm's output, which a hook on one
+            # output would not guard: the output is kept (the checkpoint recomputes the graph).
+            return out
         ckpt.discard_output_and_register_recompute(out)
         return out
 
     def forward(self, hidden: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
-                attention_mask: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
+                attention_mask: Optional[AttentionMask] = None,
+                inference_params=None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``; ``rotary``, ``attention_mask`` and ``inference_params``
         (KV cache, generation only) as in :meth:`SelfAttention.forward`."""
         attn = self._norm_then(self.input_layernorm, self.self_attention, hidden, rotary,
@@ -77,5 +86,7 @@ class TransformerLayer(torch.nn.Module):
         hidden = hidden + hidden_dropout(attn, self.hidden_dropout, self.training,
                                          self.sequence_parallel)
         mlp = self._norm_then(self.post_attention_layernorm, self.mlp, hidden)
+        if isinstance(mlp, tuple):  # (output, auxiliary loss): the factory's contract
+            mlp = attach_aux_loss(mlp[0], mlp[1], (self.mlp_kind, self.layer_number))
         return hidden + hidden_dropout(mlp, self.hidden_dropout, self.training,
                                        self.sequence_parallel)

@@ -39,7 +39,12 @@ def test_masks_equal_megatron(reset_pos, reset_att, eod_mask):
     assert torch.equal(loss_mask, ref_loss)
     assert torch.equal(pos, ref_pos)
     if reset_att:
-        assert att.dtype == torch.bool and torch.equal(att, ref_att)
+        # The mask object: Megatron-LM's dense tensor, and documents ending at every EOD.
+        assert att.kind == "document" and torch.equal(att.to_dense(), ref_att)
+        b, s = data.shape
+        ends = sorted({i * s + j + 1 for i in range(b) for j in range(s) if data[i, j] == 0}
+                      | {i * s for i in range(b + 1)})
+        assert att.cu_seqlens().tolist() == ends
     else:
         assert att is None  # plain causal attention (the model's default)
         assert torch.equal(ref_att[0, 0], torch.triu(torch.ones(24, 24, dtype=torch.bool), 1))

@@ -47,8 +47,9 @@ CP_BASE = ["--train-iters", str(CP_ITERS), "--lr", "1e-3", "--min-lr", "1e-4",
            "--global-batch-size", "4", "--make-vocab-size-divisible-by", "80",
            "--eval-interval", "10", "--eval-iters", "1", *UNTIED]
 
-# Document positions and per-token loss; document masks are refused under CP.
-CP_MASKED = ["--eod-mask-loss", "--calculate-per-token-loss", "--reset-position-ids"]
+# Document masks and positions, per-token loss (documents cross the split's chunk boundaries).
+CP_MASKED = ["--eod-mask-loss", "--calculate-per-token-loss", "--reset-position-ids",
+             "--reset-attention-mask"]
 
 
 def cp_args(cp, comm_type="p2p"):

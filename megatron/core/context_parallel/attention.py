@@ -26,7 +26,11 @@ Both equal unsplit softmax attention to rounding, forward and backward (the merg
 softmax FlashAttention applies inside its kernel), for grouped-query attention too.
 Per-rank memory kept for backward is that of the local chunks: ``q, k, v``, the output and its
 fp32 log-sum-exp. Attention dropout is not supported (the training arguments refuse
-``--attention-dropout`` > 0 with ``--context-parallel-size`` > 1), nor masks other than causal.
+``--attention-dropout`` > 0 with ``--context-parallel-size`` > 1).
+
+Document masks (packed sequences, ``--reset-attention-mask``): :class:`DocumentAttention`, the
+all-gather exchange with each query attending only to its document's keys, which may lie in
+other ranks' chunks (a document crosses chunk boundaries of the split freely).
 
 Shapes: b = micro-batch, n = query heads (of this tensor-parallel rank), g = key/value groups,
 s = local sequence ``2c`` (``s_total / CP``), d = head width. Tensors are ``[b, heads, s, d]``.
@@ -179,6 +183,8 @@ class RingAttention(torch.autograd.Function):
 def _gather_sequence(kv: torch.Tensor, group, cp: int) -> torch.Tensor:
     """All-gather ``kv [2, b, g, 2c, d]`` of every rank and put the chunks in sequence order:
     ``[2, b, g, 2 CP c, d]``."""
+    if cp == 1:
+        return kv
     gathered = torch.empty((cp * kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype,
                            device=kv.device)
     tensor_all_gather(gathered, kv.contiguous(), group=group)
@@ -193,6 +199,8 @@ def _gather_sequence(kv: torch.Tensor, group, cp: int) -> torch.Tensor:
 def _scatter_sequence(dkv: torch.Tensor, group, cp: int) -> torch.Tensor:
     """Inverse of :func:`_gather_sequence` for gradients: reduce-scatter (sum) the
     ``[2, b, g, 2 CP c, d]`` sequence-ordered ``dkv`` back to each rank's two chunks."""
+    if cp == 1:
+        return dkv
     two, b, g, s, d = dkv.shape
     c = s // (2 * cp)
     chunks = dkv.view(two, b, g, 2 * cp, c, d)
@@ -263,10 +271,92 @@ class AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
 
 
+def _documents(ids: torch.Tensor) -> List[tuple]:
+    """``[(start, end), ...]`` of the contiguous runs of equal ids of one row ``[S]``."""
+    _, counts = torch.unique_consecutive(ids, return_counts=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _document_blocks(documents, cp: int, rank: int, c: int):
+    """``(local query rows, global key columns, causal)`` of one row under document masks.
+
+    For each local chunk and each document ``[ds, de)`` that meets it in ``[lo, hi)``: the
+    queries ``lo..hi-1`` see the document's keys ``ds..lo-1`` entirely (an unmasked
+    rectangle, when the document began in an earlier chunk) and keys ``lo..hi-1`` causally (a
+    square diagonal block). Documents that cross chunk boundaries are thus split into blocks
+    of the two shapes the block kernel does; no key of another document is read.
+    """
+    blocks = []
+    chunks = _local_chunks(cp, rank, c) if cp > 1 else ((slice(0, c), 0),)
+    for rows, t in chunks:
+        a, e = t * c, (t + 1) * c
+        for ds, de in documents:
+            lo, hi = max(a, ds), min(e, de)
+            if lo >= hi:
+                continue
+            local = slice(rows.start + lo - a, rows.start + hi - a)
+            blocks.append((local, slice(lo, hi), True))
+            if ds < lo:
+                blocks.append((local, slice(ds, lo), False))
+    return blocks
+
+
+class DocumentAttention(torch.autograd.Function):
+    """Causal attention within documents over the split sequence, with all-gathered keys and
+    values: ``apply(q, k, v, document_ids, group, scale)``. Each row's queries attend to the
+    blocks of :func:`_document_blocks`, merged by log-sum-exp; backward gathers keys and values
+    again and reduce-scatters ``dK``/``dV`` as :class:`AllGatherAttention`. Used for
+    ``--reset-attention-mask`` under either ``--cp-comm-type``: the ring's fixed schedule of
+    which block each step holds assumes plain causal structure."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, document_ids, group, scale):
+        cp, rank = _size(group), _rank(group)
+        c = q.shape[2] // 2 if cp > 1 else q.shape[2]
+        acc = _accumulation_dtype(q.dtype)
+        kv = _gather_sequence(torch.stack([k, v]), group, cp)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        blocks = [_document_blocks(_documents(document_ids[r]), cp, rank, c)
+                  for r in range(q.shape[0])]
+        for r, row_blocks in enumerate(blocks):
+            one = slice(r, r + 1)
+            for rows, keys, causal in row_blocks:
+                block, block_lse = attention_block_forward(q[one, :, rows], kv[0, one, :, keys],
+                                                           kv[1, one, :, keys], causal, scale)
+                _merge_(out[one, :, rows], lse[one, :, rows], block, block_lse)
+        ctx.blocks = blocks
+        return _keep_for_backward(ctx, q, k, v, out.to(q.dtype), lse, group, scale)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp = _size(group)
+        acc = _accumulation_dtype(q.dtype)
+        kv = _gather_sequence(torch.stack([k, v]), group, cp)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for r, row_blocks in enumerate(ctx.blocks):
+            one = slice(r, r + 1)
+            for rows, keys, causal in row_blocks:
+                dq_, dk_, dv_ = attention_block_backward(
+                    dout[one, :, rows], q[one, :, rows], kv[0, one, :, keys], kv[1, one, :, keys],
+                    out[one, :, rows], lse[one, :, rows], causal, scale)
+                dq[one, :, rows] += dq_
+                dkv[0, one, :, keys] += dk_
+                dkv[1, one, :, keys] += dv_
+        mine = _scatter_sequence(dkv, group, cp)
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
                                comm_type: str = "p2p",
-                               scale: Optional[float] = None) -> torch.Tensor:
-    """Causal softmax attention of this rank's chunks over the whole split sequence.
+                               scale: Optional[float] = None,
+                               document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal softmax attention of this rank's chunks over the whole split sequence, within
+    documents when ``document_ids`` are given.
 
     Args:
         q: ``[b, n, s, d]`` queries of this rank's two chunks (RoPE applied at their true
@@ -276,22 +366,33 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             group of one runs plain causal attention.
         comm_type: ``"p2p"`` (ring) or ``"all_gather"`` (``--cp-comm-type``).
         scale: softmax scale, default ``1 / sqrt(d)``.
+        document_ids: None (causal), or int64 ``[b, s_total]`` of the whole sequence: a query
+            attends causally to keys of its own document only (``--reset-attention-mask``;
+            contiguous, non-decreasing ids). Runs :class:`DocumentAttention` (all-gather) for
+            either ``comm_type``.
 
     Returns:
         ``[b, n, s, d]`` in q's dtype: equal, to rounding, to the rows of unsplit causal
         attention that this rank holds; differentiable (see the two autograd functions).
 
     Raises:
-        ValueError: an unknown ``comm_type`` or an odd local length.
+        ValueError: an unknown ``comm_type``, an odd local length, or document ids not of
+            the whole sequence.
     """
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if _size(group) == 1:
+    if _size(group) == 1 and document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
-    if q.shape[2] % 2:
+    if q.shape[2] % 2 and _size(group) > 1:
         raise ValueError(f"a context-parallel rank holds two chunks of equal length; got an odd "
                          f"local sequence length {q.shape[2]}")
+    if document_ids is not None:
+        if tuple(document_ids.shape) != (q.shape[0], q.shape[2] * _size(group)):
+            raise ValueError(f"document ids {tuple(document_ids.shape)} must be [b, s_total] = "
+                             f"[{q.shape[0]}, {q.shape[2] * _size(group)}]: the ids of the whole "
+                             "sequence, not of this rank's chunks")
+        return DocumentAttention.apply(q, k, v, document_ids, group, scale)
     function = RingAttention if comm_type == "p2p" else AllGatherAttention
     return function.apply(q, k, v, group, scale)

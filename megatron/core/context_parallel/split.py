@@ -100,16 +100,24 @@ def split_for_context_parallel(tensor: Optional[torch.Tensor], cp_size: int, cp_
 def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]], cp_size: int,
                               cp_rank: int) -> Dict[str, Optional[torch.Tensor]]:
     """Megatron-Core's ``get_batch_on_this_cp_rank`` with the group's size and rank given:
-    every ``[b, s]`` entry (tokens, labels, loss_mask, position_ids) split along the sequence.
+    every ``[b, s]`` entry (tokens, labels, loss_mask, position_ids) split along the sequence;
+    an ``attention_mask`` object (:class:`megatron.model.attention_mask.AttentionMask`) is
+    given the split by its ``for_context_parallel(cp_size, cp_rank)`` (document ids stay those
+    of the whole sequence: a rank's queries read keys of other ranks' chunks).
 
     Raises:
-        ValueError: an ``attention_mask`` that is not None (document masks are not split: the
-            caller refuses ``--reset-attention-mask`` with CP > 1 before training starts).
+        ValueError: a dense ``[b, 1, s, s]`` tensor mask (it cannot be split), or a dense
+            mask object.
     """
     if cp_size == 1:
         return dict(batch)
-    if batch.get("attention_mask") is not None:
-        raise ValueError("context parallelism splits causal batches only: an attention mask "
-                         "(--reset-attention-mask) cannot be split over --context-parallel-size")
-    return {key: split_for_context_parallel(value, cp_size, cp_rank, seq_dim=1)
-            for key, value in batch.items()}
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask):
+        raise ValueError("a dense attention mask tensor cannot be split over "
+                         "--context-parallel-size; pass an AttentionMask of document ids")
+    split = {key: split_for_context_parallel(value, cp_size, cp_rank, seq_dim=1)
+             for key, value in batch.items() if key != "attention_mask"}
+    if "attention_mask" in batch:
+        split["attention_mask"] = None if mask is None else mask.for_context_parallel(cp_size,
+                                                                                      cp_rank)
+    return split

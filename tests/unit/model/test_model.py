@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.model import get_layer_numbers
+from megatron.model.attention_mask import AttentionMask
 from megatron.model.initialization import from_fused_layout, to_fused_layout
 from megatron.model.llama import LlamaModel
 from tests.helpers.groups import current_groups
@@ -78,9 +79,7 @@ def test_document_masks_and_reset_positions_equal_separate_documents():
     s = tokens.shape[1]
     doc = torch.zeros(s, dtype=torch.long)
     doc[cut:] = 1
-    causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
-    allowed = causal & (doc[:, None] == doc[None, :])
-    mask = (~allowed)[None, None]
+    mask = AttentionMask.from_document_ids(doc[None])
     positions = torch.cat([torch.arange(cut), torch.arange(s - cut)])[None]
     with torch.no_grad():
         packed = ours(tokens, positions, mask)

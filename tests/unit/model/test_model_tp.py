@@ -4,6 +4,7 @@ logits, per-token loss and every gradient, reassembled from the ranks' partition
 import pytest
 import torch
 
+from megatron.model.attention_mask import AttentionMask
 from megatron.model.initialization import from_fused_layout
 from tests.helpers.dist import run_distributed
 from tests.helpers.groups import current_groups
@@ -22,9 +23,8 @@ def _inputs(config, document_mask):
         return tokens, None, None, labels
     s = tokens.shape[1]
     doc = (torch.arange(s) >= 10).long()
-    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool)) & (doc[:, None] == doc[None, :])
     positions = torch.cat([torch.arange(10), torch.arange(s - 10)])
-    return tokens, positions.expand(2, s), (~allowed).expand(2, 1, s, s), labels
+    return tokens, positions.expand(2, s), AttentionMask.from_document_ids(doc.expand(2, s)), labels
 
 
 def _run(config, document_mask):

@@ -2,7 +2,8 @@
 output and the gradients of q, k and v, fp32, grouped-query and multi-head, ring (``p2p``) and
 all-gather, CP = 2 and 4 (each world runs every case; the CP = 2 world again with the tiled
 implementation of non-CPU devices); in bf16 the split attention is as close to the fp32 result
-as unsplit bf16 attention is."""
+as unsplit bf16 attention is; document masks (packed sequences whose documents cross the chunk
+boundaries) against unsplit SDPA with the dense mask."""
 
 import math
 
@@ -69,8 +70,49 @@ def _compare_all():
                                            msg=f"{comm_type} {case} {name} rank {rank}")
                 key = f"{comm_type} {name}"
                 worst[key] = max(worst.get(key, 0.0), (a - e).abs().max().item())
+    _compare_documents(group, cp, rank, worst)
     _compare_bf16(group, cp, rank)
     return worst
+
+
+def _document_ids(b, s, seed):
+    """Rows of different documents that cross the chunk boundaries of the split (ends drawn at
+    random, one row a single document, one a document of one token)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    for r in range(1, b):
+        ends = torch.randperm(s - 1, generator=gen)[:3] + 1
+        ids[r] = (torch.arange(s)[:, None] >= ends[None, :]).sum(1)
+    if b > 1:
+        ids[-1, 1:] += 1  # a first document of one token
+    return ids
+
+
+def _compare_documents(group, cp, rank, worst):
+    """Document masks over the split against unsplit SDPA with Megatron-LM's dense mask."""
+    for i, case in enumerate(CASES):
+        b, n, g, s, d = case
+        ids = _document_ids(b + 1, s, seed=10 + i)
+        q, k, v, dout = (torch.cat([t, t[:1]]) for t in _full(case, seed=10 + i))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        allowed = torch.tril(torch.ones(s, s, dtype=torch.bool)) & (ids[:, :, None] == ids[:, None])
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=allowed[:, None],
+                                             enable_gqa=n != g)
+        out.backward(dout)
+        expected = [split_for_context_parallel(t, cp, rank, seq_dim=2)
+                    for t in [out.detach()] + [t.grad for t in leaves]]
+        for comm_type in ("p2p", "all_gather"):
+            local = [split_for_context_parallel(t, cp, rank, seq_dim=2).requires_grad_()
+                     for t in (q, k, v)]
+            got = context_parallel_attention(*local, group=group, comm_type=comm_type,
+                                             document_ids=ids)
+            got.backward(split_for_context_parallel(dout, cp, rank, seq_dim=2))
+            for name, a, e in zip(("out", "dq", "dk", "dv"), [got.detach()] +
+                                  [t.grad for t in local], expected):
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6,
+                                           msg=f"documents {comm_type} {case} {name} rank {rank}")
+                key = f"documents {comm_type} {name}"
+                worst[key] = max(worst.get(key, 0.0), (a - e).abs().max().item())
 
 
 def _compare_bf16(group, cp, rank):
@@ -98,6 +140,7 @@ def test_split_attention_equals_unsplit(cp):
     worst = run_distributed(cp, _world, cp == 2)
     # Every rank compared its rows; the errors are rounding, not zero by construction.
     assert all(0.0 < max(w.values()) < 1e-5 for w in worst)
+    assert all(any(key.startswith("documents") for key in w) for w in worst)
     assert any(key.startswith("tiled") for key in worst[0]) == (cp == 2)
 
 

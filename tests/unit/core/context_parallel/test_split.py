@@ -9,6 +9,7 @@ from megatron.core.context_parallel import (check_context_parallel_seq_length,
                                             get_batch_on_this_cp_rank,
                                             reduce_loss_for_context_parallel,
                                             split_for_context_parallel)
+from megatron.model.attention_mask import AttentionMask
 from tests.helpers.dist import run_distributed
 
 
@@ -35,8 +36,15 @@ def test_positions_and_batch_split():
     assert mine["position_ids"].tolist() == [[0, 1, 6, 7], [0, 1, 6, 7]]
     assert mine["attention_mask"] is None and mine["loss_mask"].shape == (2, 4)
     assert get_batch_on_this_cp_rank(batch, 1, 0)["tokens"] is tokens
-    with pytest.raises(ValueError, match="--reset-attention-mask"):
+    with pytest.raises(ValueError, match="dense attention mask tensor cannot be split"):
         get_batch_on_this_cp_rank(dict(batch, attention_mask=torch.zeros(2, 1, 8, 8).bool()), 2, 0)
+    # A document mask keeps the ids of the whole sequence and learns its split.
+    documents = AttentionMask.from_eod(tokens % 3, 0)
+    mask = get_batch_on_this_cp_rank(dict(batch, attention_mask=documents), 2, 1)["attention_mask"]
+    assert mask.document_ids is documents.document_ids and (mask.cp_size, mask.cp_rank) == (2, 1)
+    with pytest.raises(ValueError, match="dense attention mask cannot be split"):
+        get_batch_on_this_cp_rank(dict(batch, attention_mask=AttentionMask.from_dense(
+            torch.zeros(2, 1, 8, 8).bool())), 2, 0)
 
 
 def test_seq_length_check_names_flags_and_fix():

@@ -104,7 +104,8 @@ def sharded_grad_window_numel(buckets: List[int], *, overlap_grad_reduce: bool,
     ``--overlap-grad-reduce`` the previous bucket's reduce-scatter is in flight (its storage
     held) until the next one is launched. ``live_throughout``: a bucket written at the start of
     the backward and final only at its end (the tied embedding at PP = 1, which the output
-    layer's gradient-accumulation fusion writes first)."""
+    layer's gradient-accumulation fusion writes first; with ``--no-gradient-accumulation-fusion``
+    autograd holds that gradient until the end instead, and this is an upper bound)."""
     best = 0
     for k in range(len(buckets)):
         live = {k} | ({k - 1} if overlap_grad_reduce and k else set())

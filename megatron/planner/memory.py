@@ -307,8 +307,8 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     activations (the most in-flight micro-batches). ``cp``: context-parallel size (activations
     of ``seq_length / cp`` tokens; gradient buffer and optimizer shards over ``dp x cp``).
 
-    ``sharding_strategy`` (with ``use_distributed_optimizer``; ``--data-parallel-sharding-strategy``),
-    gradients at their peak, parameters and optimizer state as held (``Psi_pad``: padded
+    ``sharding_strategy`` (with ``use_distributed_optimizer``;
+    ``--data-parallel-sharding-strategy``), gradients at their peak, parameters and optimizer state as held (``Psi_pad``: padded
     elements, ``N`` = DP x CP, ``e`` = 2 for bf16, 4 for fp32; gradients fp32):
 
     * ``optim`` (ZeRO-1): params ``e Psi_pad`` (the parameter buffer), grads ``4 Psi_pad``

@@ -6,8 +6,9 @@ strategy): at DP=4, TP=2 x DP=2 (sequence parallel), PP=2 x DP=2 (tied embedding
 1F1B over 4 micro-batches) and (slow) CP=2 x DP=2 the losses, validation losses and grad norms
 equal plain data parallelism at the same layout within rtol 1e-6 and the weights saved at the end
 (ZeRO-3: gathered for the save) within 1e-7; ZeRO-2 (reduce-scattered per micro-batch) is within
-the same bounds of the distributed optimizer, ZeRO-3 with --optimizer-cpu-offload bitwise ZeRO-3. The slow test runs the 8-rank TP=2 x PP=2 x DP=2
-layout with ZeRO-3, full recompute and the interleaved schedule."""
+the same bounds of the distributed optimizer, ZeRO-3 with --optimizer-cpu-offload bitwise ZeRO-3.
+The slow test runs the 8-rank TP=2 x PP=2 x DP=2 layout with ZeRO-3, full recompute and the
+interleaved schedule."""
 
 import pytest
 import torch

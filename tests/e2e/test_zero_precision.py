@@ -24,8 +24,9 @@ PRECISIONS = {"bf16": ["--bf16"],
 # (the fp32 main params differ by fp32 rounding, ~1e-7, which rounding to bf16/fp16 absorbs),
 # grad norms within 2.2e-11. ZeRO-2 reduce-scatters each of the 2 micro-batches (ZeRO-1 sums
 # them first): measured bitwise equal to ZeRO-1 here (fp32 sums of a few half-precision
-# products are exact), bounded like ZeRO-3 since the order differs. The bound leaves room for a main param that rounds to the
-# neighbouring half-precision value (2^-8 relative in bf16 in one element).
+# products are exact), bounded like ZeRO-3 since the order differs. The bound leaves room for a
+# main param that rounds to the neighbouring half-precision value (2^-8 relative in bf16 in one
+# element).
 RTOL = 1e-4
 
 

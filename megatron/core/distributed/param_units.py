@@ -90,7 +90,8 @@ class ShardedParameter(torch.nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in ("__get__", "__set__"):
-            reads = name == "__get__" and getattr(func.__self__, "__name__", "") in _READING_ATTRIBUTES
+            attribute = getattr(func.__self__, "__name__", "")
+            reads = name == "__get__" and attribute in _READING_ATTRIBUTES
         else:
             reads = name not in _METADATA
         with torch._C.DisableTorchFunctionSubclass():

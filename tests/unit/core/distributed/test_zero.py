@@ -1,11 +1,12 @@
 """ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``)
-on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 micro-batch ZeRO-2 equals the distributed
-optimizer (``optim``) bitwise, with 4 micro-batches and the overlapped reduce-scatter (one
-reduce-scatter per micro-batch) within rtol 1e-6 / atol 1e-7, and every strategy equals plain
-single-process AdamW within rtol 1e-6; a step with one rank's inf/NaN gradient is skipped on
-every rank with shards, gathered parameters and moments unchanged; the collectives counted (ZeRO-3: per micro-batch one all-gather of every
-parameter for forward and one for backward, one reduce-scatter of every gradient);
-the bytes held per rank equal the formulas; torch-format state dicts round-trip."""
+on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 micro-batch ZeRO-2
+equals the distributed optimizer (``optim``) bitwise, with 4 micro-batches and the overlapped
+reduce-scatter (one reduce-scatter per micro-batch) within rtol 1e-6 / atol 1e-7, and every
+strategy equals plain single-process AdamW within rtol 1e-6; a step with one rank's inf/NaN
+gradient is skipped on every rank with shards, gathered parameters and moments unchanged; the
+collectives counted (ZeRO-3: per micro-batch one all-gather of every parameter for forward and
+one for backward, one reduce-scatter of every gradient); the bytes held per rank equal the
+formulas; torch-format state dicts round-trip."""
 
 import pytest
 import torch

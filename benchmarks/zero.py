@@ -2,7 +2,8 @@
 
 A stack of ``--layers`` blocks (each two ``width x width`` linears: one ZeRO-3 unit) plus an
 input and an output linear (the root unit), fp32 or ``--bf16``, trained with
-``--overlap-grad-reduce`` on one micro-batch, for each strategy of
+``--overlap-grad-reduce`` on ``--microbatches`` micro-batches per iteration (buckets of
+``--bucket-size`` elements, default one block's), for each strategy of
 ``--data-parallel-sharding-strategy`` (and ZeRO-3 with ``--optimizer-cpu-offload``). Prints per
 rank, measured from the storages (``DistributedDataParallel.memory_bytes``, the optimizer's
 ``state_bytes``, the peak of gathered parameters and of full gradients) next to the formulas of
@@ -11,17 +12,23 @@ Megatron-FSDP (``e`` = 2 for bf16, 4 for fp32; ``Psi`` padded elements, ``N`` = 
 * params: ZeRO-1/2 ``e Psi``; ZeRO-3 ``e Psi / N`` + the gather window (root + 2 blocks: the
   current one and the prefetched next);
 * grads (held between iterations): ZeRO-1 ``4 Psi``; ZeRO-2/3 ``4 Psi / N``;
+* peak grads over an iteration (measured by ``DistributedDataParallel.grad_meter`` from the
+  gradient storages): ZeRO-1 ``4 Psi``; ZeRO-2 ``4 Psi / N`` + two buckets (the one filling and
+  the previous one, reduce-scattered in flight: ``planner.memory.sharded_grad_window_numel``);
+  ZeRO-3 ``4 Psi / N`` + the root unit + one block; with the ratio to ZeRO-1;
 * optimizer: ``8 Psi / N`` (fp32) or ``12 Psi / N`` (bf16);
 
 and the median iteration time (forward, backward, finalize, step) per strategy with the ratio to
 ZeRO-1 (the distributed optimizer).
 
-Usage: ``python benchmarks/zero.py [--dp 2] [--width 512] [--layers 8] [--steps 12] [--bf16]``.
+Usage: ``python benchmarks/zero.py [--dp 2] [--width 512] [--layers 8] [--steps 12] [--bf16]
+[--microbatches 4] [--bucket-size N]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -73,6 +80,7 @@ def _case(args, strategy, offload):
     if args.bf16:
         net = net.to(torch.bfloat16)
     ddp = DistributedDataParallel(net, data_parallel_group=groups.dp_cp.group,
+                                  bucket_size=args.bucket_size or 2 * args.width * (args.width + 1),
                                   overlap_grad_reduce=True, use_distributed_optimizer=True,
                                   data_parallel_sharding_strategy=strategy,
                                   fsdp_unit_modules=(Block,))
@@ -88,7 +96,10 @@ def _case(args, strategy, offload):
         dist.barrier()
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
-        ddp(x).float().pow(2).mean().backward()
+        ddp.grad_meter.reset_peak()
+        for i, xm in enumerate(x.chunk(args.microbatches)):
+            with ddp.no_sync() if i < args.microbatches - 1 else contextlib.nullcontext():
+                ddp(xm).float().pow(2).mean().backward()
         finalize_model_grads([ddp], pg_collection=groups)
         opt.step()
         times.append(time.perf_counter() - t0)
@@ -97,7 +108,8 @@ def _case(args, strategy, offload):
     units = ddp.param_units
     return {"time": statistics.median(times[2:]), "mem": mem, "psi": psi,
             "state": opt.state_bytes(), "window": units.peak_gathered_bytes if units else 0,
-            "peak_grads": units.peak_grad_bytes if units else None,
+            "peak_grads": ddp.grad_meter.peak,
+            "buckets": [b.numel_padded for buf in ddp.buffers for b in buf.buckets],
             "unit_numel": ([u.numel_padded() for u in units.units] if units else None)}
 
 
@@ -116,6 +128,8 @@ def _worker(rank, world, init_file, args, queue):
 
 
 def _report(results, args):
+    from megatron.planner.memory import sharded_grad_window_numel
+
     n, e = args.dp, 2 if args.bf16 else 4
     base = results[0][1]["time"]
     mib = 1 / 2 ** 20
@@ -123,7 +137,9 @@ def _report(results, args):
           f"(+ input and output linear), batch {args.batch}, {args.steps} steps (median of the "
           "last ones); MiB per rank, measured / formula")
     print(f"{'strategy':34s} {'params':>15s} {'window':>15s} {'grads held':>15s} "
-          f"{'optimizer':>15s} {'iter ms':>8s} {'vs ZeRO-1':>9s}")
+          f"{'grads peak':>15s} {'vs ZeRO-1':>9s} {'optimizer':>15s} {'iter ms':>8s} "
+          f"{'vs ZeRO-1':>9s}")
+    base_peak = results[0][1]["peak_grads"]
     for name, r in results:
         psi, mem = r["psi"], r["mem"]
         zero3 = "params" in name or "offload" in name
@@ -140,12 +156,17 @@ def _report(results, args):
         if "offload" in name and not args.bf16:
             f_state = 12 * psi / n  # an fp32 host copy of the shards as well (in host memory)
         cell = lambda a, b: f"{a * mib:6.2f}/{b * mib:6.2f}"  # noqa: E731
+        if not sharded_grads:
+            f_peak = 4 * psi
+        elif zero3:  # the root unit (live through the backward) and one block
+            f_peak = 4 * psi / n + 4 * (units[0] + max(units[1:]))
+        else:
+            f_peak = 4 * psi / n + 4 * sharded_grad_window_numel(r["buckets"],
+                                                                   overlap_grad_reduce=True)
         print(f"{name:34s} {cell(params, f_params):>15s} {cell(r['window'], window):>15s} "
-              f"{cell(grads, f_grads):>15s} {cell(r['state'], f_state):>15s} "
+              f"{cell(grads, f_grads):>15s} {cell(r['peak_grads'], f_peak):>15s} "
+              f"{r['peak_grads'] / base_peak:9.2f} {cell(r['state'], f_state):>15s} "
               f"{r['time'] * 1e3:8.1f} {r['time'] / base:9.2f}")
-        if r["peak_grads"] is not None:
-            print(f"{'':34s} full gradients at the start of a unit's backward, peak: "
-                  f"{r['peak_grads'] * mib:.2f} MiB of {4 * psi * mib:.2f}")
 
 
 def main(argv=None):
@@ -156,6 +177,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--bucket-size", type=int, default=None,
+                   help="elements per bucket (default: one block's two linears)")
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -214,9 +214,10 @@ def main(argv=None) -> int:
                             micro_batch_size=L.micro_batch_size,
                             num_microbatches=L.num_microbatches, bf16=bf16,
                             sequence_parallel=L.sequence_parallel, recompute=L.recompute,
-                            cp=L.cp, use_distributed_optimizer=True, sharding_strategy=strategy)
+                            cp=L.cp, use_distributed_optimizer=True, sharding_strategy=strategy,
+                            overlap_grad_reduce=True)  # as the launch flags below
         print(f"  {label} (--data-parallel-sharding-strategy {strategy}): parameters "
-              f"{_gib(z.parameters)}   gradients {_gib(z.gradients)}   optimizer "
+              f"{_gib(z.parameters)}   gradients (peak) {_gib(z.gradients)}   optimizer "
               f"{_gib(z.optimizer_distributed)}   total {_gib(z.total)}")
     print("  activations:  recompute   no SP      SP")
     for recompute in RECOMPUTE_CHOICES:

@@ -24,7 +24,7 @@ t = tensor-parallel size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from megatron.config import ModelConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
@@ -65,21 +65,54 @@ def param_numels(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0) ->
     return numels
 
 
-def grad_buffer_numel(numels: List[int], dp: int, bucket_size: Optional[int] = None) -> int:
-    """Elements of the DDP gradient buffer: buckets closed at ``bucket_size`` elements (None: the
-    DDP default, :func:`~megatron.core.distributed.param_and_grad_buffer.default_bucket_size`), each padded to a multiple of ``dp``, parameters laid out
-    in reverse registration order (``ParamAndGradBuffer``'s layout)."""
+def bucket_numels(numels: List[int], dp: int, bucket_size: Optional[int] = None,
+                  alone: Sequence[int] = ()) -> List[int]:
+    """Padded elements of each DDP bucket, in buffer order (the order their gradients become
+    final in backward): parameters laid out in reverse registration order, a bucket closed at
+    ``bucket_size`` elements (None: the DDP default,
+    :func:`~megatron.core.distributed.param_and_grad_buffer.default_bucket_size`) and padded to
+    a multiple of ``dp`` (``ParamAndGradBuffer``'s layout). ``alone``: indices into ``numels``
+    of parameters with a bucket of their own (the tied copy of the embedding at PP > 1 under
+    the distributed optimizer)."""
     if bucket_size is None:
         bucket_size = default_bucket_size(dp)
-    start = cursor = 0
-    for n in reversed(numels):
-        cursor += n
-        if cursor - start >= bucket_size:
-            cursor = -(-cursor // dp) * dp
-            start = cursor
-    if cursor > start:
-        cursor = -(-cursor // dp) * dp
-    return cursor
+    pad = lambda n: -(-n // dp) * dp  # noqa: E731
+    out, cursor = [], 0
+    for i in reversed(range(len(numels))):
+        if i in alone and cursor:
+            out.append(pad(cursor))
+            cursor = 0
+        cursor += numels[i]
+        if i in alone or cursor >= bucket_size:
+            out.append(pad(cursor))
+            cursor = 0
+    if cursor:
+        out.append(pad(cursor))
+    return out
+
+
+def grad_buffer_numel(numels: List[int], dp: int, bucket_size: Optional[int] = None) -> int:
+    """Elements of the DDP gradient buffer: the sum of :func:`bucket_numels`."""
+    return sum(bucket_numels(numels, dp, bucket_size))
+
+
+def sharded_grad_window_numel(buckets: List[int], *, overlap_grad_reduce: bool,
+                              live_throughout: Optional[int] = None) -> int:
+    """Most full-gradient elements ZeRO-2 holds at once (besides its shards): a bucket's full
+    storage exists from its first gradient to its reduce-scatter, which is issued as its last
+    gradient is final, in every micro-batch; buckets fill in buffer order. Under
+    ``--overlap-grad-reduce`` the previous bucket's reduce-scatter is in flight (its storage
+    held) until the next one is launched. ``live_throughout``: a bucket written at the start of
+    the backward and final only at its end (the tied embedding at PP = 1, which the output
+    layer's gradient-accumulation fusion writes first; with ``--no-gradient-accumulation-fusion``
+    autograd holds that gradient until the end instead, and this is an upper bound)."""
+    best = 0
+    for k in range(len(buckets)):
+        live = {k} | ({k - 1} if overlap_grad_reduce and k else set())
+        if live_throughout is not None:
+            live.add(live_throughout)
+        best = max(best, sum(buckets[i] for i in live))
+    return best
 
 
 def zero3_unit_numels(config: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int) -> List[int]:
@@ -267,34 +300,56 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
                     recompute_method: str = "uniform", recompute_num_layers: int = 1,
                     use_distributed_optimizer: bool = False,
                     bucket_size: Optional[int] = None, cp: int = 1,
-                    sharding_strategy: str = "optim") -> MemoryEstimate:
+                    sharding_strategy: str = "optim",
+                    overlap_grad_reduce: bool = False) -> MemoryEstimate:
     """Per-rank memory of the busiest stage: the max over stages of weights + optimizer (the
     first or last stage, which hold the embedding / output layer) with the first stage's
     activations (the most in-flight micro-batches). ``cp``: context-parallel size (activations
     of ``seq_length / cp`` tokens; gradient buffer and optimizer shards over ``dp x cp``).
 
-    ``sharding_strategy`` (with ``use_distributed_optimizer``; ``--data-parallel-sharding-strategy``):
-    ``optim`` as above; ``optim_grads`` adds the fp32 gradient shards ``4 Psi / N`` to the full
-    gradient storage, which lives through the backward; ``optim_grads_params`` also holds the
-    parameters as shards, ``e Psi / N``, plus the gather window: the root unit and the two
-    largest layers (the one computing and the prefetched next), ``Psi`` padded per unit
-    (:func:`zero3_unit_numels`). The full gradients are counted whole: with gradient
-    accumulation they live through the last backward."""
+    ``sharding_strategy`` (with ``use_distributed_optimizer``;
+    ``--data-parallel-sharding-strategy``), gradients at their peak, parameters and optimizer state as held (``Psi_pad``: padded
+    elements, ``N`` = DP x CP, ``e`` = 2 for bf16, 4 for fp32; gradients fp32):
+
+    * ``optim`` (ZeRO-1): params ``e Psi_pad`` (the parameter buffer), grads ``4 Psi_pad``
+      (the whole buffer, through the iteration), optimizer ``12 Psi_pad / N`` (bf16) or
+      ``8 Psi_pad / N``;
+    * ``optim_grads`` (ZeRO-2): params and optimizer as ZeRO-1, grads ``4 Psi_pad / N`` (the
+      shards) + the full buckets held at once while reduce-scattered per micro-batch
+      (:func:`sharded_grad_window_numel`, ``overlap_grad_reduce``);
+    * ``optim_grads_params`` (ZeRO-3): params ``e Psi_pad / N`` + the gather window (the root
+      unit and the two largest layers: the one computing and the prefetched next), grads
+      ``4 Psi_pad / N`` + the root unit's and the largest layer's full gradients (the root's
+      live from the loss to the embedding, a layer's during its own backward), ``Psi_pad``
+      padded per unit (:func:`zero3_unit_numels`).
+
+    ``tests/unit/planner/test_planner_zero.py`` checks each against the storages of a built
+    model at DP=2."""
     e = 2 if bf16 else 4
     seq_length, dp = seq_length // cp, dp * cp
     ranks = sorted({0, pp - 1})
     stages = [param_numels(config, tp, pp, r) for r in ranks]
     numels = max(stages, key=sum)
+    stage = ranks[stages.index(numels)]
     grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer
     params = e * sum(numels)
-    strategy = sharding_strategy if use_distributed_optimizer else "optim"
+    strategy = sharding_strategy if use_distributed_optimizer else "no_shard"
     psi_pad = None
-    if strategy == "optim_grads":
-        grads += grads // dp
+    tied = not config.untie_embeddings_and_output_weights
+    if strategy in ("optim", "optim_grads"):
+        alone = [len(numels) - 1] if pp > 1 and tied and stage == pp - 1 else []
+        buckets = bucket_numels(numels, dp, bucket_size, alone)
+        psi_pad = sum(buckets)
+        params, grads = e * psi_pad, 4 * psi_pad
+        if strategy == "optim_grads":
+            window = sharded_grad_window_numel(
+                buckets, overlap_grad_reduce=overlap_grad_reduce,
+                live_throughout=len(buckets) - 1 if pp == 1 and tied else None)
+            grads = 4 * psi_pad // dp + 4 * window
     elif strategy == "optim_grads_params":
-        units = zero3_unit_numels(config, tp, pp, ranks[stages.index(numels)], dp)
+        units = zero3_unit_numels(config, tp, pp, stage, dp)
         psi_pad = sum(units)
-        grads = 4 * psi_pad + 4 * psi_pad // dp
+        grads = 4 * psi_pad // dp + 4 * (units[0] + max(units[1:], default=0))
         params = e * psi_pad // dp + e * (units[0] + sum(sorted(units[1:])[-2:]))
     rc = dict(recompute=recompute, recompute_method=recompute_method,
               recompute_num_layers=recompute_num_layers)

@@ -7,7 +7,8 @@ What a Megatron-LM user looks for, in the order it appears:
   sorted case-insensitively, dot-padded to column 48 (Megatron-LM's ``_print_args``);
 * ``> padded vocab (size: V) with P dummy tokens (new size: N)`` (its ``_vocab_size_with_padding``);
 * the layout: world size as TP x PP x DP x CP, virtual pipeline stages, the ZeRO strategy, and
-  the ranks of each process group of rank 0 (ours: Megatron prints only the sizes);
+  the ranks of each process group of rank 0 (ours: Megatron prints only the sizes); the
+  planner's bytes per rank of parameters, gradients and optimizer state for that strategy;
 * ``> number of parameters on (tensor, pipeline) model parallel rank (t, p): N`` for every
   (t, p) (Megatron-LM prints it from each data-parallel rank 0; here rank 0 gathers and prints
   them in order), then the model's total (the tied copy of the word embeddings on the last
@@ -56,19 +57,47 @@ def print_arguments(args, vocab_size: int, padded_vocab_size: int) -> None:
     print(format_padded_vocab(vocab_size, padded_vocab_size), flush=True)
 
 
-def format_layout(groups, *, use_distributed_optimizer: bool) -> List[str]:
+ZERO_LABELS = {"optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
+
+
+def zero_strategy(use_distributed_optimizer: bool, sharding_strategy: str) -> str:
+    """The ``--data-parallel-sharding-strategy`` a run uses: ``no_shard`` without the
+    distributed optimizer, ``optim`` for ``--use-distributed-optimizer`` alone (as
+    :func:`megatron.training.builders.setup_model_and_optimizer` builds it)."""
+    if not use_distributed_optimizer:
+        return "no_shard"
+    return "optim" if sharding_strategy == "no_shard" else sharding_strategy
+
+
+def format_zero(groups, strategy: str) -> str:
+    """What the strategy shards, over how many ranks, and the flags that chose it."""
+    n = groups.dp_cp.size
+    if strategy == "no_shard":
+        return "none (every data-parallel rank holds the whole optimizer state)"
+    flags = ("--use-distributed-optimizer" if strategy == "optim" else
+             f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}")
+    what = {"optim": "optimizer state and fp32 main parameters",
+            "optim_grads": "optimizer state, fp32 main parameters and gradients (each bucket "
+                           "reduce-scattered in every micro-batch into the rank's shard)",
+            "optim_grads_params": "optimizer state, fp32 main parameters, gradients and "
+                                  "parameters (gathered one transformer layer at a time)"}
+    return (f"{ZERO_LABELS[strategy]} ({flags}: {what[strategy]} sharded over the {n} data x "
+            "context-parallel ranks)")
+
+
+def format_layout(groups, *, use_distributed_optimizer: bool,
+                  sharding_strategy: str = "no_shard") -> List[str]:
     """The parallel layout and the ranks of each of this rank's groups.
 
     Args:
         groups: this rank's :class:`~megatron.core.process_groups.ProcessGroupCollection`.
-        use_distributed_optimizer: ``--use-distributed-optimizer`` (ZeRO-1: optimizer state and
-            fp32 main parameters sharded over the data x context-parallel group).
+        use_distributed_optimizer: ``--use-distributed-optimizer`` (set by validation for
+            ``--use-megatron-fsdp`` with a sharding strategy).
+        sharding_strategy: ``--data-parallel-sharding-strategy`` (``optim`` ZeRO-1,
+            ``optim_grads`` ZeRO-2, ``optim_grads_params`` ZeRO-3).
     """
     vp = groups.virtual_pipeline_model_parallel_size
-    zero = ("ZeRO-1 (--use-distributed-optimizer: optimizer state and fp32 main parameters "
-            f"sharded over the {groups.dp_cp.size} data x context-parallel ranks)"
-            if use_distributed_optimizer else
-            "none (every data-parallel rank holds the whole optimizer state)")
+    zero = format_zero(groups, zero_strategy(use_distributed_optimizer, sharding_strategy))
     lines = [f" > parallel layout: world size {groups.world_size} = tensor (TP) {groups.tp.size} x "
              f"pipeline (PP) {groups.pp.size} x data (DP) {groups.dp.size} x context (CP) "
              f"{groups.cp.size}; virtual pipeline (VP) stages per pipeline rank: "
@@ -79,6 +108,28 @@ def format_layout(groups, *, use_distributed_optimizer: bool) -> List[str]:
     parts = [f"{name} {list(g.ranks)} (rank {g.rank})" for name, g in kinds if g.is_member]
     lines.append(f" > process groups of rank {groups.rank}: " + " | ".join(parts))
     return lines
+
+
+def format_memory(model_config, *, tp: int, pp: int, dp: int, cp: int, bf16: bool,
+                  use_distributed_optimizer: bool, sharding_strategy: str,
+                  bucket_size: Optional[int], overlap_grad_reduce: bool) -> str:
+    """The planner's bytes per rank of parameters, gradients (at their peak) and optimizer
+    state for this run's layout and ZeRO strategy (:func:`megatron.planner.memory.estimate_memory`,
+    the busiest pipeline stage; ``bf16``: 2-byte parameters, bf16 or fp16)."""
+    from megatron.planner.memory import estimate_memory
+
+    strategy = zero_strategy(use_distributed_optimizer, sharding_strategy)
+    est = estimate_memory(model_config, tp=tp, pp=pp, dp=dp, cp=cp, seq_length=cp,
+                          micro_batch_size=1, num_microbatches=1, bf16=bf16,
+                          use_distributed_optimizer=use_distributed_optimizer,
+                          bucket_size=bucket_size, sharding_strategy=strategy,
+                          overlap_grad_reduce=overlap_grad_reduce)
+    opt = est.optimizer_distributed if use_distributed_optimizer else est.optimizer
+    gib = lambda n: f"{n} B ({n / 2 ** 30:.3f} GiB)"  # noqa: E731
+    label = ZERO_LABELS.get(strategy, "no ZeRO")
+    return (f" > memory per rank ({label}, --data-parallel-sharding-strategy {strategy}; "
+            f"planner, busiest pipeline stage): parameters {gib(est.parameters)} | gradients "
+            f"at their peak {gib(est.gradients)} | optimizer state {gib(opt)}")
 
 
 def count_parameters(model_chunks) -> tuple[int, int]:
@@ -190,10 +241,22 @@ class StartupReport:
         return provider
 
     @staticmethod
-    def print_layout(groups, *, use_distributed_optimizer: bool) -> None:
-        if groups.rank == 0:
-            print("\n".join(format_layout(groups, use_distributed_optimizer=use_distributed_optimizer)),
-                  flush=True)
+    def print_layout(groups, config) -> None:
+        """The layout, groups, ZeRO strategy and the planner's memory per rank (rank 0)."""
+        if groups.rank != 0:
+            return
+        parallel, distopt = config.parallel, config.optimizer.use_distributed_optimizer
+        strategy = parallel.data_parallel_sharding_strategy
+        bucket = parallel.reduce_bucket_size
+        lines = format_layout(groups, use_distributed_optimizer=distopt,
+                              sharding_strategy=strategy)
+        lines.append(format_memory(
+            config.model, tp=groups.tp.size, pp=groups.pp.size, dp=groups.dp.size,
+            cp=groups.cp.size, bf16=config.model.params_dtype != torch.float32,
+            use_distributed_optimizer=distopt, sharding_strategy=strategy,
+            bucket_size=None if bucket is None else int(bucket),
+            overlap_grad_reduce=parallel.overlap_grad_reduce))
+        print("\n".join(lines), flush=True)
 
     @staticmethod
     def print_parameters(model_chunks, groups) -> None:

@@ -524,7 +524,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
     try:
         # Before the model is built: an unusable --save, or one another job holds, stops here.
         lock = save_folder.hold_save_folder(config, device)
-        report.print_layout(groups, use_distributed_optimizer=config.optimizer.use_distributed_optimizer)
+        report.print_layout(groups, config)
         with report.phase("model-and-optimizer-setup"):
             model, optimizer, scheduler = builders.setup_model_and_optimizer(
                 config, model_provider, groups, device,

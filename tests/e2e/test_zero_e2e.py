@@ -5,9 +5,10 @@ LAYOUT_LR: at 5e-3 clipped AdamW grows fp32 rounding to 1e-5 in the grad norm wh
 strategy): at DP=4, TP=2 x DP=2 (sequence parallel), PP=2 x DP=2 (tied embedding across stages,
 1F1B over 4 micro-batches) and (slow) CP=2 x DP=2 the losses, validation losses and grad norms
 equal plain data parallelism at the same layout within rtol 1e-6 and the weights saved at the end
-(ZeRO-3: gathered for the save) within 1e-7; ZeRO-2 is bitwise the distributed optimizer, ZeRO-3
-with --optimizer-cpu-offload bitwise ZeRO-3. The slow test runs the 8-rank TP=2 x PP=2 x DP=2
-layout with ZeRO-3, full recompute and the interleaved schedule."""
+(ZeRO-3: gathered for the save) within 1e-7; ZeRO-2 (reduce-scattered per micro-batch) is within
+the same bounds of the distributed optimizer, ZeRO-3 with --optimizer-cpu-offload bitwise ZeRO-3.
+The slow test runs the 8-rank TP=2 x PP=2 x DP=2 layout with ZeRO-3, full recompute and the
+interleaved schedule."""
 
 import pytest
 import torch
@@ -75,8 +76,12 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
     """Losses, validation losses and grad norms within rtol 1e-6 of plain DP, the saved weights
     within 1e-7 (gloo's all-reduce and reduce-scatter sum the ranks' fp32 gradients in other
     orders, and ZeRO-3's units change which rank reduces which element: rounding, which the
-    layout tests' learning rate keeps from growing). ZeRO-2 keeps ZeRO-1's buckets: bitwise
-    ZeRO-1."""
+    layout tests' learning rate keeps from growing). ZeRO-2 keeps ZeRO-1's buckets but
+    reduce-scatters them in every micro-batch (sums over ranks per micro-batch, then over the
+    2 micro-batches in the fp32 shard; ZeRO-1 sums micro-batches first): against ZeRO-1 the
+    same bounds hold, measured over the 20 iterations at most 4.9e-8 relative in the loss,
+    3.7e-8 in the grad norm and 1.2e-7 absolute (one fp32 ulp of the norm weights near 1) in
+    the saved weights."""
     out, save = runs
     files = {"dp4": ["mp_rank_00"], "tp2": ["mp_rank_00", "mp_rank_01"],
              "pp2": ["mp_rank_00_000", "mp_rank_00_001"], "cp2": ["mp_rank_00"]}[layout]
@@ -90,9 +95,10 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
         for k, v in weights.items():
             torch.testing.assert_close(v, plain[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")
         if strategy == "zero2":
-            for key in ("lm loss", "grad norm", "valid"):
-                assert out[name][key] == out[f"{layout} zero1"][key], (name, key)
-            assert all(torch.equal(v, zero1[k]) for k, v in weights.items()), name
+            # reduce-scattered per micro-batch (2 here): other fp32 sums, see the docstring
+            _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-6)
+            for k, v in weights.items():
+                torch.testing.assert_close(v, zero1[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")
         if strategy == "zero3":
             _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-6)
         if strategy == "zero3 offload":  # the step on host copies: the same arithmetic

@@ -22,8 +22,11 @@ PRECISIONS = {"bf16": ["--bf16"],
               "fp16": ["--fp16", "--initial-loss-scale", str(INITIAL_SCALE), "--hysteresis", "1"]}
 # ZeRO-3 against ZeRO-1, measured over these 8 iterations: losses bitwise equal in bf16 and fp16
 # (the fp32 main params differ by fp32 rounding, ~1e-7, which rounding to bf16/fp16 absorbs),
-# grad norms within 2.2e-11. The bound leaves room for a main param that rounds to the
-# neighbouring half-precision value (2^-8 relative in bf16 in one element).
+# grad norms within 2.2e-11. ZeRO-2 reduce-scatters each of the 2 micro-batches (ZeRO-1 sums
+# them first): measured bitwise equal to ZeRO-1 here (fp32 sums of a few half-precision
+# products are exact), bounded like ZeRO-3 since the order differs. The bound leaves room for a
+# main param that rounds to the neighbouring half-precision value (2^-8 relative in bf16 in one
+# element).
 RTOL = 1e-4
 
 
@@ -42,22 +45,21 @@ def _relative(a, b):
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_zero3_half_precision_equals_distributed_optimizer(runs, precision):
-    """ZeRO-2 keeps ZeRO-1's buckets: bitwise ZeRO-1. ZeRO-3 reduces the same gradients in its
-    units' buckets (other summation pieces): the same skipped iterations and loss scales, losses
+    """ZeRO-2 (reduce-scattered per micro-batch) and ZeRO-3 (its units' buckets too) reduce
+    the same gradients in another order: the same skipped iterations and loss scales, losses
     and grad norms of the applied iterations within RTOL."""
     zero1, zero2, zero3 = (runs[f"{precision} {s}"] for s in STRATEGIES)
-    for key in ("lm loss", "grad norm", "skipped", "loss scale"):
-        assert zero2[key] == zero1[key], key
-    assert zero3["iteration"] == list(range(1, ITERS + 1))
-    assert zero3["skipped"] == zero1["skipped"] and zero3["loss scale"] == zero1["loss scale"]
     done = [i for i, s in enumerate(zero1["skipped"]) if not s]
     assert len(done) >= 4, zero1["skipped"]
-    assert all(zero3["grad norm"][i] is None for i in range(ITERS) if i not in done)
-    for key in ("lm loss", "grad norm"):
-        got, want = ([h[key][i] for i in done] for h in (zero3, zero1))
-        assert _relative(got, want) <= RTOL, (precision, key, got, want)
-    # the loss of a skipped iteration is the forward of unchanged weights: also equal
-    assert _relative(zero3["lm loss"], zero1["lm loss"]) <= RTOL
+    for name, zero in (("zero2", zero2), ("zero3", zero3)):
+        assert zero["iteration"] == list(range(1, ITERS + 1))
+        assert zero["skipped"] == zero1["skipped"] and zero["loss scale"] == zero1["loss scale"]
+        assert all(zero["grad norm"][i] is None for i in range(ITERS) if i not in done)
+        for key in ("lm loss", "grad norm"):
+            got, want = ([h[key][i] for i in done] for h in (zero, zero1))
+            assert _relative(got, want) <= RTOL, (precision, name, key, got, want)
+        # the loss of a skipped iteration is the forward of unchanged weights: also equal
+        assert _relative(zero["lm loss"], zero1["lm loss"]) <= RTOL
     if precision == "fp16":
         skipped = zero1["skipped"]
         first = skipped.index(0)

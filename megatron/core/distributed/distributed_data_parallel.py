@@ -31,8 +31,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.param_and_grad_buffer import (ParamAndGradBuffer, allocated_bytes,
-                                                            default_bucket_size)
+from megatron.core.distributed.param_and_grad_buffer import (GradStorageMeter, ParamAndGradBuffer,
+                                                            allocated_bytes, default_bucket_size)
 from megatron.core.distributed.param_units import ParamUnits, order_by_unit, unit_assignment
 from megatron.core.process_groups import group_size
 
@@ -66,7 +66,10 @@ class DistributedDataParallel(torch.nn.Module):
         data_parallel_sharding_strategy: with the distributed optimizer, what else is sharded
             over data parallelism (``--data-parallel-sharding-strategy``, Megatron-FSDP's
             names): ``optim`` (the optimizer state only, ZeRO-1), ``optim_grads`` (and the
-            gradients: only each bucket's ``grad_shard`` outlives its reduce-scatter, ZeRO-2),
+            gradients, ZeRO-2: in every micro-batch each bucket is reduce-scattered as soon as
+            its gradients are final and added into its fp32 ``grad_shard``; its full storage
+            exists only from its first gradient to that reduce-scatter, ``grad_meter`` measures
+            it),
             ``optim_grads_params`` (and the parameters, gathered per unit:
             :mod:`~megatron.core.distributed.param_units`, ZeRO-3). ``no_shard``: plain.
         fsdp_unit_modules: module classes whose instances are ZeRO-3 units (the transformer
@@ -152,6 +155,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.param_to_buffer = {p: buf for buf in self.buffers for p in buf.params}
         self.param_units = (ParamUnits(module, self.buffers, unit_modules) if shard_params
                             else None)
+        self.shard_grads = shard_grads
+        self._setup_sharded_grads()
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
                               for p in self.param_to_buffer]
@@ -195,6 +200,34 @@ class DistributedDataParallel(torch.nn.Module):
             self._hook_handles.append(m.register_forward_pre_hook(pre_hook))
         self._hook_handles.append(self.module.register_forward_hook(root_post_hook))
 
+    def _setup_sharded_grads(self) -> None:
+        """The gradient meter; with sharded gradients each parameter's ``allocate_main_grad``
+        (the layers' gradient-accumulation fusion calls it before writing ``main_grad``, whose
+        storage is freed between a bucket's reduce-scatter and its next gradient)."""
+        self._bucket_of = {p: buf.param_to_bucket[p] for buf in self.buffers for p in buf.params}
+        self._grads_in_flight = []
+        mem = self.memory_bytes()
+        self.grad_meter = GradStorageMeter(mem["grads"] + mem["grad_shards"])
+        for bucket in set(self._bucket_of.values()):
+            bucket.grad_meter = self.grad_meter
+        if self.shard_grads:
+            for p, bucket in self._bucket_of.items():
+                p.allocate_main_grad = bucket.allocate_grads
+
+    def _sharded_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """ZeRO-2/3, every micro-batch: once every gradient of ``param``'s bucket is final, the
+        bucket is reduce-scattered into its shard and its full storage freed (asynchronously
+        under ``--overlap-grad-reduce``: then at most one bucket's reduction is in flight; the
+        previous one is completed first)."""
+        bucket = self._bucket_of[param]
+        bucket.params_with_grad.add(param)
+        if len(bucket.params_with_grad) < len(bucket.params):
+            return
+        for b in self._grads_in_flight:
+            b.complete_grad_reduction()
+        bucket.reduce_scatter_into_shard(async_op=self.overlap_grad_reduce)
+        self._grads_in_flight = [bucket] if bucket.handle is not None else []
+
     def _make_hook(self):
         def hook(param: torch.nn.Parameter) -> None:
             # post-accumulate hooks run once per backward after every use of the param (tied
@@ -204,10 +237,15 @@ class DistributedDataParallel(torch.nn.Module):
                     # Gradient-accumulation fusion already wrote main_grad; .grad is a placeholder.
                     param.grad_added_to_main_grad = False
                 else:
+                    if self.shard_grads:
+                        self._bucket_of[param].allocate_grads()
                     param.main_grad.add_(param.grad)
                 param.grad = None
             if self.param_units is not None:
                 self.param_units.grad_ready(param)
+            if self.shard_grads:
+                self._sharded_grad_ready(param)
+                return
             if self.overlap_grad_reduce and self.is_last_microbatch:
                 self.launched_before_last_grad = sum(
                     b.launched for buf in self.buffers for b in buf.buckets)
@@ -228,7 +266,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Context for the micro-batches before the last: no bucket is launched from backward."""
+        """Context for the micro-batches before the last: no bucket is launched from backward
+        (no effect with sharded gradients, which are reduce-scattered in every micro-batch)."""
         self.is_last_microbatch = False
         try:
             yield
@@ -251,6 +290,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Complete the data-parallel reduction: ``main_grad`` holds the DP-averaged gradient."""
         for buf in self.buffers:
             buf.finish_grad_sync()
+        self._grads_in_flight = []
         if self.param_units is not None:  # units whose gradients did not all arrive
             self.param_units.free_all()
 

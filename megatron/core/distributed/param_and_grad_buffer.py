@@ -65,6 +65,27 @@ def allocated_bytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
 
+class GradStorageMeter:
+    """Bytes of gradient storage one DDP wrapper holds (full bucket storage and ZeRO-2/3's
+    ``grad_shard``), kept current from the storages' own sizes before and after every
+    allocation and release, and its peak.
+
+    Attributes:
+        current: bytes held now.
+        peak: the most bytes held at once since :meth:`reset_peak`.
+    """
+
+    def __init__(self, current: int = 0):
+        self.current = self.peak = current
+
+    def changed(self, delta: int) -> None:
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
 def default_bucket_size(data_parallel_size: int) -> int:
     """Elements per gradient bucket when ``--reduce-bucket-size`` is not given:
     ``max(DEFAULT_BUCKET_SIZE, 1e6 * data_parallel_size)`` (Megatron-Core's rule)."""
@@ -113,32 +134,85 @@ class Bucket:
         if param_data is not None:
             self.param_shard = param_data[lo:hi].clone() if self.shard_params else param_data[lo:hi]
         self.params_gathered = True  # the sharded-parameter buffer frees them once built
+        self.grad_meter: Optional["GradStorageMeter"] = None  # set by DDP
+        self.handle = None
         self.reset()
 
     def reset(self) -> None:
         """Forget the readiness and in-flight state of the previous iteration."""
         self.params_with_grad = set()
-        self.handle = None
+        if not self.shard_grads:  # (a sharded bucket's reduction is completed, never dropped)
+            self.handle = None
         self.launched = False
 
     def zero_sharded_grads(self) -> None:
-        """Start of an iteration with sharded gradients: zero the shard and (ZeRO-2) give back
-        the zeroed full gradient storage, which ZeRO-3 allocates per unit when the unit's
-        backward starts (:meth:`allocate_grads`)."""
+        """Start of an iteration with sharded gradients: zero the shard; the full gradient
+        storage stays freed until a gradient of the bucket is written
+        (:meth:`allocate_grads`)."""
+        self.complete_grad_reduction()
         self.grad_shard.zero_()
-        if not self.shard_params:
-            self.allocate_grads()
+        self.free_grads()
 
     def allocate_grads(self) -> None:
-        """Sharded gradients: give the bucket's full gradient storage back, zeroed (no-op if
-        it has it)."""
+        """Sharded gradients: give the bucket's full gradient storage back, zeroed, before a
+        gradient is written into it (no-op if it has it). A reduce-scatter of the bucket still in
+        flight (``--overlap-grad-reduce``) is completed first: its storage is being read."""
+        self.complete_grad_reduction()
+        before = allocated_bytes(self.grad_data)
         if _allocate(self.grad_data):
             self.grad_data.zero_()
+            self._metered(before, self.grad_data)
 
     def free_grads(self) -> None:
         """Sharded gradients: release the full gradient storage (after the reduce-scatter)."""
         if self.shard_grads:
+            before = allocated_bytes(self.grad_data)
             _free(self.grad_data)
+            self._metered(before, self.grad_data)
+
+    def _metered(self, before: int, t: torch.Tensor) -> None:
+        if self.grad_meter is not None:
+            self.grad_meter.changed(allocated_bytes(t) - before)
+
+    def grads_pending(self) -> bool:
+        """Sharded gradients: the full storage holds gradients not yet reduced into the shard
+        (it is allocated: written since the last reduce-scatter)."""
+        return self.handle is None and allocated_bytes(self.grad_data) > 0
+
+    def reduce_scatter_into_shard(self, async_op: bool) -> None:
+        """Sharded gradients, once per micro-batch (ZeRO-2/3, Megatron-FSDP's ``optim_grads``):
+        scale the bucket, reduce-scatter it over the data-parallel group and add the rank's
+        reduced shard into ``grad_shard`` (:meth:`complete_grad_reduction`, now or when the
+        work is waited on with ``async_op``), then free the full storage.
+
+        Collective: reduce-scatter (sum) of ``numel_padded`` elements of ``grad_dtype`` (a copy
+        at DP = 1). The reduction order differs from ZeRO-1's: per micro-batch sums over ranks,
+        then a sum over micro-batches in the shard (equal at one micro-batch: ``0 + x = x``).
+        """
+        self.params_with_grad = set()
+        if self.data_parallel_world_size == 1:
+            self.grad_shard.add_(self.grad_data)
+            self.free_grads()
+            return
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
+        # Into the bucket's own shard view (no extra storage), added into grad_shard after.
+        self.handle = reduce_scatter_bucket(self.grad_data, self.data_parallel_rank,
+                                            self.data_parallel_group, async_op=async_op,
+                                            bucket=self.index)
+        if not async_op:
+            self.complete_grad_reduction()
+
+    def complete_grad_reduction(self) -> None:
+        """Sharded gradients: wait for the bucket's reduce-scatter in flight (if any), add the
+        reduced shard into ``grad_shard`` and free the full storage."""
+        if not self.shard_grads or self.handle is None:
+            return
+        self.handle.wait()
+        self.handle = None
+        lo, hi = self.shard_range(self.data_parallel_rank)
+        self.grad_shard.add_(self.grad_data[lo:hi])
+        self.free_grads()
 
     def gather_params(self, async_op: bool) -> None:
         """Sharded parameters: allocate the full parameter storage and all-gather every rank's
@@ -180,14 +254,14 @@ class Bucket:
         data-parallel group, after scaling by ``gradient_scaling_factor``; with ``reduce_scatter``
         a reduce-scatter (sum) instead, after which only this rank's shard is meaningful.
         """
+        if self.shard_grads:  # what was written since the last reduce-scatter, if anything
+            if self.grads_pending():
+                self.reduce_scatter_into_shard(async_op)
+            return
         if self.launched:
             return
         self.launched = True
-        if self.shard_grads:
-            self.allocate_grads()  # a unit whose backward never ran: zero gradients
         if self.data_parallel_world_size == 1:
-            if self.shard_grads:
-                self.grad_shard.copy_(self.grad_data)
             return
         op = dist.ReduceOp.SUM
         if self.use_avg_op:
@@ -200,20 +274,22 @@ class Bucket:
                                  "optimizer; leave it False")
             self.handle = reduce_scatter_bucket(
                 self.grad_data, self.data_parallel_rank, self.data_parallel_group,
-                async_op=async_op, bucket=self.index,
-                output=self.grad_shard if self.shard_grads else None)
+                async_op=async_op, bucket=self.index)
             return
         self.handle = dist.all_reduce(self.grad_data, op=op, group=self.data_parallel_group,
                                       async_op=async_op)
 
     def finish_grad_sync(self) -> None:
         """Launch the collective if it was not launched yet, then wait for it; with sharded
-        gradients the full gradient storage is freed then (only ``grad_shard`` remains)."""
+        gradients the last micro-batch's pending gradients are reduced into ``grad_shard`` and
+        the full gradient storage is freed (only ``grad_shard`` remains)."""
         self.start_grad_sync(async_op=False)
+        if self.shard_grads:
+            self.complete_grad_reduction()
+            return
         if self.handle is not None:
             self.handle.wait()
         self.handle = None
-        self.free_grads()
 
     def start_param_sync(self, async_op: bool) -> None:
         """Launch the all-gather of the updated parameter shards into ``param_data``.
@@ -337,6 +413,7 @@ class ParamAndGradBuffer:
         for b in self.buckets:
             if b.shard_params:  # ZeRO-3: from here on only the shards are held
                 b.free_params()
+            if b.shard_grads:  # allocated when a gradient is first written into the bucket
                 _free(b.grad_data)
 
     def _layout(self, bucket_size, unit_of=None):

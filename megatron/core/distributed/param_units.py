@@ -27,19 +27,21 @@ contiguous bucket shards that the distributed optimizer's state, its checkpoints
   before it; the unit is freed once every one of its parameters' gradients is final (the DDP
   post-accumulate-grad hook). Under full recompute the re-run forward, inside backward, gathers
   instead and keeps the unit;
-* gradients accumulate over micro-batches in the full gradient storage and each bucket is
-  reduce-scattered into ``grad_shard`` after the last micro-batch (during the backward under
-  ``--overlap-grad-reduce``), then its full gradient storage is freed (under the overlap as the
-  next unit's backward starts): the reduction is the distributed optimizer's, element for
-  element. A unit's full gradients therefore live from its first micro-batch's backward to its
-  reduce-scatter: with gradient accumulation the whole chunk's gradients are held during the
-  last backward (Megatron-FSDP's reduce-scatter per micro-batch, which avoids this, is not
-  built);
+* in every micro-batch, each bucket is reduce-scattered as soon as its gradients are final and
+  the rank's part is added into its fp32 ``grad_shard``; its full gradient storage is freed
+  then (under ``--overlap-grad-reduce`` when the next bucket's reduction is launched or the
+  next unit's backward starts): a unit's full gradients live only during its own backward
+  (the root unit's from the loss to the embedding), as in Megatron-FSDP (``optim_grads``
+  reduce-scatters per micro-batch too). The reduction differs from the distributed
+  optimizer's only in order (per micro-batch sums over ranks, then over micro-batches);
+* outside its unit's forward and backward a parameter's storage is freed: it is a
+  :class:`ShardedParameter`, whose reads raise :class:`ShardedParameterAccessError` (naming
+  it and ``finish_param_sync()``) instead of reading freed memory;
 * the optimizer steps the shards (:class:`~megatron.core.optimizer.DistributedOptimizer`, whose
   model shard is ``param_shard``); nothing is gathered after the step, the next forward does it.
 
-Per iteration and micro-batch this is one all-gather of every parameter for forward and one for
-backward; one reduce-scatter of every gradient per iteration. Reading the weights outside a
+Per micro-batch this is one all-gather of every parameter for forward, one for backward and one
+reduce-scatter of every gradient. Reading the weights outside a
 forward (saving, export) needs :meth:`ParamUnits.gather_all` on every data-parallel rank first
 (``DistributedDataParallel.finish_param_sync`` calls it); each unit is freed again after its
 next forward.
@@ -57,6 +59,63 @@ from megatron.core.distributed.param_and_grad_buffer import Bucket, allocated_by
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass (a recompute's forward, say)."""
     return torch._C._current_graph_task_id() != -1
+
+
+class ShardedParameterAccessError(RuntimeError):
+    """A ZeRO-3 parameter was read while its full storage is freed (outside its unit's
+    forward or backward, before ``finish_param_sync()``)."""
+
+
+# Tensor methods and attributes that read no element: allowed on a freed parameter.
+_METADATA = frozenset((
+    "size", "dim", "numel", "nelement", "element_size", "untyped_storage", "data_ptr", "stride",
+    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__len__",
+    "__hash__", "_is_view"))
+_READING_ATTRIBUTES = frozenset(("data",))  # an alias of the freed storage
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """The class a ZeRO-3 parameter is given (``__class__`` swapped in place, as torch's
+    ``UninitializedParameter`` does): between its unit's uses its storage is freed, and an
+    operation that would read it raises :class:`ShardedParameterAccessError` naming the
+    parameter and the call that gathers it, instead of reading freed memory (a segfault).
+    Metadata (shape, dtype, device, ``numel``, ...) stays readable; inside the gathered window
+    every operation runs as on a plain parameter, returning plain tensors. Cost: one Python
+    call and a storage-size check per operation on a parameter."""
+
+    zero3_name = "?"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):
+            attribute = getattr(func.__self__, "__name__", "")
+            reads = name == "__get__" and attribute in _READING_ATTRIBUTES
+        else:
+            reads = name not in _METADATA
+        with torch._C.DisableTorchFunctionSubclass():
+            if reads:
+                _check_gathered(args, kwargs, func)
+            return func(*args, **(kwargs or {}))
+
+
+def _check_gathered(args, kwargs, func) -> None:
+    items = list(args) + list((kwargs or {}).values())
+    for a in items:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, ShardedParameter) and t.numel() and \
+                    t.untyped_storage().nbytes() == 0:
+                what = getattr(func, "__name__", str(func))
+                if what == "__get__":
+                    what = f"reading .{func.__self__.__name__}"
+                raise ShardedParameterAccessError(
+                    f"parameter {t.zero3_name!r} is sharded over data parallelism "
+                    "(--data-parallel-sharding-strategy optim_grads_params) and not gathered "
+                    f"now ({what}): outside its layer's forward and backward only the rank's "
+                    "shard is held; call finish_param_sync() on the DistributedDataParallel "
+                    "model on every data-parallel rank first (it gathers every unit; they are "
+                    "freed again by the next forward)")
 
 
 class _PreBackward(torch.autograd.Function):
@@ -187,11 +246,14 @@ class ParamUnits:
         self.units = [ParamUnit(names[i], buckets_of.get(i, []), self)
                       for i in range(len(unit_modules) + 1)]
         self.param_unit = {p: u for u in self.units for p in u.params}
+        param_names = {p: n for n, p in module.named_parameters()}
+        for p in self.param_unit:  # a read outside the gathered window raises, never crashes
+            p.__class__ = ShardedParameter
+            p.zero3_name = param_names.get(p, "?")
         layers = self.units[1:]
         for a, b in zip(layers, layers[1:]):
             a.next, b.previous = b, a
         self.peak_gathered_bytes = 0
-        self.peak_grad_bytes = 0  # full gradient bytes, sampled as each unit's backward starts
         self._handles = []
         for unit, m in zip(self.units, [module, *unit_modules]):
             self._handles.append(m.register_forward_pre_hook(
@@ -214,7 +276,6 @@ class ParamUnits:
 
     def reset_peak(self) -> None:
         self.peak_gathered_bytes = self.gathered_bytes()
-        self.peak_grad_bytes = self.grad_bytes()
 
     def gather_all(self) -> None:
         """All-gather every unit (collective: every data-parallel rank must call it)."""
@@ -222,20 +283,13 @@ class ParamUnits:
             u.gather()
 
     def release_reduced_grads(self) -> None:
-        """Free the full gradient storage of buckets whose reduce-scatter (launched from the
-        backward under --overlap-grad-reduce) was issued: wait for it, the shard holds the
-        result. Called as each unit's backward starts, so at most the units still computing
-        hold full gradients."""
+        """Complete the reduce-scatters still in flight (launched from the backward under
+        --overlap-grad-reduce): the shard receives the result and the full gradient storage is
+        freed. Called as each unit's backward starts, so at most the units still computing hold
+        full gradients."""
         for u in self.units:
             for b in u.buckets:
-                if b.handle is not None:
-                    b.handle.wait()
-                    b.handle = None
-                    b.free_grads()
-        self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes())
-
-    def grad_bytes(self) -> int:
-        return sum(allocated_bytes(b.grad_data) for u in self.units for b in u.buckets)
+                b.complete_grad_reduction()
 
     def free_all(self) -> None:
         for u in self.units:

@@ -62,6 +62,15 @@ def fuses_into_main_grad(weight: torch.Tensor, enabled: bool, accumulator) -> bo
             and weight.grad is None and _engine_accumulates(accumulator))
 
 
+def _writable_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad``, its storage given back first where DDP frees it between uses
+    (sharded gradients, ZeRO-2/3: ``weight.allocate_main_grad``)."""
+    allocate = getattr(weight, "allocate_main_grad", None)
+    if allocate is not None:
+        allocate()
+    return weight.main_grad
+
+
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
     weight.grad_added_to_main_grad = True
     return torch.empty_like(weight)  # never read: the DDP hook drops it
@@ -84,7 +93,7 @@ def linear_weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input_: 
     """
     if not fuses_into_main_grad(weight, enabled, accumulator):
         return grad_output.t().mm(input_)
-    main_grad = weight.main_grad
+    main_grad = _writable_main_grad(weight)
     if main_grad.dtype == grad_output.dtype:
         main_grad.addmm_(grad_output.t(), input_)
     else:
@@ -109,5 +118,6 @@ def embedding_weight_grad(weight: torch.Tensor, ids: torch.Tensor, grad_output: 
     """
     if not fuses_into_main_grad(weight, enabled, accumulator):
         return weight.new_zeros(weight.shape).index_add_(0, ids, grad_output.to(weight.dtype))
-    weight.main_grad.index_add_(0, ids, grad_output.to(weight.main_grad.dtype))
+    main_grad = _writable_main_grad(weight)
+    main_grad.index_add_(0, ids, grad_output.to(main_grad.dtype))
     return _placeholder(weight)

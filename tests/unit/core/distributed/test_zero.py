@@ -1,10 +1,12 @@
 """ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``)
-on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 micro-batch, and 4 with the overlapped reduce-scatter,
-ZeRO-2 equals the distributed optimizer (``optim``) bitwise, and every strategy equals plain
-single-process AdamW within rtol 1e-6; a step with one rank's inf/NaN gradient is skipped on
-every rank with shards, gathered parameters and moments unchanged; the collectives counted (ZeRO-3: per micro-batch one all-gather of every
-parameter for forward and one for backward, one reduce-scatter of every gradient per iteration);
-the bytes held per rank equal the formulas; torch-format state dicts round-trip."""
+on the toy network (gloo, fp32, clipping active): at DP=2 and DP=4 with 1 micro-batch ZeRO-2
+equals the distributed optimizer (``optim``) bitwise, with 4 micro-batches and the overlapped
+reduce-scatter (one reduce-scatter per micro-batch) within rtol 1e-6 / atol 1e-7, and every
+strategy equals plain single-process AdamW within rtol 1e-6; a step with one rank's inf/NaN
+gradient is skipped on every rank with shards, gathered parameters and moments unchanged; the
+collectives counted (ZeRO-3: per micro-batch one all-gather of every parameter for forward and
+one for backward, one reduce-scatter of every gradient); the bytes held per rank equal the
+formulas; torch-format state dicts round-trip."""
 
 import pytest
 import torch
@@ -53,8 +55,9 @@ def _check_zero3_counts(ddp, events, num_mb):
     root, norm = units[0].buckets[0].index, units[1].buckets[0].index
     assert [e["bucket"] for e in ag] == [root, norm, root, norm] * num_mb
     assert sum(e["numel"] for e in ag) == 2 * num_mb * psi_pad
-    assert sorted(e["bucket"] for e in rs) == [0, 1]
-    assert sum(e["numel"] for e in rs) == psi_pad
+    # one reduce-scatter of every bucket per micro-batch, as each bucket's gradients are final
+    assert sorted(e["bucket"] for e in rs) == sorted([0, 1] * num_mb)
+    assert sum(e["numel"] for e in rs) == num_mb * psi_pad
 
 
 def _train():
@@ -115,10 +118,18 @@ def test_strategies_equal_distributed_optimizer_and_adamw(dp):
     for (num_mb, strategy, overlap), (params, losses) in results.items():
         base_params, base_losses = results[(num_mb, "optim", overlap)]
         case = (num_mb, strategy, overlap)
-        if strategy != "optim_grads_params":  # the same buckets: the same arithmetic
+        if strategy == "optim_grads" and num_mb == 1:  # the same buckets and sums: bitwise
             assert losses == base_losses, case
             for name, p in params.items():
                 assert torch.equal(p, base_params[name]), (case, name)
+        if strategy == "optim_grads" and num_mb > 1:
+            # reduce-scattered per micro-batch: per-micro-batch sums over ranks, then a sum over
+            # micro-batches (ZeRO-1 sums micro-batches first): fp32 rounding, measured at most
+            # 1.2e-7 relative in the loss and 5.5e-6 relative in near-zero weight elements
+            assert losses == pytest.approx(base_losses, rel=1e-6), case
+            for name, p in params.items():
+                torch.testing.assert_close(p, base_params[name], rtol=1e-6, atol=1e-7,
+                                           msg=f"{case} {name}")
         # ZeRO-3's buckets are its units: the norm sums its squares in other pieces
         for name, p in params.items():
             torch.testing.assert_close(p, ref[name], rtol=1e-6, atol=1e-7, msg=f"{case} {name}")

@@ -1,0 +1,208 @@
+"""Conversations (tokens + loss mask datasets) packed into ``seq_length`` training sequences.
+
+Reads the pair ``tools/preprocess_sft_data.py`` writes (``{prefix}_text_document`` and
+``{prefix}_text_loss_mask_document``, one document per conversation) and yields samples of exactly
+``seq_length`` positions. A conversation of ``L`` tokens contributes ``L - 1`` positions: inputs
+``ids[:-1]``, labels ``ids[1:]``, loss mask ``mask[1:]`` (the loss falls on the assistant tokens as
+*labels*); no label ever comes from another conversation.
+
+Packing (``packed=True``): **first-fit decreasing within a shuffle window**. The documents are
+shuffled by ``numpy.random.RandomState(seed + epoch)``; each window of ``packing_window``
+consecutive documents is sorted by length, longest first, and each goes into the first open
+sequence of that window with room for it. Why: plain first-fit in shuffled order leaves the gaps
+that long documents arriving late cannot fill; sorting the whole set would put all long
+conversations together at the start of training. A window keeps the order random at the scale of
+the window while packing nearly as tight as global FFD (measured in
+``benchmarks/sft_packing.py``: :func:`packing_efficiency`). ``packing_window=1`` is first-fit
+over the shuffled order.
+
+Unpacked (``packed=False``): one conversation per sample, padded (the reference for "packed
+equals unpacked").
+
+Each sample (numpy; ``s`` = ``seq_length``):
+
+- ``tokens`` int64 ``[s]``, ``labels`` int64 ``[s]``, ``loss_mask`` float32 ``[s]`` (0 on padding),
+- ``position_ids`` int64 ``[s]``: ``0 .. n-1`` within each document, restarting at each one
+  (padding continues from 0 as a segment of its own),
+- ``document_ids`` int64 ``[s]``: ``0 .. k-1`` for the sample's ``k`` documents, ``k`` on padding,
+- ``cu_seqlens`` int32 ``[s + 1]``: segment boundaries ``0, n_0, n_0 + n_1, ..., s`` (the padding is
+  the last segment), then ``-1`` up to the fixed length (so samples stack into a batch); the
+  valid entries are those ``>= 0`` (NeMo's padded ``cu_seqlens`` convention).
+
+A conversation longer than ``seq_length + 1`` tokens is truncated to its first ``seq_length + 1``
+(``truncate=True``) or skipped; documents of fewer than 2 tokens are skipped. Both are counted
+in :attr:`SFTDataset.report`.
+
+Determinism: the packing of every epoch is a function of ``(seed, epoch, documents, lengths)``;
+sample ``i`` is the same whatever was read before, so resuming at sample ``i`` is exact.
+No torch import.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+
+
+def pack_first_fit(lengths: np.ndarray, capacity: int, window: int) -> List[List[int]]:
+    """Bins (lists of positions into ``lengths``) by first-fit decreasing within windows.
+
+    Args:
+        lengths: int ``[N]``, positions each item needs (each ``<= capacity``), in the order to pack.
+        capacity: positions per bin.
+        window: items sorted longest-first and packed together; 1 is plain first-fit.
+
+    Returns:
+        Bins in the order they were opened; a bin's items in the order they went in.
+    """
+    bins: List[List[int]] = []
+    for start in range(0, len(lengths), window):
+        idx = np.arange(start, min(start + window, len(lengths)))
+        # Stable sort: ties keep the shuffled order, so the result is deterministic.
+        order = idx[np.argsort(-lengths[idx], kind="stable")]
+        free: List[int] = []
+        first_bin = len(bins)
+        for i in order:
+            n = int(lengths[i])
+            for b, room in enumerate(free):
+                if room >= n:
+                    bins[first_bin + b].append(int(i))
+                    free[b] -= n
+                    break
+            else:
+                bins.append([int(i)])
+                free.append(capacity - n)
+    return bins
+
+
+def packing_efficiency(lengths: np.ndarray, bins: Sequence[Sequence[int]], capacity: int) -> float:
+    """Share of the bins' positions that hold tokens: ``sum(lengths) / (len(bins) * capacity)``."""
+    return float(np.sum(lengths)) / max(len(bins) * capacity, 1)
+
+
+class SFTDataset:
+    """Packed (or padded) conversations with their loss masks.
+
+    Args:
+        path_prefix: the tokens dataset ``{prefix}_text_document`` (or a preference side
+            ``{prefix}_chosen_document``); the mask dataset is ``mask_prefix``.
+        mask_prefix: the uint8 loss-mask dataset; default: ``path_prefix`` with ``_document``
+            replaced by ``_loss_mask_document``.
+        seq_length: positions per sample.
+        seed: shuffle seed.
+        num_samples: samples to provide (more epochs are packed as needed); None: one epoch.
+        documents: int array of the document indices to use (a split); default all.
+        packed: pack several conversations per sample (else one per sample, padded).
+        packing_window: documents per first-fit-decreasing window (1: first-fit).
+        truncate: cut conversations longer than ``seq_length + 1`` tokens (else skip them).
+        pad_id: token id of padding positions (their loss mask is 0).
+        shuffle: shuffle documents each epoch (False keeps their order, for tests and evaluation).
+
+    Attributes:
+        report: ``{"documents", "truncated", "skipped_long", "skipped_short", "samples_per_epoch"}``.
+
+    Raises:
+        IndexedDatasetError: a dataset is missing or damaged, or the two datasets' documents or
+            lengths differ; the message names both prefixes.
+        ValueError: ``seq_length < 1``, ``packing_window < 1``, or no usable conversation.
+    """
+
+    def __init__(self, path_prefix: str, seq_length: int, seed: int = 1234, num_samples: Optional[int] = None,
+                 documents: Optional[np.ndarray] = None, packed: bool = True, packing_window: int = 1000,
+                 truncate: bool = True, pad_id: int = 0, mask_prefix: Optional[str] = None,
+                 shuffle: bool = True):
+        if seq_length < 1 or packing_window < 1:
+            raise ValueError(f"seq_length ({seq_length}) and packing_window ({packing_window}) must be >= 1")
+        mask_prefix = mask_prefix or _mask_prefix(path_prefix)
+        self.tokens, self.masks = MMapIndexedDataset(path_prefix), MMapIndexedDataset(mask_prefix)
+        if (len(self.tokens.document_indices) != len(self.masks.document_indices)
+                or not np.array_equal(self.tokens.document_indices, self.masks.document_indices)
+                or not np.array_equal(self.tokens.sizes, self.masks.sizes)):
+            raise IndexedDatasetError(f"{path_prefix} and {mask_prefix}: the token and loss-mask datasets "
+                                      "do not have the same documents and lengths; write both with "
+                                      "tools/preprocess_sft_data.py in one run")
+        self.seq_length, self.seed, self.packed = seq_length, seed, packed
+        self.window, self.pad_id, self.shuffle = packing_window, pad_id, shuffle
+        doc_idx = self.tokens.document_indices
+        documents = np.arange(len(doc_idx) - 1) if documents is None else np.asarray(documents, dtype=np.int64)
+        # One sequence per document (as the preprocessor writes); length 0 for an empty document.
+        lengths = np.where(doc_idx[documents + 1] > doc_idx[documents],
+                           self.tokens.sizes[np.minimum(doc_idx[documents], len(self.tokens.sizes) - 1)], 0)
+        long, short = lengths > seq_length + 1, lengths < 2
+        keep = ~short & (~long if not truncate else True)
+        self.report: Dict[str, int] = {"documents": int(keep.sum()), "truncated": int((long & keep).sum()),
+                                       "skipped_long": int((long & ~keep).sum()),
+                                       "skipped_short": int(short.sum())}
+        self.documents = documents[keep]
+        self.positions = np.minimum(lengths[keep], seq_length + 1) - 1  # positions each one fills
+        if len(self.documents) == 0:
+            raise ValueError(f"{path_prefix}: no conversation of 2 to {seq_length + 1} tokens to train on "
+                             f"({self.report})")
+        self._epochs: Dict[int, List[np.ndarray]] = {}
+        per_epoch = len(self._epoch(0))
+        self.report["samples_per_epoch"] = per_epoch
+        self.num_samples = per_epoch if num_samples is None else int(num_samples)
+        self._starts = None
+
+    def _epoch(self, epoch: int) -> List[np.ndarray]:
+        """The samples of one epoch: arrays of positions into ``self.documents``."""
+        if epoch not in self._epochs:
+            order = np.arange(len(self.documents))
+            if self.shuffle:
+                np.random.RandomState((self.seed + epoch) % 2**32).shuffle(order)
+            if self.packed:
+                bins = pack_first_fit(self.positions[order], self.seq_length, self.window)
+                self._epochs[epoch] = [order[np.asarray(b)] for b in bins]
+            else:
+                self._epochs[epoch] = [order[i:i + 1] for i in range(len(order))]
+        return self._epochs[epoch]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _locate(self, idx: int):
+        epoch = 0
+        while idx >= len(self._epoch(epoch)):
+            idx -= len(self._epoch(epoch))
+            epoch += 1
+        return self._epoch(epoch)[idx]
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} of {self.num_samples}")
+        s = self.seq_length
+        tokens = np.full(s, self.pad_id, dtype=np.int64)
+        labels = np.full(s, self.pad_id, dtype=np.int64)
+        loss_mask = np.zeros(s, dtype=np.float32)
+        position_ids = np.zeros(s, dtype=np.int64)
+        document_ids = np.zeros(s, dtype=np.int64)
+        cu = [0]
+        for k, j in enumerate(self._locate(idx)):
+            doc, n = int(self.documents[j]), int(self.positions[j])
+            seq = int(self.tokens.document_indices[doc])
+            ids = self.tokens.get(seq, 0, n + 1).astype(np.int64)
+            mask = self.masks.get(seq, 0, n + 1)
+            a = cu[-1]
+            tokens[a:a + n], labels[a:a + n] = ids[:-1], ids[1:]
+            loss_mask[a:a + n] = mask[1:]
+            position_ids[a:a + n] = np.arange(n)
+            document_ids[a:a + n] = k
+            cu.append(a + n)
+        if cu[-1] < s:  # the padding: a segment of its own
+            position_ids[cu[-1]:] = np.arange(s - cu[-1])
+            document_ids[cu[-1]:] = len(cu) - 1
+            cu.append(s)
+        cu_seqlens = np.full(s + 1, -1, dtype=np.int32)
+        cu_seqlens[:len(cu)] = cu
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+                "document_ids": document_ids, "cu_seqlens": cu_seqlens}
+
+
+def _mask_prefix(path_prefix: str) -> str:
+    if not path_prefix.endswith("_document"):
+        raise ValueError(f"{path_prefix}: name the loss-mask dataset (mask_prefix); the default needs a "
+                         "tokens prefix ending in _document")
+    return path_prefix[:-len("_document")] + "_loss_mask_document"

@@ -47,34 +47,40 @@ import numpy as np
 from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 
 
-def pack_first_fit(lengths: np.ndarray, capacity: int, window: int) -> List[List[int]]:
+def pack_first_fit(lengths: np.ndarray, capacity: int, window: int, max_open: int = 4096) -> List[List[int]]:
     """Bins (lists of positions into ``lengths``) by first-fit decreasing within windows.
 
     Args:
         lengths: int ``[N]``, positions each item needs (each ``<= capacity``), in the order to pack.
         capacity: positions per bin.
         window: items sorted longest-first and packed together; 1 is plain first-fit.
+        max_open: bins searched for room (the most recently opened ones; older bins are closed),
+            which bounds the cost at ``O(N * max_open)`` vectorised steps.
 
     Returns:
-        Bins in the order they were opened; a bin's items in the order they went in.
+        Bins in the order they were opened; a bin's items in the order they went in. Each item
+        goes into the first (oldest) open bin with room, else into a new bin.
     """
     bins: List[List[int]] = []
+    free = np.zeros(0, dtype=np.int64)    # room of the open bins, oldest first
+    which = np.zeros(0, dtype=np.int64)   # their positions in ``bins``
     for start in range(0, len(lengths), window):
         idx = np.arange(start, min(start + window, len(lengths)))
         # Stable sort: ties keep the shuffled order, so the result is deterministic.
-        order = idx[np.argsort(-lengths[idx], kind="stable")]
-        free: List[int] = []
-        first_bin = len(bins)
-        for i in order:
+        for i in idx[np.argsort(-lengths[idx], kind="stable")]:
             n = int(lengths[i])
-            for b, room in enumerate(free):
-                if room >= n:
-                    bins[first_bin + b].append(int(i))
-                    free[b] -= n
-                    break
+            fits = np.flatnonzero(free >= n)
+            if fits.size:
+                b = fits[0]
+                bins[which[b]].append(int(i))
+                free[b] -= n
             else:
                 bins.append([int(i)])
-                free.append(capacity - n)
+                free, which = np.append(free, capacity - n), np.append(which, len(bins) - 1)
+            if free.size > max_open or (free.size and free.min() == 0):
+                keep = free > 0
+                keep[:max(0, int(keep.sum()) - max_open)] = False
+                free, which = free[keep], which[keep]
     return bins
 
 

@@ -8,8 +8,9 @@ Reads the pair ``tools/preprocess_sft_data.py`` writes (``{prefix}_text_document
 
 Packing (``packed=True``): **first-fit decreasing within a shuffle window**. The documents are
 shuffled by ``numpy.random.RandomState(seed + epoch)``; each window of ``packing_window``
-consecutive documents is sorted by length, longest first, and each goes into the first open
-sequence of that window with room for it. Why: plain first-fit in shuffled order leaves the gaps
+consecutive documents is sorted by length, longest first, and each goes into the first (oldest)
+open sequence with room for it, else opens one (sequences stay open across windows; the 4096
+newest are searched). Why: plain first-fit in shuffled order leaves the gaps
 that long documents arriving late cannot fill; sorting the whole set would put all long
 conversations together at the start of training. A window keeps the order random at the scale of
 the window while packing nearly as tight as global FFD (measured in

@@ -41,11 +41,16 @@ No torch import.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from megatron.data.index_cache import IndexCache, describe
 from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+
+_INDEX_FORMAT = 1  # bump when the packing changes, so older caches are never reused
+_CACHED = ("sample_offsets", "sample_documents", "samples_per_epoch")
 
 
 def pack_first_fit(lengths: np.ndarray, capacity: int, window: int, max_open: int = 4096) -> List[List[int]]:
@@ -107,6 +112,10 @@ class SFTDataset:
         truncate: cut conversations longer than ``seq_length + 1`` tokens (else skip them).
         pad_id: token id of padding positions (their loss mask is 0).
         shuffle: shuffle documents each epoch (False keeps their order, for tests and evaluation).
+        cache_dir: folder of the index cache (``--data-cache-path``): the packing is stored there
+            as ``.npy`` arrays keyed by a hash of every parameter above, as GPTDataset's indices
+            (:mod:`megatron.data.index_cache`), and loaded instead of recomputed; None: in memory.
+        split: split name in the cache's file names.
 
     Attributes:
         report: ``{"documents", "truncated", "skipped_long", "skipped_short", "samples_per_epoch"}``.
@@ -120,7 +129,7 @@ class SFTDataset:
     def __init__(self, path_prefix: str, seq_length: int, seed: int = 1234, num_samples: Optional[int] = None,
                  documents: Optional[np.ndarray] = None, packed: bool = True, packing_window: int = 1000,
                  truncate: bool = True, pad_id: int = 0, mask_prefix: Optional[str] = None,
-                 shuffle: bool = True):
+                 shuffle: bool = True, cache_dir: Optional[str] = None, split: str = "train"):
         if seq_length < 1 or packing_window < 1:
             raise ValueError(f"seq_length ({seq_length}) and packing_window ({packing_window}) must be >= 1")
         mask_prefix = mask_prefix or _mask_prefix(path_prefix)
@@ -148,34 +157,57 @@ class SFTDataset:
         if len(self.documents) == 0:
             raise ValueError(f"{path_prefix}: no conversation of 2 to {seq_length + 1} tokens to train on "
                              f"({self.report})")
-        self._epochs: Dict[int, List[np.ndarray]] = {}
-        per_epoch = len(self._epoch(0))
-        self.report["samples_per_epoch"] = per_epoch
-        self.num_samples = per_epoch if num_samples is None else int(num_samples)
-        self._starts = None
+        self.num_samples = None if num_samples is None else int(num_samples)
+        description = describe({
+            "class": "SFTDataset", "format": _INDEX_FORMAT, "path_prefix": path_prefix,
+            "mask_prefix": mask_prefix, "seq_length": seq_length, "seed": seed, "num_samples": num_samples,
+            "documents_md5": hashlib.md5(np.ascontiguousarray(documents, dtype=np.int64).tobytes()).hexdigest(),
+            "packed": packed, "packing_window": packing_window, "truncate": truncate, "shuffle": shuffle})
+        self.description = description  # BlendedDataset keys its own cache on its parts' descriptions
+        cache = IndexCache(cache_dir, f"SFTDataset-{split}", description, _CACHED) if cache_dir else None
+        arrays = cache.load() if cache else None
+        if arrays is None or len(arrays["sample_offsets"]) < 2:
+            arrays = self._build_index()
+            if cache:
+                cache.save(arrays)
+        self.sample_offsets, self.sample_documents = arrays["sample_offsets"], arrays["sample_documents"]
+        self.report["samples_per_epoch"] = int(arrays["samples_per_epoch"][0])
+        self.num_samples = len(self.sample_offsets) - 1
 
     def _epoch(self, epoch: int) -> List[np.ndarray]:
         """The samples of one epoch: arrays of positions into ``self.documents``."""
-        if epoch not in self._epochs:
-            order = np.arange(len(self.documents))
-            if self.shuffle:
-                np.random.RandomState((self.seed + epoch) % 2**32).shuffle(order)
-            if self.packed:
-                bins = pack_first_fit(self.positions[order], self.seq_length, self.window)
-                self._epochs[epoch] = [order[np.asarray(b)] for b in bins]
-            else:
-                self._epochs[epoch] = [order[i:i + 1] for i in range(len(order))]
-        return self._epochs[epoch]
+        order = np.arange(len(self.documents))
+        if self.shuffle:
+            np.random.RandomState((self.seed + epoch) % 2**32).shuffle(order)
+        if self.packed:
+            bins = pack_first_fit(self.positions[order], self.seq_length, self.window)
+            return [order[np.asarray(b)] for b in bins]
+        return [order[i:i + 1] for i in range(len(order))]
+
+    def _build_index(self) -> Dict[str, np.ndarray]:
+        """``sample_offsets`` int64 ``[N + 1]`` into ``sample_documents`` (int64, positions into
+        ``self.documents``), epochs packed one after another until ``num_samples``."""
+        samples, epoch, per_epoch = [], 0, None
+        while True:
+            bins = self._epoch(epoch)
+            per_epoch = per_epoch or len(bins)
+            samples += bins
+            epoch += 1
+            if self.num_samples is None or len(samples) >= self.num_samples:
+                break
+        samples = samples[:self.num_samples] if self.num_samples is not None else samples
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(b) for b in samples])
+        flat = np.concatenate(samples).astype(np.int64) if samples else np.zeros(0, dtype=np.int64)
+        return {"sample_offsets": offsets, "sample_documents": flat,
+                "samples_per_epoch": np.array([per_epoch], dtype=np.int64)}
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def _locate(self, idx: int):
-        epoch = 0
-        while idx >= len(self._epoch(epoch)):
-            idx -= len(self._epoch(epoch))
-            epoch += 1
-        return self._epoch(epoch)[idx]
+    def _locate(self, idx: int) -> np.ndarray:
+        """Positions into ``self.documents`` of sample ``idx``'s conversations, in order."""
+        return self.sample_documents[self.sample_offsets[idx]:self.sample_offsets[idx + 1]]
 
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
         if not 0 <= idx < self.num_samples:

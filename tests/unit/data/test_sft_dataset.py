@@ -112,3 +112,36 @@ def test_first_fit_decreasing_closed_form():
     for b in bins + ff:
         assert lengths[b].sum() <= 7
     assert sorted(i for b in bins for i in b) == list(range(7))
+
+
+def test_index_cache_reused_and_equal(tmp_path):
+    prefix, _, _ = _corpus(tmp_path)
+    cache = tmp_path / "cache"
+    built = SFTDataset(prefix, 32, seed=5, num_samples=60, cache_dir=str(cache))
+    files = sorted(p.name for p in cache.iterdir())
+    assert any(f.endswith("sample_offsets.npy") for f in files) and any(f.endswith("description.txt") for f in files)
+    loaded = SFTDataset(prefix, 32, seed=5, num_samples=60, cache_dir=str(cache))
+    assert isinstance(loaded.sample_offsets, np.memmap)  # read from the cache, not rebuilt
+    plain = SFTDataset(prefix, 32, seed=5, num_samples=60)
+    assert len(built) == len(loaded) == len(plain) == 60
+    for i in range(60):
+        for k in plain[i]:
+            assert (plain[i][k] == loaded[i][k]).all()
+    # Another seed is another set of files, never the cached one.
+    SFTDataset(prefix, 32, seed=6, num_samples=60, cache_dir=str(cache))
+    assert len(list(cache.glob("*description.txt"))) == 2
+
+
+def test_blend_of_two_sft_datasets(tmp_path):
+    from megatron.data.blended_dataset import BlendedDataset
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, _, _ = _corpus(tmp_path / "a", seed=1)
+    pb, _, _ = _corpus(tmp_path / "b", seed=2)
+    a, b = SFTDataset(pa, 32, num_samples=30), SFTDataset(pb, 32, num_samples=30)
+    blend = BlendedDataset([a, b], [0.5, 0.5], 20)
+    for i in range(20):
+        src = (a, b)[int(blend.dataset_index[i])][int(blend.dataset_sample_index[i])]
+        assert all((blend[i][k] == src[k]).all() for k in src)
+    assert sorted(set(blend.dataset_index.tolist())) == [0, 1]

@@ -22,7 +22,9 @@ With ``--preference-pairs`` each line holds ``chosen`` and ``rejected`` (a strin
 reply; or a list of messages) and an optional ``prompt`` (a string: one user turn; or a list of
 messages); the outputs are ``{prefix}_chosen_document``, ``{prefix}_chosen_loss_mask_document``,
 ``{prefix}_rejected_document`` and ``{prefix}_rejected_loss_mask_document``, document ``k`` of
-each being pair ``k``; the masks cover the response only (the messages after the prompt).
+each being pair ``k``; the masks cover the response only (the messages after the prompt). A pair
+whose two sides' prompt tokens (those before the first masked token) differ is skipped and listed
+(``prompt_mismatch``): the tokenizer merged across the prompt's end differently.
 
 A conversation whose mask comes out empty (no assistant token: no assistant turn, or one the
 template drops) or all ones (nothing but assistant tokens: no prompt) is never trained on: it is
@@ -55,7 +57,7 @@ from megatron.usage_error import run_command  # noqa: E402
 
 LINES_PER_CHUNK = 256
 LISTED = 20  # skipped line numbers printed per reason (all of them go to the report)
-SKIP_REASONS = ("invalid", "empty_mask", "all_ones_mask")
+SKIP_REASONS = ("invalid", "empty_mask", "all_ones_mask", "prompt_mismatch")
 
 
 class InputError(ValueError):
@@ -163,6 +165,11 @@ def encode_line(line: str):
         bad = _check_mask(mask)
         if bad:
             return bad, ""
+    if len(sides) == 2:  # DPO compares the two responses after one and the same prompt
+        (a, ma), (b, mb) = sides
+        pa, pb = int(np.argmax(ma)), int(np.argmax(mb))
+        if pa != pb or not np.array_equal(a[:pa], b[:pb]):
+            return "prompt_mismatch", ""
     return "ok", sides
 
 
@@ -271,7 +278,8 @@ def _print_summary(report: dict, args: argparse.Namespace) -> None:
               f"loss mask ({share:.1%})")
     why = {"invalid": "not conversations (--skip-invalid)",
            "empty_mask": "with an empty loss mask (no assistant token)",
-           "all_ones_mask": "with an all-ones loss mask (no prompt)"}
+           "all_ones_mask": "with an all-ones loss mask (no prompt)",
+           "prompt_mismatch": "whose chosen and rejected prompts tokenize differently"}
     for reason, lines in report["skipped"].items():
         if lines:
             listed = ", ".join(map(str, lines[:LISTED])) + (", ..." if len(lines) > LISTED else "")

@@ -70,7 +70,7 @@ def test_formats_masks_and_report(tmp_path, hf_folder, workers):
         assert ids[k] == want_ids.tolist() and masks[k] == want_mask.tolist()
     report = json.loads((tmp_path / "o_report.json").read_text())
     assert report["conversations"] == 3 and report["skipped"] == {"invalid": [], "empty_mask": [4],
-                                                                  "all_ones_mask": [5]}
+                                                                  "all_ones_mask": [5], "prompt_mismatch": []}
     assert report["loss_tokens"] == [sum(map(sum, masks))]
     # The SFT dataset reads the pair back.
     ds = SFTDataset(str(tmp_path / "o_text_document"), 64, packed=False, shuffle=False)
@@ -93,10 +93,14 @@ def test_preference_pairs_aligned(tmp_path, hf_folder):
     pairs = [{"prompt": "hi there", "chosen": "hello friend", "rejected": "bye now"},
              {"prompt": [{"role": "system", "content": "be brief ."}, {"role": "user", "content": "what is 2 + 2 ?"}],
               "chosen": [{"role": "assistant", "content": "4"}], "rejected": "2"}]
-    src = _write_jsonl(tmp_path / "p.jsonl", pairs)
+    # Line 3: whole conversations whose prompts differ -- not a preference pair.
+    other = {"chosen": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}],
+             "rejected": [{"role": "user", "content": "bye now"}, {"role": "assistant", "content": "hello"}]}
+    src = _write_jsonl(tmp_path / "p.jsonl", pairs + [other])
     out = _run("--input", src, "--output-prefix", str(tmp_path / "p"), "--tokenizer-type", "HuggingFaceTokenizer",
                "--tokenizer-name-or-path", hf_folder, "--preference-pairs")
     assert out.returncode == 0, out.stderr
+    assert "chosen and rejected prompts tokenize differently: lines 3" in out.stdout
     chat = HFChatTokenizer(hf_folder)
     tok = chat.tok
     for side in ("chosen", "rejected"):
@@ -132,3 +136,35 @@ def test_sentencepiece_llama2(tmp_path):
     for k, obj in enumerate(LINES[:3]):
         want_ids, want_mask = chat.encode(to_messages(obj))
         assert ids[k] == want_ids.tolist() and masks[k] == want_mask.tolist()
+
+
+def test_example_conversations_from_a_wheel(tmp_path):
+    """tools/make_example_conversations.py on a wheel-shaped zip of chatterbot-corpus YAML."""
+    import zipfile
+
+    wheel = tmp_path / "chatterbot_corpus-1.2.0-py2.py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("chatterbot_corpus/data/english/ai.yml",
+                   "categories:\n- AI\nconversations:\n- - What is AI?\n  - A field.\n"
+                   "- - Are you sentient?\n  - Sort of.\n  - Really?\n- - lonely\n")
+        z.writestr("chatterbot_corpus/data/english/food.yml",
+                   "conversations:\n- - Do you eat?\n  - Only electricity.\n")
+    tool = os.path.join(ROOT, "tools", "make_example_conversations.py")
+    outs = []
+    for run in range(2):
+        out = subprocess.run([sys.executable, tool, "--wheel", str(wheel), "--output-dir", str(tmp_path / f"o{run}")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr
+        outs.append([(tmp_path / f"o{run}" / n).read_text() for n in ("conversations.jsonl", "preferences.jsonl")])
+    assert outs[0] == outs[1]  # deterministic
+    convs = [json.loads(x) for x in outs[0][0].splitlines()]
+    assert len(convs) == 3  # the one-utterance dialog is dropped
+    assert [m["role"] for m in convs[1]["messages"]] == ["system", "user", "assistant"]  # odd length trimmed
+    assert convs[0]["messages"][1:] == [{"role": "user", "content": "What is AI?"},
+                                        {"role": "assistant", "content": "A field."}]
+    prefs = [json.loads(x) for x in outs[0][1].splitlines()]
+    assert prefs[2] == {"prompt": "Do you eat?", "chosen": "Only electricity.", "rejected": prefs[2]["rejected"]}
+    assert prefs[2]["rejected"] in ("A field.", "Sort of.")  # another topic's reply
+    bad = subprocess.run([sys.executable, tool, "--wheel", str(tmp_path / "none.whl"), "--output-dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "none.whl" in bad.stderr

@@ -15,10 +15,13 @@ writes, deterministically:
   assistant's), one line per dialog of at least two utterances;
 - ``{out}/preferences.jsonl``: ``{"prompt", "chosen", "rejected"}`` per dialog: the prompt is
   the dialog's last user turn, ``chosen`` the corpus reply, ``rejected`` a reply from a dialog of
-  another topic picked by ``numpy.random.RandomState(seed)``; a model that read the prompt
-  prefers the first, so DPO accuracy rises above chance on held-out pairs.
+  another topic picked by ``numpy.random.RandomState(seed)``: telling them apart needs the
+  prompt, which is what a DPO accuracy on held-out pairs measures.
 
-Run: ``python tools/make_example_conversations.py --wheel DIR/chatterbot_corpus-1.2.0-py2.py3-none-any.whl --output-dir data/chat``.
+Run::
+
+    python tools/make_example_conversations.py \\
+        --wheel DIR/chatterbot_corpus-1.2.0-py2.py3-none-any.whl --output-dir data/chat
 """
 
 from __future__ import annotations

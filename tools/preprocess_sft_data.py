@@ -186,7 +186,8 @@ def encode_chunk(path: str, first_line: int, lines: List[str]) -> List[Tuple[int
         try:
             status, value = encode_line(line)
         except (json.JSONDecodeError, ConversationError) as e:
-            message = f"{path}:{n}: {'malformed JSON' if isinstance(e, json.JSONDecodeError) else 'not a conversation'} ({e})"
+            what = "malformed JSON" if isinstance(e, json.JSONDecodeError) else "not a conversation"
+            message = f"{path}:{n}: {what} ({e})"
             if not _W["skip"]:
                 raise InputError(message) from None
             status, value = "invalid", message

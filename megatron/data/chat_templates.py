@@ -255,8 +255,11 @@ class HFChatTokenizer:
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         if not messages:  # a conversation opening with the assistant: its prompt is empty
             return ""
-        return self.tok.apply_chat_template(list(messages), tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tok.apply_chat_template(list(messages), tokenize=False,
+                                                add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - the template's raise_exception, or any Jinja error
+            raise ConversationError(f"the chat template refused it ({type(e).__name__}: {e})") from None
 
     def encode(self, messages: Sequence[dict], first: int = 0) -> Tuple[np.ndarray, np.ndarray]:
         """``(int64 ids, uint8 mask)`` of one conversation; the mask covers the assistant messages

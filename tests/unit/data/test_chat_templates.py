@@ -103,6 +103,15 @@ def test_template_that_rewrites_history_is_reported(tmp_path):
         chat.encode(CHAT)
 
 
+def test_template_exception_is_a_conversation_error(tmp_path):
+    strict = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+              "{% endif %}{{ m['content'] }}{% endfor %}")
+    chat = ct.HFChatTokenizer(_tiny_hf_folder(tmp_path / "tok", strict))
+    with pytest.raises(ct.ConversationError, match="no system role"):
+        chat.encode(CHAT)
+    assert chat.encode(CHAT[1:3])[1].sum() > 0
+
+
 def test_formats_detected_and_converted():
     assert ct.to_messages({"messages": CHAT}) == CHAT
     share = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},

@@ -94,22 +94,21 @@ def test_hf_folder_with_custom_code_is_refused(tmp_path):
         ct.HFChatTokenizer(folder)
 
 
-def test_template_that_rewrites_history_is_reported(tmp_path):
-    # Drops earlier assistant turns unless last: prefixes are not prefixes of the whole.
-    rewriting = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
-                 "{{ m['role'] }} {{ m['content'] }} {% endif %}{% endfor %}")
-    chat = ct.HFChatTokenizer(_tiny_hf_folder(tmp_path / "tok", rewriting))
-    with pytest.raises(ct.ConversationError, match="not a prefix"):
-        chat.encode(CHAT)
+# Drops earlier assistant turns unless last: prefixes are not prefixes of the whole.
+REWRITING = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+             "{{ m['role'] }} {{ m['content'] }} {% endif %}{% endfor %}")
+STRICT = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+          "{% endif %}{{ m['content'] }}{% endfor %}")
 
 
-def test_template_exception_is_a_conversation_error(tmp_path):
-    strict = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
-              "{% endif %}{{ m['content'] }}{% endfor %}")
-    chat = ct.HFChatTokenizer(_tiny_hf_folder(tmp_path / "tok", strict))
-    with pytest.raises(ct.ConversationError, match="no system role"):
+@pytest.mark.parametrize("template, match", [(REWRITING, "not a prefix"), (STRICT, "no system role")],
+                         ids=["rewrites-history", "raises"])
+def test_unmaskable_conversation_is_reported(tmp_path, template, match):
+    chat = ct.HFChatTokenizer(_tiny_hf_folder(tmp_path / "tok", template))
+    with pytest.raises(ct.ConversationError, match=match):
         chat.encode(CHAT)
-    assert chat.encode(CHAT[1:3])[1].sum() > 0
+    if template is STRICT:
+        assert chat.encode(CHAT[1:3])[1].sum() > 0
 
 
 def test_formats_detected_and_converted():

@@ -305,11 +305,14 @@ class SentencePieceChatTokenizer:
         (SentencePiece gives UTF-8 byte offsets; mapped back to characters), shifted by ``base``."""
         if not text:
             return
-        proto = self.sp.encode(text, return_type="proto")
-        char_end_bytes = np.cumsum([len(c.encode("utf-8")) for c in text])
-        for piece in proto.pieces:
-            ids.append(piece.id)
-            starts.append(base + int(np.searchsorted(char_end_bytes, piece.begin, side="right")))
+        pieces = self.sp.encode(text, return_type="proto").pieces
+        ids += [p.id for p in pieces]
+        begins = [p.begin for p in pieces]
+        if text.isascii():  # bytes are characters
+            starts += [base + b for b in begins]
+            return
+        char_end_bytes = np.cumsum(np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text)))
+        starts += (base + np.searchsorted(char_end_bytes, begins, side="right")).tolist()
 
     def encode(self, messages: Sequence[dict], first: int = 0) -> Tuple[np.ndarray, np.ndarray]:
         """``(int64 ids, uint8 mask)`` of one conversation; the mask covers the assistant messages

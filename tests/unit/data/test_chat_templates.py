@@ -123,6 +123,11 @@ def test_formats_detected_and_converted():
     assert ct.to_messages(alpaca) == [{"role": "user", "content": "Add\n\n2 and 2"},
                                       {"role": "assistant", "content": "4"}]
     assert ct.to_messages({"instruction": "Hi", "input": "", "output": "Yo"})[0]["content"] == "Hi"
+    # A named format (--conversation-format) is not guessed: a line of another format is an error.
+    with pytest.raises(ct.ConversationError, match="Alpaca record without"):
+        ct.to_messages({"messages": CHAT}, "alpaca")
+    with pytest.raises(ct.ConversationError, match="no 'conversations'"):
+        ct.to_messages({"messages": CHAT}, "sharegpt")
     for bad, match in (({"text": "x"}, "no conversation"),
                        ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
                        ({"messages": [{"role": "user", "content": 3}]}, "expected a string"),
@@ -210,3 +215,18 @@ def test_sentencepiece_mask_is_exactly_the_assistant_text(template):
 def test_mask_from_offsets():
     got = ct.mask_from_offsets([(0, 2), (2, 5), (5, 6), (6, 9)], [(2, 6)])
     assert got.tolist() == [0, 1, 1, 0] and got.dtype == np.uint8
+
+
+@pytest.mark.skipif(not os.path.isfile(SP_MODEL), reason="the 32k SentencePiece model is not beside the repository")
+@pytest.mark.parametrize("template", sorted(ct.BUILTIN_TEMPLATES))
+def test_sentencepiece_mask_with_non_ascii_text(template):
+    """UTF-8 byte offsets mapped back to characters: the masked ids decode to the reply."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=SP_MODEL)
+    reply = "Grüße aus Köln, 日本語も"
+    messages = [{"role": "user", "content": "Schöne Grüße? ça va"}, {"role": "assistant", "content": reply}]
+    ids, mask = ct.SentencePieceChatTokenizer(SP_MODEL, template).encode(messages)
+    masked = sp.decode([i for i, m in zip(ids.tolist(), mask.tolist()) if m])
+    unmasked = sp.decode([i for i, m in zip(ids.tolist(), mask.tolist()) if not m])
+    assert masked.strip().startswith(reply) and "Köln" not in unmasked and "ça va" in unmasked

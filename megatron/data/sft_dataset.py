@@ -31,8 +31,9 @@ Each sample (numpy; ``s`` = ``seq_length``):
   valid entries are those ``>= 0`` (NeMo's padded ``cu_seqlens`` convention).
 
 A conversation longer than ``seq_length + 1`` tokens is truncated to its first ``seq_length + 1``
-(``truncate=True``) or skipped; documents of fewer than 2 tokens are skipped. Both are counted
-in :attr:`SFTDataset.report`.
+(``truncate=True``) or skipped; a truncated one whose kept labels hold no assistant token is
+skipped; documents of fewer than 2 tokens are skipped. All are counted in
+:attr:`SFTDataset.report`.
 
 Determinism: the packing of every epoch is a function of ``(seed, epoch, documents, lengths)``;
 sample ``i`` is the same whatever was read before, so resuming at sample ``i`` is exact.
@@ -118,7 +119,8 @@ class SFTDataset:
         split: split name in the cache's file names.
 
     Attributes:
-        report: ``{"documents", "truncated", "skipped_long", "skipped_short", "samples_per_epoch"}``.
+        report: ``{"documents", "truncated", "skipped_long", "skipped_no_loss_after_truncation",
+            "skipped_short", "samples_per_epoch"}``.
 
     Raises:
         IndexedDatasetError: a dataset is missing or damaged, or the two datasets' documents or
@@ -149,8 +151,14 @@ class SFTDataset:
                            self.tokens.sizes[np.minimum(doc_idx[documents], len(self.tokens.sizes) - 1)], 0)
         long, short = lengths > seq_length + 1, lengths < 2
         keep = ~short & (~long if not truncate else True)
+        # A truncated conversation whose kept part has no assistant label is skipped, not trained on.
+        no_loss = np.zeros_like(keep)
+        for k in np.flatnonzero(long & keep):
+            no_loss[k] = not self.masks.get(int(doc_idx[documents[k]]), 1, seq_length).any()
+        keep &= ~no_loss
         self.report: Dict[str, int] = {"documents": int(keep.sum()), "truncated": int((long & keep).sum()),
-                                       "skipped_long": int((long & ~keep).sum()),
+                                       "skipped_long": int((long & ~keep & ~no_loss).sum()),
+                                       "skipped_no_loss_after_truncation": int(no_loss.sum()),
                                        "skipped_short": int(short.sum())}
         self.documents = documents[keep]
         self.positions = np.minimum(lengths[keep], seq_length + 1) - 1  # positions each one fills

@@ -81,15 +81,17 @@ def test_deterministic_per_seed_and_index(tmp_path):
 
 
 def test_long_conversations_truncated_or_skipped(tmp_path):
-    docs = [np.arange(1, 6), np.arange(1, 40), np.array([5])]
-    masks = [np.array([0, 0, 1, 1, 1], np.uint8), np.ones(39, np.uint8), np.ones(1, np.uint8)]
+    # The last one's assistant tokens all lie beyond what truncation keeps (labels 1..16).
+    docs = [np.arange(1, 6), np.arange(1, 40), np.array([5]), np.arange(1, 30)]
+    masks = [np.array([0, 0, 1, 1, 1], np.uint8), np.ones(39, np.uint8), np.ones(1, np.uint8),
+             (np.arange(29) >= 17).astype(np.uint8)]
     prefix = _write(str(tmp_path / "l"), docs, masks)
     cut = SFTDataset(prefix, 16, packed=False, shuffle=False)
     assert cut.report == {"documents": 2, "truncated": 1, "skipped_long": 0, "skipped_short": 1,
-                          "samples_per_epoch": 2}
+                          "skipped_no_loss_after_truncation": 1, "samples_per_epoch": 2}
     assert (cut[1]["tokens"] == np.arange(1, 17)).all() and (cut[1]["labels"] == np.arange(2, 18)).all()
     skip = SFTDataset(prefix, 16, packed=False, truncate=False, shuffle=False)
-    assert skip.report["skipped_long"] == 1 and len(skip) == 1
+    assert skip.report["skipped_long"] == 2 and len(skip) == 1
     assert skip[0]["loss_mask"].tolist() == [0, 1, 1, 1] + [0] * 12
 
 

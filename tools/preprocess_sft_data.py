@@ -37,6 +37,7 @@ so a failed run leaves no partial dataset.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import multiprocessing
 import os
@@ -68,7 +69,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", type=str, required=True,
-                       help="A .jsonl file, a glob of them, or a folder holding them.")
+                       help="A .jsonl or .jsonl.gz file, a glob of them, or a folder holding them.")
     group.add_argument("--conversation-format", default="auto", choices=("auto",) + CONVERSATION_FORMATS,
                        help="messages (OpenAI/HF), sharegpt (conversations: from/value), alpaca "
                             "(instruction/input/output); auto detects it per line.")
@@ -102,7 +103,8 @@ def input_files(pattern: str) -> List[str]:
 def read_chunks(files: List[str]) -> Iterator[Tuple[str, int, List[str]]]:
     """``(path, first line number, lines)`` in input order."""
     for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
             lines, first = [], 1
             for n, line in enumerate(f, 1):
                 lines.append(line)

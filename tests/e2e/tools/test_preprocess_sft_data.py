@@ -77,6 +77,20 @@ def test_formats_masks_and_report(tmp_path, hf_folder, workers):
     assert ds[0]["loss_mask"].sum() == sum(masks[0][1:])
 
 
+def test_gzip_input_equals_plain(tmp_path, hf_folder):
+    import gzip
+
+    plain = _write_jsonl(tmp_path / "in.jsonl", LINES[:3])
+    with open(plain, "rb") as f, gzip.open(tmp_path / "in.jsonl.gz", "wb") as g:
+        g.write(f.read())
+    for name in ("in.jsonl", "in.jsonl.gz"):
+        out = _run("--input", str(tmp_path / name), "--output-prefix", str(tmp_path / name.replace(".", "_")),
+                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path", hf_folder)
+        assert out.returncode == 0, out.stderr
+    for suffix in ("_text_document.bin", "_text_loss_mask_document.bin"):
+        assert (tmp_path / f"in_jsonl{suffix}").read_bytes() == (tmp_path / f"in_jsonl_gz{suffix}").read_bytes()
+
+
 def test_invalid_lines_stop_or_are_skipped(tmp_path, hf_folder):
     src = _write_jsonl(tmp_path / "in.jsonl", LINES[:2], extra='{"text": "no chat"}\nnot json\n')
     flags = ["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "HuggingFaceTokenizer",

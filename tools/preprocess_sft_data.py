@@ -294,6 +294,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     run(get_args(argv))
 
 
+USAGE_ERRORS = (InputError, FileNotFoundError, FileExistsError, IndexedDatasetError, ValueError)
+
+
+def cli(argv: Optional[List[str]] = None) -> int:
+    """The command: 0, or 2 after one line ``preprocess_sft_data.py: error: ...`` on stderr."""
+    return run_command("preprocess_sft_data.py", main, argv, usage_errors=USAGE_ERRORS)
+
+
 if __name__ == "__main__":
-    sys.exit(run_command("preprocess_sft_data.py", main, usage_errors=(
-        InputError, FileNotFoundError, FileExistsError, IndexedDatasetError, ValueError)))
+    sys.exit(cli())

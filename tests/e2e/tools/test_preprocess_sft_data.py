@@ -32,8 +32,22 @@ LINES = [
 ]
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+def _run(*args, subprocess_run=False):
+    """The tool on ``args``: in this process (fast; the tokenizer libraries are loaded once), or as
+    a command when its exit status and stderr are what the test checks."""
+    if subprocess_run:
+        return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=600)
+    import contextlib
+    import io
+    import types
+
+    from tools import preprocess_sft_data
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = preprocess_sft_data.cli(list(args))
+    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def _write_jsonl(path, objs, extra=""):
@@ -95,7 +109,7 @@ def test_invalid_lines_stop_or_are_skipped(tmp_path, hf_folder):
     src = _write_jsonl(tmp_path / "in.jsonl", LINES[:2], extra='{"text": "no chat"}\nnot json\n')
     flags = ["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "HuggingFaceTokenizer",
              "--tokenizer-name-or-path", hf_folder]
-    out = _run(*flags)
+    out = _run(*flags, subprocess_run=True)
     assert out.returncode == 2 and "in.jsonl:3" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "o_text_document.idx")
     out = _run(*flags, "--skip-invalid")
@@ -133,7 +147,7 @@ def test_preference_pairs_aligned(tmp_path, hf_folder):
 ])
 def test_usage_errors_one_line(tmp_path, flags, match):
     src = _write_jsonl(tmp_path / "in.jsonl", LINES[:1])
-    out = _run("--input", src, "--output-prefix", str(tmp_path / "o"), *flags)
+    out = _run("--input", src, "--output-prefix", str(tmp_path / "o"), *flags, subprocess_run=True)
     assert out.returncode == 2 and match in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 

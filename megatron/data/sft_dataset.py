@@ -28,7 +28,12 @@ Each sample (numpy; ``s`` = ``seq_length``):
 - ``document_ids`` int64 ``[s]``: ``0 .. k-1`` for the sample's ``k`` documents, ``k`` on padding,
 - ``cu_seqlens`` int32 ``[s + 1]``: segment boundaries ``0, n_0, n_0 + n_1, ..., s`` (the padding is
   the last segment), then ``-1`` up to the fixed length (so samples stack into a batch); the
-  valid entries are those ``>= 0`` (NeMo's padded ``cu_seqlens`` convention).
+  valid entries are those ``>= 0`` (NeMo's padded ``cu_seqlens`` convention),
+- ``max_seqlen`` int32 ``[]``: the longest segment.
+
+The keys are those of Megatron-LM's ``SFTDataset`` (``megatron/training/datasets/sft_dataset.py``:
+``tokens``, ``labels``, ``loss_mask``, ``position_ids``, ``cu_seqlens``, ``max_seqlen``), plus
+``document_ids``; ``cu_seqlens`` is padded to a fixed length here so that samples collate.
 
 A conversation longer than ``seq_length + 1`` tokens is truncated to its first ``seq_length + 1``
 (``truncate=True``) or skipped; a truncated one whose kept labels hold no assistant token is
@@ -245,7 +250,8 @@ class SFTDataset:
         cu_seqlens = np.full(s + 1, -1, dtype=np.int32)
         cu_seqlens[:len(cu)] = cu
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-                "document_ids": document_ids, "cu_seqlens": cu_seqlens}
+                "document_ids": document_ids, "cu_seqlens": cu_seqlens,
+                "max_seqlen": np.array(max(np.diff(cu)), dtype=np.int32)}
 
 
 def _mask_prefix(path_prefix: str) -> str:

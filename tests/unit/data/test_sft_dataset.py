@@ -47,6 +47,7 @@ def test_every_document_once_per_epoch_and_segments_exact(tmp_path, packed):
         assert sample["cu_seqlens"].shape == (s + 1,) and sample["cu_seqlens"].dtype == np.int32
         segs = _segments(sample)
         assert segs[0][0] == 0 and segs[-1][1] == s
+        assert sample["max_seqlen"] == max(b - a for a, b in segs)
         docs_here = ds._locate(i)
         assert len(segs) in (len(docs_here), len(docs_here) + 1)
         for k, (a, b) in enumerate(segs):

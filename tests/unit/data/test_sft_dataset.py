@@ -148,3 +148,14 @@ def test_blend_of_two_sft_datasets(tmp_path):
         src = (a, b)[int(blend.dataset_index[i])][int(blend.dataset_sample_index[i])]
         assert all((blend[i][k] == src[k]).all() for k in src)
     assert sorted(set(blend.dataset_index.tolist())) == [0, 1]
+
+
+def test_samples_collate_into_a_batch(tmp_path):
+    import torch
+    from torch.utils.data import default_collate
+
+    prefix, _, _ = _corpus(tmp_path)
+    ds = SFTDataset(prefix, 32, seed=1)
+    batch = default_collate([ds[0], ds[1], ds[2]])
+    assert batch["tokens"].shape == (3, 32) and batch["cu_seqlens"].shape == (3, 33)
+    assert batch["cu_seqlens"].dtype == torch.int32 and batch["max_seqlen"].shape == (3,)

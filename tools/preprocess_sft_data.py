@@ -126,13 +126,13 @@ def pair_messages(obj: dict, side: str) -> Tuple[List[dict], int]:
         raise ConversationError(f"a preference pair needs 'chosen' and 'rejected' (keys: "
                                 f"{', '.join(map(repr, obj)) if isinstance(obj, dict) else type(obj).__name__})")
 
-    def part(value, role, what):
+    def part(value, role):
         if isinstance(value, str):
             return [{"role": role, "content": value}]
         return to_messages({"messages": value}, "messages") if value is not None else []
 
-    prompt = part(obj.get("prompt"), "user", "prompt")
-    return prompt + part(obj[side], "assistant", side), len(prompt)
+    prompt = part(obj.get("prompt"), "user")
+    return prompt + part(obj[side], "assistant"), len(prompt)
 
 
 _W: Dict = {}

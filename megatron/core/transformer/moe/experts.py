@@ -7,7 +7,8 @@ from a generator seeded by ``(seed, layer, "mlp.experts.<global index>.…")``, 
 weights do not depend on the expert-parallel size or on which rank builds it.
 
 ``--moe-grouped-gemm`` runs both matmuls as one ``torch._grouped_mm`` each (fp32, bf16 and fp16
-on CPU in torch 2.13; fp64 is not supported by the kernel and takes the loop). Without it, a loop
+on CPU in torch 2.13, with h and f rows a multiple of 16 bytes; fp64 and other widths take the
+loop). Without it, a loop
 over the experts. Both give the same bits on CPU for the shapes tested
 (tests/unit/core/transformer/moe/test_experts.py).
 """
@@ -36,9 +37,13 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_mm_available(dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` takes ``dtype`` (the kernel exists and knows it)."""
-    return hasattr(torch, "_grouped_mm") and dtype in GROUPED_MM_DTYPES
+def grouped_mm_available(dtype: torch.dtype, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``dtype`` and rows of these ``widths``: the kernel
+    exists, knows the dtype, and every row stride is a multiple of 16 bytes (it refuses others)."""
+    if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES:
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(w * size % 16 == 0 for w in widths)
 
 
 class GroupedMLP(torch.nn.Module):
@@ -58,7 +63,8 @@ class GroupedMLP(torch.nn.Module):
                  device=None):
         super().__init__()
         self.num_local_experts = num_local_experts
-        self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype)
+        self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype, hidden_size,
+                                                                    ffn_hidden_size)
         w1 = torch.empty(num_local_experts, 2 * ffn_hidden_size, hidden_size)
         w2 = torch.empty(num_local_experts, hidden_size, ffn_hidden_size)
         for i in range(num_local_experts):

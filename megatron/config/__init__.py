@@ -9,7 +9,8 @@ that uses it) and whose field docstrings give the flag, the unit and the default
 - :class:`OptimizerConfig`, :class:`SchedulerConfig` (``megatron.core.optimizer``);
 - :class:`TrainingConfig` (``training.py``): batches, length, evaluation, stopping;
 - :class:`DataConfig` (``data.py``): datasets, loading and the tokenizer;
-- :class:`CheckpointConfig` (``checkpoint.py``), :class:`LoggingConfig` (``logging.py``).
+- :class:`CheckpointConfig` (``checkpoint.py``), :class:`LoggingConfig` (``logging.py``);
+- :class:`MoEConfig` (``moe.py``): the mixture-of-experts flags.
 
 :func:`build_config` (``builder.py``) is the only reader of the argparse namespace and computes
 the derived values; :func:`checkpoint_args` (``saved_args.py``) turns a configuration back into
@@ -26,13 +27,14 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.saved_args import checkpoint_args
 from megatron.config.training import TrainingConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerConfig
 
 __all__ = ["CheckpointConfig", "Config", "DataConfig", "FLAGS_NOT_IN_CONFIG", "LoggingConfig",
-           "ModelConfig", "OptimizerConfig", "ParallelConfig", "SchedulerConfig",
+           "ModelConfig", "MoEConfig", "OptimizerConfig", "ParallelConfig", "SchedulerConfig",
            "TrainingConfig", "build_config", "build_model_config", "checkpoint_args",
            "params_dtype_from_args", "rope_scaling_from_args"]
 
@@ -54,6 +56,7 @@ class Config:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    moe: MoEConfig = MoEConfig()
 
     def __post_init__(self):
         for flag, a, b in (

@@ -8,7 +8,7 @@ flag's default. The dataclass defaults are the flags' defaults, so tests and too
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -22,10 +22,10 @@ class MoEConfig:
     ``--ffn-hidden-size`` (filled by validation)."""
     moe_router_topk: int = 2
     """``--moe-router-topk``: experts per token, k. Default 2."""
-    moe_layer_freq: Tuple[int, ...] = ()
-    """``--moe-layer-freq``: which layers are MoE, one 0/1 per layer (validation expands an
-    integer N to every N-th layer, or reads a pattern such as ``([1]*3+[0]*1)*2``); default 1
-    (every layer). Empty: no MoE layer (dense model)."""
+    moe_layer_freq: Union[int, Tuple[int, ...]] = 1
+    """``--moe-layer-freq``: which layers are MoE; with ``--num-experts`` one 0/1 per layer
+    (validation expands an integer N to every N-th layer, or reads a pattern such as
+    ``([1]*3+[0]*1)*2``); default 1 (every layer). A dense model keeps the flag's value, unread."""
     moe_router_score_function: str = "softmax"
     """``--moe-router-score-function``: ``softmax`` (Mixtral, Qwen, OLMoE) or ``sigmoid``
     (DeepSeek-V3, Llama 4). Default softmax."""

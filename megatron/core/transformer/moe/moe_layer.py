@@ -19,7 +19,8 @@ Losses, how they are collected: each forward adds the losses' whole values (deta
 over their token set) to ``self.loss_sums`` (names as Megatron-Core logs them:
 ``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``,
 ``z_loss``) and counts ``self.num_forwards``; :func:`collect_aux_losses` reads (and resets)
-them per layer for the log line, averaged over the micro-batches. Their gradients need no
+them for the log line, averaged over the micro-batches, summed over layers (and per layer with
+``--moe-per-layer-logging``). Their gradients need no
 collection: they enter backward through the output (``aux_loss_scale``, see ``moe_utils``).
 Training must sum the router's and shared expert's weight gradients over ``token_group`` when it
 splits tokens (they carry ``sequence_parallel = True``, as norm weights do), and multiply the
@@ -53,7 +54,8 @@ class MoELayer(torch.nn.Module):
 
     Args:
         config: the MoE section (:class:`~megatron.config.moe.MoEConfig`).
-        hidden_size: h. ffn_hidden_size: each expert's width (``--moe-ffn-hidden-size``).
+        hidden_size: h. ffn_hidden_size: each expert's width; default
+            ``config.moe_ffn_hidden_size`` (``--moe-ffn-hidden-size``).
         seed / layer_number / init_method_std / num_layers: the initialisation; the router from
             ``(seed, layer, "mlp.router")``, expert e from ``(seed, layer, "mlp.experts.e.…")``.
         ep_group / token_group / dp_group: see the module.
@@ -62,7 +64,8 @@ class MoELayer(torch.nn.Module):
         ValueError: E not divisible by the expert-parallel size.
     """
 
-    def __init__(self, config: MoEConfig, *, hidden_size: int, ffn_hidden_size: int, seed: int,
+    def __init__(self, config: MoEConfig, *, hidden_size: int, seed: int,
+                 ffn_hidden_size: Optional[int] = None,
                  layer_number: int, init_method_std: float = 0.02, num_layers: int = 1,
                  params_dtype=torch.float32, device=None, ep_group=None, token_group=None,
                  dp_group=None):
@@ -74,6 +77,8 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"--num-experts ({experts}) must be divisible by "
                              f"--expert-model-parallel-size ({ep})")
         local = experts // ep
+        if ffn_hidden_size is None:
+            ffn_hidden_size = config.moe_ffn_hidden_size
         ep_rank = torch.distributed.get_rank(ep_group) if ep > 1 else 0
         init = dict(seed=seed, layer_number=layer_number, init_method_std=init_method_std,
                     num_layers=num_layers, params_dtype=params_dtype, device=device)
@@ -181,15 +186,30 @@ class MoELayer(torch.nn.Module):
         return out.view(s, b, h)
 
 
-def collect_aux_losses(model: torch.nn.Module, reset: bool = True) -> Dict[int, Dict[str, float]]:
-    """``{layer_number: {loss name: mean over the forwards since the last reset}}`` of every
-    :class:`MoELayer` of ``model`` (for the log line; the sum over layers is the logged
-    ``load_balancing_loss`` / ``z_loss``, each layer's with ``--moe-per-layer-logging``)."""
-    out = {}
+def is_moe_layer(config: MoEConfig, layer_number: int) -> bool:
+    """Whether global layer ``layer_number`` (1-based) is MoE (``--moe-layer-freq``'s pattern)."""
+    if not config.is_moe:
+        return False
+    pattern = config.moe_layer_freq
+    if isinstance(pattern, int):  # not expanded (a config built in code): every N-th layer
+        return (layer_number - 1) % pattern == 0
+    return layer_number <= len(pattern) and bool(pattern[layer_number - 1])
+
+
+def collect_aux_losses(model: torch.nn.Module, reset: bool = True) -> Dict[str, float]:
+    """The router losses of every :class:`MoELayer` of ``model`` for the log line, each the mean
+    over the forwards (micro-batches) since the last reset: ``{name: sum over layers}`` (as
+    Megatron-Core logs ``load_balancing_loss`` and ``z_loss``), plus ``"<name> layer <n>"`` per
+    layer with ``--moe-per-layer-logging``."""
+    out: Dict[str, float] = {}
     for module in model.modules():
-        if isinstance(module, MoELayer) and module.num_forwards:
-            out[module.layer_number] = {name: float(v) / module.num_forwards
-                                        for name, v in module.loss_sums.items()}
-            if reset:
-                module.loss_sums, module.num_forwards = {}, 0
+        if not (isinstance(module, MoELayer) and module.num_forwards):
+            continue
+        for name, total in module.loss_sums.items():
+            value = float(total) / module.num_forwards
+            out[name] = out.get(name, 0.0) + value
+            if module.config.moe_per_layer_logging:
+                out[f"{name} layer {module.layer_number}"] = value
+        if reset:
+            module.loss_sums, module.num_forwards = {}, 0
     return out

@@ -52,7 +52,8 @@ def test_aux_loss_value_and_gradient(score_function):
     ref.backward()
     torch.testing.assert_close(layer.last_losses["load_balancing_loss"], ref.detach())
     torch.testing.assert_close(layer.router.weight.grad, w.grad, rtol=1e-6, atol=1e-9)
-    assert collect_aux_losses(layer) == {1: {"load_balancing_loss": pytest.approx(ref.item())}}
+    assert collect_aux_losses(layer) == {"load_balancing_loss": pytest.approx(ref.item())}
+    assert collect_aux_losses(layer) == {}  # reset
 
 
 def test_seq_aux_loss_is_the_mean_over_sequences():
@@ -102,3 +103,35 @@ def test_expert_bias_sign_rule_and_counts():
     assert torch.equal(layer.router.local_tokens_per_expert, torch.zeros(E))
     assert "router.expert_bias" in layer.state_dict()
     assert "router.local_tokens_per_expert" not in layer.state_dict()
+
+
+def test_collect_sums_layers_and_logs_each_with_per_layer_logging():
+    import dataclasses
+    layers = torch.nn.ModuleList([_layer(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-3)
+                                  for _ in range(2)])
+    layers[1].layer_number = 2
+    x = torch.randn(4, 2, H)
+    values = []
+    for micro_batch in range(2):  # the mean over micro-batches
+        for layer in layers:
+            layer(x + micro_batch)
+            values.append(dict(layer.last_losses))
+    mean = lambda i, name: (float(values[i][name]) + float(values[i + 2][name])) / 2
+    got = collect_aux_losses(layers, reset=False)
+    assert got == {"load_balancing_loss": pytest.approx(mean(0, "load_balancing_loss") +
+                                                        mean(1, "load_balancing_loss")),
+                   "z_loss": pytest.approx(mean(0, "z_loss") + mean(1, "z_loss"))}
+    for layer in layers:
+        layer.config = dataclasses.replace(layer.config, moe_per_layer_logging=True)
+    got = collect_aux_losses(layers)
+    assert got["z_loss layer 2"] == pytest.approx(mean(1, "z_loss"))
+    assert len(got) == 6
+
+
+def test_is_moe_layer():
+    from megatron.core.transformer.moe import is_moe_layer
+    cfg = MoEConfig(num_experts=4, moe_layer_freq=(0, 1, 1))
+    assert [is_moe_layer(cfg, n) for n in (1, 2, 3)] == [False, True, True]
+    assert not is_moe_layer(MoEConfig(), 1)
+    assert [is_moe_layer(MoEConfig(num_experts=2, moe_layer_freq=2), n) for n in (1, 2, 3)] == \
+        [True, False, True]

@@ -271,10 +271,31 @@ def _validate_groups(args, experts, topk):
 
 
 def validate_moe(args, defaults: dict) -> None:
-    """:func:`validate_moe_flags`, then the refusal of a run that asks for MoE: the layer is built
-    and tested (``megatron.core.transformer.moe``) but not yet wired into the model."""
+    """:func:`validate_moe_flags`, then what training does not yet run with experts: the layer is
+    wired into ``LlamaModel`` on one expert-parallel and one tensor-parallel rank (PP, DP and
+    virtual stages work); the rest waits for the expert process groups, the per-iteration bias
+    update and the loss logging."""
     validate_moe_flags(args, defaults)
-    if args.num_experts is not None:
-        raise UsageError(f"--num-experts {args.num_experts}: the mixture-of-experts layer "
-                         "(megatron/core/transformer/moe, docs/moe.md) is built but not yet wired "
-                         "into LlamaModel training; remove the MoE flags")
+    if args.num_experts is None:
+        return
+    refused = [
+        (args.tensor_model_parallel_size > 1,
+         f"--tensor-model-parallel-size {args.tensor_model_parallel_size}"),
+        (args.context_parallel_size > 1, f"--context-parallel-size {args.context_parallel_size}"),
+        (getattr(args, "expert_model_parallel_size", 1) not in (None, 1),
+         f"--expert-model-parallel-size {getattr(args, 'expert_model_parallel_size', 1)}"),
+        (args.calculate_per_token_loss, "--calculate-per-token-loss"),
+        (args.rampup_batch_size is not None, "--rampup-batch-size"),
+        (args.recompute_granularity is not None or args.recompute_activations,
+         "--recompute-granularity / --recompute-activations"),
+        (args.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+        (args.moe_router_load_balancing_type == "global_aux_loss",
+         "--moe-router-load-balancing-type global_aux_loss"),
+        (getattr(args, "use_megatron_fsdp", False), "--use-megatron-fsdp"),
+    ]
+    for bad, flag in refused:
+        if bad:
+            raise UsageError(f"--num-experts with {flag} is not supported yet: the MoE layer is "
+                             "wired into training on one tensor-, context- and expert-parallel "
+                             "rank (pipeline and data parallelism work; docs/moe.md); remove "
+                             f"{flag.split(' /')[0].split(' ')[0]}")

@@ -14,6 +14,7 @@ from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention import SelfAttention
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
+from megatron.core.transformer.moe import MoELayer, is_moe_layer
 from megatron.model.mlp import SwiGLUMLP
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
@@ -43,9 +44,14 @@ class TransformerLayer(torch.nn.Module):
         layer_number: global 1-based layer number (kept as ``self.layer_number``; seeds init).
         pg_collection: the process groups of the attention and MLP blocks.
         device: device of the parameters.
+        moe_config: the MoE section; the layers ``--moe-layer-freq`` names get a
+            :class:`~megatron.core.transformer.moe.MoELayer` as their MLP (one expert-parallel
+            rank, one tensor-parallel rank: validation refuses the rest until the expert groups
+            are wired). None: a dense model.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None):
+    def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None,
+                 moe_config=None):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
@@ -56,7 +62,13 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, pg_collection=pg_collection,
                                             device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = SwiGLUMLP(config, layer_number, pg_collection=pg_collection, device=device)
+        if moe_config is not None and is_moe_layer(moe_config, layer_number):
+            self.mlp = MoELayer(moe_config, hidden_size=config.hidden_size, seed=config.seed,
+                                layer_number=layer_number, init_method_std=config.init_method_std,
+                                num_layers=config.num_layers, params_dtype=config.params_dtype,
+                                device=device)
+        else:
+            self.mlp = SwiGLUMLP(config, layer_number, pg_collection=pg_collection, device=device)
         self.recompute_norms = "layernorm" in selective_modules(config)
 
     def _norm_then(self, norm, block, hidden, *args):

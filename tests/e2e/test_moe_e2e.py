@@ -1,5 +1,6 @@
 """End to end: pretrain_llama.py with mixture-of-experts layers (--num-experts 4
---moe-router-topk 2, load-balancing and z losses on) at PP=2 and at DP=2 gives one process's
+--moe-router-topk 2, load-balancing and z losses on) at PP=2 (with and without virtual stages)
+and at DP=2 (with and without the distributed optimizer) gives one process's
 losses, grad norms and validation losses (rtol 1e-6, 20 iterations, clipping on every one), with
 and without a capacity that drops tokens; saved half-way at PP=2 (torch and torch_dist) and
 resumed, it continues the uninterrupted run exactly. The layer is wired at TP = CP = EP = 1 (docs/moe.md)."""
@@ -40,7 +41,11 @@ def test_moe_pp2_and_dp2_match_one_process(single, data_prefix, tmp_path_factory
     cache = str(tmp_path_factory.mktemp("moe_cache2"))
     runs = [("pp2", _argv(data_prefix, cache, *layout_args(1, 2))),
             ("dp2", _argv(data_prefix, cache, *layout_args(1, 1))),
-            ("dp2 capacity", _argv(data_prefix, cache, *layout_args(1, 1), *CAPACITY))]
+            ("dp2 capacity", _argv(data_prefix, cache, *layout_args(1, 1), *CAPACITY)),
+            ("pp2 virtual", _argv(data_prefix, cache, *layout_args(1, 2),
+                                  "--num-layers-per-virtual-pipeline-stage", "1")),
+            ("dp2 distributed optimizer", _argv(data_prefix, cache, *layout_args(1, 1),
+                                                "--use-distributed-optimizer"))]
     # Save half-way and stop, then resume to the end, in both checkpoint formats.
     for fmt in ("torch", "torch_dist"):
         ckpt = str(tmp_path_factory.mktemp(f"moe_ckpt_{fmt}"))
@@ -53,6 +58,9 @@ def test_moe_pp2_and_dp2_match_one_process(single, data_prefix, tmp_path_factory
     assert_close_history(got["pp2"], single["dropless"], "MoE PP=2")
     assert_close_history(got["dp2"], single["dropless"], "MoE DP=2")
     assert_close_history(got["dp2 capacity"], single["capacity"], "MoE DP=2 capacity 1.0")
+    assert_close_history(got["pp2 virtual"], single["dropless"], "MoE PP=2 x 2 virtual stages")
+    assert_close_history(got["dp2 distributed optimizer"], single["dropless"],
+                         "MoE DP=2 distributed optimizer")
     for fmt in ("torch", "torch_dist"):  # the resumed run continues the whole one exactly
         first, second = got[f"first {fmt}"], got[f"second {fmt}"]
         assert second["iteration"] == list(range(HALF + 1, LAYOUT_ITERS + 1))

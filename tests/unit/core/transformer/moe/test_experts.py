@@ -73,3 +73,22 @@ def test_widths_the_kernel_refuses_take_the_loop():
     # _grouped_mm wants row strides that are multiples of 16 bytes: f = 6 fp32 is 24 bytes.
     assert not GroupedMLP(2, 16, 6, first_expert=0, grouped_gemm=True, **KW).grouped_gemm
     assert GroupedMLP(2, 16, 8, first_expert=0, grouped_gemm=True, **KW).grouped_gemm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_in_half_precision_grouped_equals_loop_and_tracks_fp32(dtype):
+    from megatron.config.moe import MoEConfig
+    from megatron.core.transformer.moe import MoELayer
+
+    def layer(params_dtype, grouped):
+        cfg = MoEConfig(num_experts=4, moe_router_topk=2, moe_grouped_gemm=grouped,
+                        moe_router_dtype="fp32", moe_shared_expert_intermediate_size=16)
+        return MoELayer(cfg, hidden_size=16, ffn_hidden_size=16, seed=5, layer_number=1,
+                        init_method_std=0.2, params_dtype=params_dtype)
+
+    x = torch.randn(6, 2, 16)
+    loop, grouped = layer(dtype, False), layer(dtype, True)
+    assert grouped.experts.grouped_gemm
+    out = grouped(x.to(dtype))
+    assert out.dtype == dtype and torch.equal(out, loop(x.to(dtype)))
+    torch.testing.assert_close(out.float(), layer(torch.float32, False)(x), rtol=0.05, atol=0.02)

@@ -165,3 +165,48 @@ def test_split_token_set_equals_whole_micro_batch():
         for r in results:
             r["dropped"] = (dropped, r["dropped"][1])
         _check(results, "moe_expert_capacity_factor" in cfg_kw)
+
+
+def _fold_rank(cases):
+    """4 ranks: micro-batch A split over ranks 0, 1 and B over 2, 3 (the token groups); EP = 2
+    over {0, 2} and {1, 3}, so experts 0-3 live on ranks 0, 1 and 4-7 on ranks 2, 3 (their
+    expert-data-parallel groups are {0, 1} and {2, 3}): router gradients summed over the token
+    group equal one process's on the micro-batch, expert gradients summed over expert-DP equal
+    one process's summed over A and B."""
+    rank = dist.get_rank()
+    tokens = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    eps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    token_group, ep_group = tokens[rank // 2], eps[rank % 2]
+    expert_dp = tokens[rank // 2]  # the ranks holding the same experts: {0, 1} and {2, 3}
+    out = []
+    for cfg_kw in cases:
+        cfg = dataclasses.replace(BASE, **cfg_kw)
+        layer = _layer(cfg, ep_group=ep_group, token_group=token_group)
+        ref = _layer(cfg)
+        x, dy = _inputs(40 + rank // 2, False, s=2 * S)  # micro-batch A or B
+        part = slice((rank % 2) * S, (rank % 2 + 1) * S)
+        y, dx, grads = _run(layer, x[part], dy[part])
+        y_ref, dx_ref, grads_ref = _run(ref, x, dy)
+        dist.all_reduce(grads["router.weight"], group=token_group)
+        first = (rank // 2) * 4  # EP rank rank // 2
+        for name in ("experts.weight1", "experts.weight2"):
+            dist.all_reduce(grads[name], group=expert_dp)
+            dist.all_reduce(grads_ref[name], group=ep_group)  # micro-batches A + B
+            grads_ref[name] = grads_ref[name][first:first + 4]
+        dropped = torch.tensor(layer.dropped_choices)
+        dist.all_reduce(dropped, group=token_group)
+        out.append(dict(y=(y, y_ref[part]), dx=(dx, dx_ref[part]),
+                        dropped=(int(dropped), ref.dropped_choices),
+                        losses=(layer.last_losses, ref.last_losses),
+                        grads={n: (grads[n], grads_ref[n]) for n in grads}))
+    return out
+
+
+FOLD_CASES = [dict(moe_expert_capacity_factor=1.0),
+              dict(moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=1.0)]
+
+
+def test_ep2_folded_over_split_token_sets_equals_one_process():
+    per_case = run_distributed(4, _fold_rank, FOLD_CASES)
+    for i in range(len(FOLD_CASES)):
+        _check([rank[i] for rank in per_case], True)

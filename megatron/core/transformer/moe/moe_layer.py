@@ -129,12 +129,12 @@ class MoELayer(torch.nn.Module):
             else:
                 counts = moe_utils.reduce_counts(moe_utils.tokens_per_expert(indices, experts),
                                                  self.token_group)
-                group = [self.token_group]
+                group, balanced_tokens = [self.token_group], tokens
                 if kind == "global_aux_loss":
                     counts = moe_utils.reduce_counts(counts, self.dp_group)
-                    tokens *= group_size(self.dp_group)
+                    balanced_tokens = tokens * group_size(self.dp_group)
                     group.append(self.dp_group)
-                part = moe_utils.load_balancing_part(scores, counts, tokens, k,
+                part = moe_utils.load_balancing_part(scores, counts, balanced_tokens, k,
                                                      cfg.moe_aux_loss_coeff)
             parts[LOSS_NAMES[kind]] = (part, group)
         if cfg.moe_z_loss_coeff:

@@ -210,3 +210,23 @@ def test_ep2_folded_over_split_token_sets_equals_one_process():
     per_case = run_distributed(4, _fold_rank, FOLD_CASES)
     for i in range(len(FOLD_CASES)):
         _check([rank[i] for rank in per_case], True)
+
+
+def _global_aux_rank():
+    rank = dist.get_rank()
+    cfg = dataclasses.replace(BASE, moe_router_load_balancing_type="global_aux_loss")
+    layer = _layer(cfg, dp_group=dist.new_group([0, 1]))
+    both = [_inputs(60 + r, False)[0] for r in range(2)]
+    layer(both[rank])
+    ref_own, ref_all = _layer(cfg), _layer(dataclasses.replace(
+        cfg, moe_router_load_balancing_type="aux_loss"))
+    ref_own(both[rank])
+    ref_all(torch.cat(both, dim=1))  # the two micro-batches as one token set
+    return layer.last_losses, ref_own.last_losses, ref_all.last_losses
+
+
+def test_global_aux_loss_spans_the_data_parallel_micro_batches():
+    for got, own, whole in run_distributed(2, _global_aux_rank):
+        torch.testing.assert_close(got["global_load_balancing_loss"], whole["load_balancing_loss"],
+                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["z_loss"], own["z_loss"], rtol=0, atol=0)  # per micro-batch

@@ -34,8 +34,15 @@ def model_provider(config, pg_collection, device, *, pre_process=True, post_proc
     vp = pg_collection.virtual_pipeline_model_parallel_size
     layers = (get_layer_numbers(num_layers, pp, rank) if vp is None else
               get_virtual_layer_numbers(num_layers, pp, rank, vp, vp_stage))
-    return LlamaModel(config.model, pg_collection=pg_collection, pre_process=pre_process,
-                      post_process=post_process, layer_numbers=layers, device=device)
+    model = LlamaModel(config.model, pg_collection=pg_collection, pre_process=pre_process,
+                       post_process=post_process, layer_numbers=layers, device=device,
+                       moe_config=config.moe if config.moe.is_moe else None)
+    if config.moe.is_moe:
+        from megatron.core.transformer.moe.moe_utils import set_aux_loss_scale
+        # The router losses' gradient, like the lm loss's, divided by the micro-batches of the
+        # iteration (the schedule divides each micro-batch's loss by their number).
+        set_aux_loss_scale(model, 1.0 / config.training.num_microbatches)
+    return model
 
 
 def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask,

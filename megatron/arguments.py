@@ -27,6 +27,7 @@ import os
 from typing import Callable, List, Optional
 
 from megatron import arguments_help, arguments_validation
+from megatron.arguments_moe import add_moe_args
 from megatron.tokenizer import add_tokenizer_args
 from megatron.usage_error import UsageError
 
@@ -49,7 +50,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None,
     for add in (_add_network_size_args, _add_regularization_args, _add_training_args,
                 _add_kernel_args, _add_learning_rate_args, _add_mixed_precision_args,
                 _add_distributed_args, _add_checkpointing_args, _add_data_args,
-                add_tokenizer_args, _add_logging_args):
+                add_tokenizer_args, _add_logging_args, add_moe_args):
         add(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)

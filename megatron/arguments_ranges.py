@@ -151,6 +151,18 @@ RANGES = {
     "eval_interval": _positive("iterations"),
     "eval_iters": _at_least_0("iterations (0 = no evaluation)"),
     "tensorboard_queue_size": _positive("events"),
+    # mixture of experts
+    "num_experts": _positive("routed experts per MoE layer"),
+    "moe_ffn_hidden_size": _positive("each expert's inner width"),
+    "moe_router_topk": _positive("experts per token"),
+    "moe_router_topk_scaling_factor": _above_0("the top-k probabilities' factor"),
+    "moe_router_num_groups": _positive("expert groups"),
+    "moe_router_group_topk": _positive("groups per token"),
+    "moe_router_bias_update_rate": _at_least_0("the expert bias step"),
+    "moe_aux_loss_coeff": _at_least_0("the load-balancing loss weight"),
+    "moe_z_loss_coeff": _at_least_0("the z-loss weight"),
+    "moe_expert_capacity_factor": _above_0("the expert capacity factor"),
+    "moe_shared_expert_intermediate_size": _positive("the shared expert's width"),
 }
 
 

@@ -19,6 +19,7 @@ import os
 import warnings
 from typing import List
 
+from megatron.arguments_moe import validate_moe
 from megatron.arguments_ranges import check_ranges
 from megatron.usage_error import UsageError
 
@@ -81,6 +82,7 @@ def _validate_all(args, world_size, defaults, check_files):
     _validate_not_yet_supported(args, defaults)
     _validate_llama_architecture(args)
     _validate_model_shape(args)
+    validate_moe(args, defaults)
     _validate_parallel_layout(args, world_size)
     _validate_wandb(args)
     _validate_virtual_pipeline(args)

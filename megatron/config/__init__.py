@@ -12,6 +12,7 @@ that uses it) and whose field docstrings give the flag, the unit and the default
 - :class:`CheckpointConfig` (``checkpoint.py``), :class:`LoggingConfig` (``logging.py``);
 - ``extra``: the sections an entry script registers for its own flags
   (:class:`ConfigSection`, ``sections.py``), by name.
+- :class:`MoEConfig` (``moe.py``): the mixture-of-experts flags.
 
 :func:`build_config` (``builder.py``) is the only reader of the argparse namespace and computes
 the derived values; :func:`checkpoint_args` (``saved_args.py``) turns a configuration back into
@@ -31,6 +32,7 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.saved_args import checkpoint_args
 from megatron.config.sections import ConfigSection
@@ -38,7 +40,7 @@ from megatron.config.training import TrainingConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerConfig
 
 __all__ = ["CheckpointConfig", "Config", "ConfigSection", "DataConfig", "FLAGS_NOT_IN_CONFIG", "LoggingConfig",
-           "ModelConfig", "OptimizerConfig", "ParallelConfig", "SchedulerConfig",
+           "ModelConfig", "MoEConfig", "OptimizerConfig", "ParallelConfig", "SchedulerConfig",
            "TrainingConfig", "build_config", "build_model_config", "checkpoint_args",
            "params_dtype_from_args", "rope_scaling_from_args"]
 
@@ -60,6 +62,7 @@ class Config:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    moe: MoEConfig = MoEConfig()
     # The entry script's registered sections, ``{name: frozen section}`` (:class:`ConfigSection`),
     # read-only; not a dataclass field (the fields are the built-in sections), set by
     # :meth:`with_extra`.

@@ -23,6 +23,7 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import TrainingConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerConfig
@@ -219,5 +220,14 @@ def build_config(args, *, vocab_size: int, sections=()):
                     training=build_training_config(args),
                     data=_from_args(DataConfig, args, **paths),
                     checkpoint=_from_args(CheckpointConfig, args),
-                    logging=_from_args(LoggingConfig, args))
+                    logging=_from_args(LoggingConfig, args),
+                    moe=build_moe_config(args))
     return config.with_extra(extra) if extra else config
+
+
+def build_moe_config(args) -> MoEConfig:
+    """The :class:`MoEConfig` of validated ``args``: ``moe_layer_freq`` is the per-layer 0/1
+    tuple validation expanded (a dense model keeps the flag's value)."""
+    freq = getattr(args, "moe_layer_freq", 1)
+    return _from_args(MoEConfig, args,
+                      moe_layer_freq=tuple(freq) if isinstance(freq, (list, tuple)) else freq)

@@ -23,7 +23,7 @@ _ROPE_KEYS = {"rope_scaling_factor": "factor", "rope_scaling_low_freq_factor": "
               "rope_scaling_high_freq_factor": "high_freq_factor",
               "rope_scaling_original_max_position_embeddings": "original_max_position_embeddings"}
 _SECTIONS = ("model", "parallel", "optimizer", "scheduler", "training", "data", "checkpoint",
-             "logging")
+             "logging", "moe")
 _LEFT_OUT = ("params_dtype",)
 
 

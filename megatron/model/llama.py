@@ -78,6 +78,8 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
         layer_numbers: global 1-based numbers of the stage's layers (default: all);
             see :func:`megatron.model.get_layer_numbers`.
         device: device of the parameters (default: CPU).
+        moe_config: the MoE section (:class:`~megatron.config.moe.MoEConfig`) for a
+            mixture-of-experts model, None for a dense one (see ``TransformerLayer``).
 
     Raises:
         ValueError: heads, groups, ffn or vocabulary not divisible by TP; layer numbers out of
@@ -86,7 +88,7 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
 
     def __init__(self, config: ModelConfig, *, pg_collection, pre_process: bool = True,
                  post_process: bool = True, layer_numbers: Optional[Sequence[int]] = None,
-                 device=None):
+                 device=None, moe_config=None):
         super().__init__()
         layer_numbers = list(range(1, config.num_layers + 1)) if layer_numbers is None else list(layer_numbers)
         _check_config(config, layer_numbers, pg_collection)
@@ -106,7 +108,8 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
         if pre_process:
             self.word_embeddings = self._make_word_embeddings(device)
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, n, pg_collection=pg_collection, device=device)
+            TransformerLayer(config, n, pg_collection=pg_collection, device=device,
+                             moe_config=moe_config)
             for n in layer_numbers)
         if post_process:
             self.final_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon,

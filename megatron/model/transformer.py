@@ -16,6 +16,7 @@ from megatron.model.attention import SelfAttention
 from megatron.model.attention_mask import AttentionMask
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.model.mlp_factory import attach_aux_loss, build_mlp, mlp_kind
+from megatron.core.transformer.moe import MoELayer, is_moe_layer
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 
@@ -44,9 +45,14 @@ class TransformerLayer(torch.nn.Module):
         layer_number: global 1-based layer number (kept as ``self.layer_number``; seeds init).
         pg_collection: the process groups of the attention and MLP blocks.
         device: device of the parameters.
+        moe_config: the MoE section; the layers ``--moe-layer-freq`` names get a
+            :class:`~megatron.core.transformer.moe.MoELayer` as their MLP (one expert-parallel
+            rank, one tensor-parallel rank: validation refuses the rest until the expert groups
+            are wired). None: a dense model.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None):
+    def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None,
+                 moe_config=None):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
@@ -57,10 +63,19 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, pg_collection=pg_collection,
                                             device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        # The MLP of this layer's kind (megatron.model.mlp_factory: dense SwiGLU, or a plug-in).
-        self.mlp_kind = mlp_kind(config, layer_number)
-        self.mlp = build_mlp(config, layer_number, pg_collection=pg_collection, device=device,
-                             kind=self.mlp_kind)
+        # The MLP of this layer's kind (megatron.model.mlp_factory: dense SwiGLU, or a plug-in);
+        # a layer --moe-layer-freq names holds a MoELayer (it records its router losses itself,
+        # through MoEAuxLossAutoScaler, so it returns the plain [s, b, h] output).
+        if moe_config is not None and is_moe_layer(moe_config, layer_number):
+            self.mlp_kind = "moe"
+            self.mlp = MoELayer(moe_config, hidden_size=config.hidden_size, seed=config.seed,
+                                layer_number=layer_number, init_method_std=config.init_method_std,
+                                num_layers=config.num_layers, params_dtype=config.params_dtype,
+                                device=device)
+        else:
+            self.mlp_kind = mlp_kind(config, layer_number)
+            self.mlp = build_mlp(config, layer_number, pg_collection=pg_collection, device=device,
+                                 kind=self.mlp_kind)
         self.recompute_norms = "layernorm" in selective_modules(config)
 
     def _norm_then(self, norm, block, hidden, *args):

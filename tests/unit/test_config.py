@@ -20,7 +20,8 @@ from tests.helpers.paths import ROOT
 
 SECTIONS = [f.type for f in dataclasses.fields(cfg.Config)]
 CLASSES = [cfg.ModelConfig, cfg.ParallelConfig, cfg.OptimizerConfig, cfg.SchedulerConfig,
-           cfg.TrainingConfig, cfg.DataConfig, cfg.CheckpointConfig, cfg.LoggingConfig]
+           cfg.TrainingConfig, cfg.DataConfig, cfg.CheckpointConfig, cfg.LoggingConfig,
+           cfg.MoEConfig]
 
 
 def _field_docs(cls):

@@ -1,0 +1,101 @@
+"""The local experts as grouped weights (Megatron-Core's ``GroupedMLP`` / ``SequentialMLP``).
+
+Expert i of this rank is global expert ``ep_rank * E_local + i``: a SwiGLU MLP
+``down(silu(gate(x)) * up(x))`` with ``weight1[i] = [gate; up]`` ``[2f, h]`` and ``weight2[i]``
+``[h, f]`` (the layout of transformers' ``gate_up_proj`` / ``down_proj``). Each expert is drawn
+from a generator seeded by ``(seed, layer, "mlp.experts.<global index>.…")``, so an expert's
+weights do not depend on the expert-parallel size or on which rank builds it.
+
+``--moe-grouped-gemm`` runs both matmuls as one ``torch._grouped_mm`` each (fp32, bf16 and fp16
+on CPU in torch 2.13, with h and f rows a multiple of 16 bytes; fp64 and other widths take the
+loop). Without it, a loop
+over the experts. Both give the same bits on CPU for the shapes tested
+(tests/unit/core/transformer/moe/test_experts.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.model.initialization import init_method_normal, init_seed, scaled_init_method_normal
+from megatron.model.mlp import swiglu
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: ``_grouped_mm``'s backward refuses
+    an expanded gradient (strides 0, e.g. the gradient of a ``sum()``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_available(dtype: torch.dtype, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``dtype`` and rows of these ``widths``: the kernel
+    exists, knows the dtype, and every row stride is a multiple of 16 bytes (it refuses others)."""
+    if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES:
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(w * size % 16 == 0 for w in widths)
+
+
+class GroupedMLP(torch.nn.Module):
+    """``E_local`` SwiGLU experts held as ``weight1 [E_local, 2f, h]``, ``weight2 [E_local, h, f]``.
+
+    Args:
+        num_local_experts: E_local. hidden_size: h. ffn_hidden_size: f (``--moe-ffn-hidden-size``).
+        first_expert: the global index of local expert 0 (``ep_rank * E_local``).
+        seed / layer_number / init_method_std / num_layers: the initialisation (the output
+            matmul uses Megatron's scaled init ``std / sqrt(2 num_layers)``).
+        grouped_gemm: use ``torch._grouped_mm`` where the dtype allows.
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *,
+                 first_expert: int, seed: int, layer_number: int, init_method_std: float,
+                 num_layers: int, grouped_gemm: bool = False, params_dtype=torch.float32,
+                 device=None):
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype, hidden_size,
+                                                                    ffn_hidden_size)
+        w1 = torch.empty(num_local_experts, 2 * ffn_hidden_size, hidden_size)
+        w2 = torch.empty(num_local_experts, hidden_size, ffn_hidden_size)
+        for i in range(num_local_experts):
+            name = f"mlp.experts.{first_expert + i}"
+            with init_seed(seed, layer_number, name + ".linear_fc1"):
+                init_method_normal(init_method_std)(w1[i])
+            with init_seed(seed, layer_number, name + ".linear_fc2"):
+                scaled_init_method_normal(init_method_std, num_layers)(w2[i])
+        self.weight1 = torch.nn.Parameter(w1.to(dtype=params_dtype, device=device))
+        self.weight2 = torch.nn.Parameter(w2.to(dtype=params_dtype, device=device))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x [M, h]`` rows sorted by local expert, ``tokens_per_expert [E_local]`` (int, summing
+        to M, zeros allowed) -> ``[M, h]``. M = 0 gives an empty output whose backward still
+        gives the weights a (zero) gradient."""
+        if x.shape[0] == 0:
+            return x + (self.weight1.sum() + self.weight2.sum()) * 0
+        if self.grouped_gemm and x.dtype == self.weight1.dtype:
+            return self._grouped(x, tokens_per_expert)
+        return self._loop(x, tokens_per_expert)
+
+    def _grouped(self, x, tokens_per_expert):
+        offs = torch.cumsum(tokens_per_expert.to(torch.int64), 0).to(torch.int32)
+        gate_up = torch._grouped_mm(x, self.weight1.transpose(1, 2), offs=offs)
+        act = swiglu(_ContiguousGrad.apply(gate_up))
+        out = torch._grouped_mm(act, self.weight2.transpose(1, 2), offs=offs)
+        return _ContiguousGrad.apply(out)
+
+    def _loop(self, x, tokens_per_expert):
+        outs = []
+        for i, rows in enumerate(torch.split(x, tokens_per_expert.tolist())):
+            if rows.shape[0]:
+                outs.append(F.linear(swiglu(F.linear(rows, self.weight1[i])), self.weight2[i]))
+        return torch.cat(outs)

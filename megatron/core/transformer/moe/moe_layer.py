@@ -1,0 +1,215 @@
+"""The mixture-of-experts layer (Megatron-Core's ``MoELayer``): the dense MLP's contract,
+``[s, b, h] -> [s, b, h]``, plus the router losses it records.
+
+Flow: router (logits, the k experts and probabilities of each local token) -> the losses' parts,
+attached to the output (:class:`~megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler`)
+-> capacity on the micro-batch's whole token set (:mod:`.capacity`) -> dispatch over the
+expert-parallel group -> the local experts (:mod:`.experts`) -> combine: the k outputs of a token
+weighted by their probabilities and summed in fp32 in slot order -> plus the shared expert.
+
+Groups (passed explicitly; None or a group of one for a single process):
+
+- ``ep_group``: the expert-parallel group; rank r holds experts ``r E/EP .. (r+1) E/EP - 1``.
+- ``token_group``: the ranks over which one micro-batch's tokens are split (TP under sequence
+  parallelism, times CP); their routing is gathered for the capacity and their counts summed for
+  the losses. None when this rank holds its micro-batch's every token.
+- ``dp_group``: the data-parallel ranks whose micro-batches ``global_aux_loss`` spans.
+
+Losses, how they are collected: each forward adds the losses' whole values (detached, reduced
+over their token set) to ``self.loss_sums`` (names as Megatron-Core logs them:
+``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``,
+``z_loss``) and counts ``self.num_forwards``; :func:`collect_aux_losses` reads (and resets)
+them for the log line, averaged over the micro-batches, summed over layers (and per layer with
+``--moe-per-layer-logging``). Their gradients need no
+collection: they enter backward through the output (``aux_loss_scale``, see ``moe_utils``).
+Training must sum the router's and shared expert's weight gradients over ``token_group`` when it
+splits tokens (they carry ``sequence_parallel = True``, as norm weights do), and multiply the
+injected gradient by CP (and DP for ``global_aux_loss``) where the gradient is averaged over those
+ranks, as it does for the language-model loss.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from megatron.config.moe import MoEConfig
+from megatron.core.process_groups import group_size
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.capacity import whole_set_keep_mask
+from megatron.core.transformer.moe.experts import GroupedMLP
+from megatron.core.transformer.moe.router import TopKRouter, scores_for_aux_loss
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
+                                                            MoEAlltoAllTokenDispatcher)
+from megatron.model.initialization import init_method_normal, init_seed
+
+LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+              "global_aux_loss": "global_load_balancing_loss"}
+
+
+class MoELayer(torch.nn.Module):
+    """Router, local experts, dispatcher and optional shared expert of one layer.
+
+    Args:
+        config: the MoE section (:class:`~megatron.config.moe.MoEConfig`).
+        hidden_size: h. ffn_hidden_size: each expert's width; default
+            ``config.moe_ffn_hidden_size`` (``--moe-ffn-hidden-size``).
+        seed / layer_number / init_method_std / num_layers: the initialisation; the router from
+            ``(seed, layer, "mlp.router")``, expert e from ``(seed, layer, "mlp.experts.e.…")``.
+        ep_group / token_group / dp_group: see the module.
+
+    Raises:
+        ValueError: E not divisible by the expert-parallel size.
+    """
+
+    def __init__(self, config: MoEConfig, *, hidden_size: int, seed: int,
+                 ffn_hidden_size: Optional[int] = None,
+                 layer_number: int, init_method_std: float = 0.02, num_layers: int = 1,
+                 params_dtype=torch.float32, device=None, ep_group=None, token_group=None,
+                 dp_group=None):
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        self.ep_group, self.token_group, self.dp_group = ep_group, token_group, dp_group
+        ep, experts = group_size(ep_group), config.num_experts
+        if experts % ep:
+            raise ValueError(f"--num-experts ({experts}) must be divisible by "
+                             f"--expert-model-parallel-size ({ep})")
+        local = experts // ep
+        if ffn_hidden_size is None:
+            ffn_hidden_size = config.moe_ffn_hidden_size
+        ep_rank = torch.distributed.get_rank(ep_group) if ep > 1 else 0
+        init = dict(seed=seed, layer_number=layer_number, init_method_std=init_method_std,
+                    num_layers=num_layers, params_dtype=params_dtype, device=device)
+        self.router = TopKRouter(config, hidden_size, params_dtype=params_dtype, device=device)
+        with init_seed(seed, layer_number, "mlp.router"), torch.no_grad():
+            w = init_method_normal(init_method_std)(torch.empty(experts, hidden_size))
+            self.router.weight.copy_(w)
+        self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, first_expert=ep_rank * local,
+                                  grouped_gemm=config.moe_grouped_gemm, **init)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExpertMLP(
+                hidden_size, config.moe_shared_expert_intermediate_size,
+                gate=config.moe_shared_expert_gate, **init)
+        if group_size(token_group) > 1:  # gradients from each shard's tokens: summed over it
+            shared = [] if self.shared_experts is None else list(self.shared_experts.parameters())
+            for p in [self.router.weight] + shared:
+                p.sequence_parallel = True
+        if config.moe_token_dispatcher_type == "allgather":
+            self.token_dispatcher = MoEAllGatherTokenDispatcher(experts, ep_group)
+        else:
+            self.token_dispatcher = MoEAlltoAllTokenDispatcher(
+                experts, ep_group, pad_to_capacity=config.moe_pad_expert_input_to_capacity)
+        self.register_buffer("aux_loss_scale", torch.ones((), dtype=torch.float32),
+                             persistent=False)
+        self.loss_sums: Dict[str, torch.Tensor] = {}
+        self.num_forwards = 0
+        self.last_losses: Dict[str, torch.Tensor] = {}
+
+    def _loss_parts(self, logits, indices, seq_shape):
+        """``{name: (part with graph, whole value detached)}`` of the enabled losses."""
+        cfg, parts = self.config, {}
+        k, experts = cfg.moe_router_topk, cfg.num_experts
+        shards = group_size(self.token_group)
+        tokens = logits.shape[0] * shards
+        kind = cfg.moe_router_load_balancing_type
+        if cfg.moe_aux_loss_coeff and kind != "none":
+            scores = scores_for_aux_loss(logits, cfg.moe_router_score_function)
+            if kind == "seq_aux_loss":
+                s_local, b = seq_shape
+                counts = torch.stack([moe_utils.tokens_per_expert(i, experts)
+                                      for i in indices.view(s_local, b, k).unbind(1)])
+                counts = moe_utils.reduce_counts(counts, self.token_group)
+                part = moe_utils.sequence_load_balancing_part(
+                    scores.view(s_local, b, experts), counts, s_local * shards, k,
+                    cfg.moe_aux_loss_coeff)
+                group = [self.token_group]
+            else:
+                counts = moe_utils.reduce_counts(moe_utils.tokens_per_expert(indices, experts),
+                                                 self.token_group)
+                group, balanced_tokens = [self.token_group], tokens
+                if kind == "global_aux_loss":
+                    counts = moe_utils.reduce_counts(counts, self.dp_group)
+                    balanced_tokens = tokens * group_size(self.dp_group)
+                    group.append(self.dp_group)
+                part = moe_utils.load_balancing_part(scores, counts, balanced_tokens, k,
+                                                     cfg.moe_aux_loss_coeff)
+            parts[LOSS_NAMES[kind]] = (part, group)
+        if cfg.moe_z_loss_coeff:
+            parts["z_loss"] = (moe_utils.z_loss_part(logits, tokens, cfg.moe_z_loss_coeff),
+                               [self.token_group])
+        out = {}
+        for name, (part, groups) in parts.items():
+            whole = part.detach()
+            for g in groups:
+                whole = moe_utils.reduce_counts(whole, g)
+            out[name] = (part, whole)
+        return out
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]`` in ``hidden``'s dtype (this rank's tokens: ``[s/T, b, h]``
+        or ``[s/CP, b, h]`` when ``token_group`` splits them)."""
+        cfg = self.config
+        s, b, h = hidden.shape
+        x = hidden.reshape(s * b, h)
+        logits, probs, indices = self.router(x)
+        losses = self._loss_parts(logits, indices, (s, b))
+        capacity = None
+        if cfg.moe_expert_capacity_factor is not None:
+            keep, capacity = whole_set_keep_mask(indices, probs, cfg.num_experts,
+                                                 cfg.moe_expert_capacity_factor,
+                                                 cfg.moe_token_drop_policy, self.token_group)
+        else:
+            keep = torch.ones_like(indices, dtype=torch.bool)
+        on_input = cfg.moe_apply_probs_on_input
+        rows, tokens_per_expert = self.token_dispatcher.dispatch(
+            x, indices, keep, capacity, input_probs=probs if on_input else None)
+        choices = self.token_dispatcher.combine(self.experts(rows, tokens_per_expert))
+        choices = choices.view(s * b, cfg.moe_router_topk, h)
+        if not on_input:
+            choices = choices * probs.float().unsqueeze(-1)
+        out = choices.sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        out = out.to(hidden.dtype)
+        self.last_losses = {}
+        for name, (part, whole) in losses.items():
+            if self.training and part.requires_grad:
+                out = moe_utils.MoEAuxLossAutoScaler.apply(out, part, self.aux_loss_scale)
+            self.loss_sums[name] = self.loss_sums.get(name, 0) + whole
+            self.last_losses[name] = whole
+        self.num_forwards += 1
+        self.tokens_per_expert = tokens_per_expert.detach()
+        self.dropped_choices = int((~keep).sum())
+        return out.view(s, b, h)
+
+
+def is_moe_layer(config: MoEConfig, layer_number: int) -> bool:
+    """Whether global layer ``layer_number`` (1-based) is MoE (``--moe-layer-freq``'s pattern)."""
+    if not config.is_moe:
+        return False
+    pattern = config.moe_layer_freq
+    if isinstance(pattern, int):  # not expanded (a config built in code): every N-th layer
+        return (layer_number - 1) % pattern == 0
+    return layer_number <= len(pattern) and bool(pattern[layer_number - 1])
+
+
+def collect_aux_losses(model: torch.nn.Module, reset: bool = True) -> Dict[str, float]:
+    """The router losses of every :class:`MoELayer` of ``model`` for the log line, each the mean
+    over the forwards (micro-batches) since the last reset: ``{name: sum over layers}`` (as
+    Megatron-Core logs ``load_balancing_loss`` and ``z_loss``), plus ``"<name> layer <n>"`` per
+    layer with ``--moe-per-layer-logging``."""
+    out: Dict[str, float] = {}
+    for module in model.modules():
+        if not (isinstance(module, MoELayer) and module.num_forwards):
+            continue
+        for name, total in module.loss_sums.items():
+            value = float(total) / module.num_forwards
+            out[name] = out.get(name, 0.0) + value
+            if module.config.moe_per_layer_logging:
+                out[f"{name} layer {module.layer_number}"] = value
+        if reset:
+            module.loss_sums, module.num_forwards = {}, 0
+    return out

@@ -1,0 +1,46 @@
+"""The shared expert (Megatron-Core's ``SharedExpertMLP``): a SwiGLU MLP every token goes through,
+added to the routed experts' output, optionally gated by ``sigmoid(x w_gate)`` (Qwen2-MoE's
+``shared_expert_gate``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.model.initialization import init_method_normal, init_seed, scaled_init_method_normal
+from megatron.model.mlp import swiglu
+
+
+class SharedExpertMLP(torch.nn.Module):
+    """``linear_fc1 [2f_s, h]`` (``[gate; up]``), ``linear_fc2 [h, f_s]``, with the gate
+    ``gate_weight [1, h]``; each drawn from ``(seed, layer, "mlp.shared_experts.<name>")``.
+
+    Args:
+        hidden_size: h. ffn_hidden_size: f_s (``--moe-shared-expert-intermediate-size``).
+        gate: ``--moe-shared-expert-gate``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, gate: bool, seed: int,
+                 layer_number: int, init_method_std: float, num_layers: int,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        shapes = {"linear_fc1": (2 * ffn_hidden_size, hidden_size),
+                  "linear_fc2": (hidden_size, ffn_hidden_size)}
+        if gate:
+            shapes["gate_weight"] = (1, hidden_size)
+        for name, shape in shapes.items():
+            w = torch.empty(shape)
+            init = (scaled_init_method_normal(init_method_std, num_layers) if name == "linear_fc2"
+                    else init_method_normal(init_method_std))
+            with init_seed(seed, layer_number, f"mlp.shared_experts.{name}"):
+                init(w)
+            setattr(self, name, torch.nn.Parameter(w.to(dtype=params_dtype, device=device)))
+        if not gate:
+            self.gate_weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, h] -> [T, h]``."""
+        out = F.linear(swiglu(F.linear(x, self.linear_fc1)), self.linear_fc2)
+        if self.gate_weight is not None:
+            out = torch.sigmoid(F.linear(x, self.gate_weight)) * out
+        return out

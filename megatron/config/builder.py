@@ -72,7 +72,7 @@ def builtin_dests() -> set:
     listed in :data:`FLAGS_NOT_IN_CONFIG` (``tests/unit/test_config.py`` holds that the parser's
     dests are exactly these)."""
     classes = (ModelConfig, ParallelConfig, OptimizerConfig, SchedulerConfig, TrainingConfig,
-               DataConfig, CheckpointConfig, LoggingConfig)
+               DataConfig, CheckpointConfig, LoggingConfig, MoEConfig)
     return {f.name for cls in classes for f in dataclasses.fields(cls)} | set(FLAGS_NOT_IN_CONFIG)
 
 

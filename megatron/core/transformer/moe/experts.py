@@ -3,7 +3,7 @@
 Expert i of this rank is global expert ``ep_rank * E_local + i``: a SwiGLU MLP
 ``down(silu(gate(x)) * up(x))`` with ``weight1[i] = [gate; up]`` ``[2f, h]`` and ``weight2[i]``
 ``[h, f]`` (the layout of transformers' ``gate_up_proj`` / ``down_proj``). Each expert is drawn
-from a generator seeded by ``(seed, layer, "mlp.experts.<global index>.…")``, so an expert's
+from a generator seeded by ``(seed, layer, "mlp.experts.linear_fc1/2", global index)``, so an expert's
 weights do not depend on the expert-parallel size or on which rank builds it.
 
 ``--moe-grouped-gemm`` runs both matmuls as one ``torch._grouped_mm`` each (fp32, bf16 and fp16
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model.initialization import init_method_normal, init_seed, scaled_init_method_normal
+from megatron.model.initialization import normal_block_init, scaled_std
 from megatron.model.mlp import swiglu
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,11 +68,11 @@ class GroupedMLP(torch.nn.Module):
         w1 = torch.empty(num_local_experts, 2 * ffn_hidden_size, hidden_size)
         w2 = torch.empty(num_local_experts, hidden_size, ffn_hidden_size)
         for i in range(num_local_experts):
-            name = f"mlp.experts.{first_expert + i}"
-            with init_seed(seed, layer_number, name + ".linear_fc1"):
-                init_method_normal(init_method_std)(w1[i])
-            with init_seed(seed, layer_number, name + ".linear_fc2"):
-                scaled_init_method_normal(init_method_std, num_layers)(w2[i])
+            expert = first_expert + i
+            normal_block_init(init_method_std, seed, layer_number, "mlp.experts.linear_fc1",
+                              expert)(w1[i])
+            normal_block_init(scaled_std(init_method_std, num_layers), seed, layer_number,
+                              "mlp.experts.linear_fc2", expert)(w2[i])
         self.weight1 = torch.nn.Parameter(w1.to(dtype=params_dtype, device=device))
         self.weight2 = torch.nn.Parameter(w2.to(dtype=params_dtype, device=device))
 

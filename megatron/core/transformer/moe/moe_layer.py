@@ -43,7 +43,7 @@ from megatron.core.transformer.moe.router import TopKRouter, scores_for_aux_loss
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
                                                             MoEAlltoAllTokenDispatcher)
-from megatron.model.initialization import init_method_normal, init_seed
+from megatron.model.initialization import init_block
 
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
@@ -57,7 +57,7 @@ class MoELayer(torch.nn.Module):
         hidden_size: h. ffn_hidden_size: each expert's width; default
             ``config.moe_ffn_hidden_size`` (``--moe-ffn-hidden-size``).
         seed / layer_number / init_method_std / num_layers: the initialisation; the router from
-            ``(seed, layer, "mlp.router")``, expert e from ``(seed, layer, "mlp.experts.e.…")``.
+            ``(seed, layer, "mlp.router")``, expert e from ``(seed, layer, "mlp.experts.…", e)``.
         ep_group / token_group / dp_group: see the module.
 
     Raises:
@@ -83,9 +83,9 @@ class MoELayer(torch.nn.Module):
         init = dict(seed=seed, layer_number=layer_number, init_method_std=init_method_std,
                     num_layers=num_layers, params_dtype=params_dtype, device=device)
         self.router = TopKRouter(config, hidden_size, params_dtype=params_dtype, device=device)
-        with init_seed(seed, layer_number, "mlp.router"), torch.no_grad():
-            w = init_method_normal(init_method_std)(torch.empty(experts, hidden_size))
-            self.router.weight.copy_(w)
+        with torch.no_grad():
+            self.router.weight.copy_(init_block((experts, hidden_size), init_method_std, seed,
+                                                layer_number, "mlp.router"))
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, first_expert=ep_rank * local,
                                   grouped_gemm=config.moe_grouped_gemm, **init)
         self.shared_experts = None

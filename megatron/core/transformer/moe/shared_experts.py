@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model.initialization import init_method_normal, init_seed, scaled_init_method_normal
+from megatron.model.initialization import init_block, scaled_std
 from megatron.model.mlp import swiglu
 
 
@@ -29,11 +29,8 @@ class SharedExpertMLP(torch.nn.Module):
         if gate:
             shapes["gate_weight"] = (1, hidden_size)
         for name, shape in shapes.items():
-            w = torch.empty(shape)
-            init = (scaled_init_method_normal(init_method_std, num_layers) if name == "linear_fc2"
-                    else init_method_normal(init_method_std))
-            with init_seed(seed, layer_number, f"mlp.shared_experts.{name}"):
-                init(w)
+            std = scaled_std(init_method_std, num_layers) if name == "linear_fc2" else init_method_std
+            w = init_block(shape, std, seed, layer_number, f"mlp.shared_experts.{name}")
             setattr(self, name, torch.nn.Parameter(w.to(dtype=params_dtype, device=device)))
         if not gate:
             self.gate_weight = None

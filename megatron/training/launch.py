@@ -13,6 +13,10 @@
   SIGKILL the worker when the agent goes (``prctl(PR_SET_PDEATHSIG)``, Linux), or polls the
   parent elsewhere. A checkpoint being written at that moment stays in its ``.tmp`` folder and
   is never published.
+- Data-loader workers: :func:`guard_loader_worker` (their ``worker_init_fn``) makes a worker
+  ignore SIGTERM and SIGINT, which a launcher sends to the rank's whole process group (torchrun
+  on preemption, a Ctrl-C), so the rank finishes its iteration and saves with its loader alive;
+  and has the kernel SIGKILL the worker when its rank dies, so none outlives a killed rank.
 """
 
 from __future__ import annotations
@@ -114,16 +118,7 @@ def die_with_agent(poll_seconds: float = 1.0, use_prctl: bool = True) -> str | N
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     parent = os.getppid()
-    how = "poll"
-    if use_prctl and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-                how = "prctl"
-        except (OSError, AttributeError):
-            pass
+    how = "prctl" if use_prctl and _set_parent_death_signal(signal.SIGKILL) else "poll"
     if os.getppid() != parent:  # the agent died while the guard was being set
         _orphaned(parent)
     if how == "poll":
@@ -133,6 +128,48 @@ def die_with_agent(poll_seconds: float = 1.0, use_prctl: bool = True) -> str | N
             _orphaned(parent)
 
         threading.Thread(target=watch, name="die-with-agent", daemon=True).start()
+    return how
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` on Linux; False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def guard_loader_worker(poll_seconds: float = 1.0) -> str:
+    """Called first in every DataLoader worker (from its ``worker_init_fn``).
+
+    - SIGTERM and SIGINT are ignored: torchrun forwards preemption's SIGTERM to the rank's
+      process group (``os.killpg``), which holds the loader workers; a worker that died of it
+      made the rank crash at its next batch, before ``--exit-signal-handler`` could save. The
+      rank itself decides when to stop, and its workers end with its loader.
+    - The worker dies with its rank: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux (a worker
+      is started by the rank's main thread, which lives as long as the rank), else a daemon
+      thread polling ``os.getppid()`` every ``poll_seconds``.
+
+    Returns:
+        "prctl" or "poll": how the death of the rank is noticed.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    how = "prctl" if _set_parent_death_signal(signal.SIGKILL) else "poll"
+    if os.getppid() != parent:  # the rank died before the guard was set
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "poll":
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(poll_seconds)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="die-with-rank", daemon=True).start()
     return how
 
 

@@ -143,25 +143,18 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def guard_loader_worker(poll_seconds: float = 1.0) -> str:
-    """Called first in every DataLoader worker (from its ``worker_init_fn``).
-
-    - SIGTERM and SIGINT are ignored: torchrun forwards preemption's SIGTERM to the rank's
-      process group (``os.killpg``), which holds the loader workers; a worker that died of it
-      made the rank crash at its next batch, before ``--exit-signal-handler`` could save. The
-      rank itself decides when to stop, and its workers end with its loader.
-    - The worker dies with its rank: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux (a worker
-      is started by the rank's main thread, which lives as long as the rank), else a daemon
-      thread polling ``os.getppid()`` every ``poll_seconds``.
+def die_with_parent(poll_seconds: float = 1.0) -> str:
+    """Have this process SIGKILLed when its parent process ends: ``prctl(PR_SET_PDEATHSIG,
+    SIGKILL)`` on Linux (the signal comes when the thread that started this process exits:
+    start helpers from the main thread), else a daemon thread polling ``os.getppid()`` every
+    ``poll_seconds``. A parent that died while the guard was being set is noticed too.
 
     Returns:
-        "prctl" or "poll": how the death of the rank is noticed.
+        "prctl" or "poll".
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     how = "prctl" if _set_parent_death_signal(signal.SIGKILL) else "poll"
-    if os.getppid() != parent:  # the rank died before the guard was set
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "poll":
         def watch():
@@ -169,8 +162,27 @@ def guard_loader_worker(poll_seconds: float = 1.0) -> str:
                 time.sleep(poll_seconds)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Thread(target=watch, name="die-with-rank", daemon=True).start()
+        threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
     return how
+
+
+def guard_loader_worker(poll_seconds: float = 1.0) -> str:
+    """Called first in every DataLoader worker (from its ``worker_init_fn``).
+
+    - SIGTERM and SIGINT are ignored: torchrun forwards preemption's SIGTERM to the rank's
+      process group (``os.killpg``), which holds the loader workers; a worker that died of it
+      made the rank crash at its next batch, before ``--exit-signal-handler`` could save. The
+      rank itself decides when to stop, and its workers end with its loader.
+    - The worker dies with its rank (:func:`die_with_parent`; the loader starts its workers from
+      the rank's main thread): a worker of a SIGKILLed rank otherwise lived on, blocked on a
+      queue nobody reads.
+
+    Returns:
+        "prctl" or "poll": how the death of the rank is noticed.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return die_with_parent(poll_seconds)
 
 
 def _orphaned(parent: int) -> None:

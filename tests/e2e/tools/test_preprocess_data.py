@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -382,3 +383,86 @@ def test_pieces_only_where_the_model_allows(shared_data, tmp_path):
         path = tmp_path / f"{change}.model"
         path.write_bytes(model.SerializeToString())
         assert not splits_at_spaces(SentencePieceTokenizer(str(path))), change
+
+
+# ---------------------------------------------------------------- a worker or the parent killed
+_SLOW_OR_DYING_WORKER = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import tools.preprocess_data as pp
+mode, at = sys.argv[2], int(sys.argv[3])
+real = pp.encode_chunk
+def encode(path, first_line, chunk):  # runs in a forked worker, which inherits this module
+    if first_line >= at:
+        if mode == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+    return real(path, first_line, chunk)
+pp.encode_chunk = encode
+sys.exit(pp.main(sys.argv[4:]))
+"""
+
+
+def _children(pid):
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_worker_killed_stops_the_run_in_one_line_with_no_output_and_no_orphan(old_and_new, tmp_path):
+    """Before: multiprocessing.Pool replaced the dead worker and waited for its chunk forever."""
+    _, new, _, _ = old_and_new
+    argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--chunk-size", "16",
+            "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_OR_DYING_WORKER, ROOT, "die", "100", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("preprocess_data.py hung after a worker died")
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"preprocess_data.py: error: tokenizer worker \(pid \d+\) was killed by SIGKILL .*no output "
+        r"written.*--workers.*", lines[0]), err
+    assert os.listdir(tmp_path) == []  # neither a .bin/.idx pair nor a temporary
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_workers_die_with_a_sigkilled_parent(old_and_new, tmp_path):
+    _, new, _, _ = old_and_new
+    argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--chunk-size", "16",
+            "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_OR_DYING_WORKER, ROOT, "sleep", "100", *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    while len(_children(proc.pid)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    assert len(workers) >= 2
+    time.sleep(1)  # the workers are in their sleeping chunk
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 5
+    while any(map(_running, workers)) and time.time() < deadline:
+        time.sleep(0.05)
+    alive = [w for w in workers if _running(w)]
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert not alive, "tokenizer workers outlived their SIGKILLed parent"
+    assert not glob.glob(str(tmp_path / "*.idx"))  # nothing that looks like a dataset

@@ -14,29 +14,20 @@ import pytest
 
 from megatron import checkpointing as ckpt
 from tests.e2e.test_reliability_launch import TP2, Run
-from tests.helpers.reliability import process_running, tiny_argv, write_dataset
+from tests.helpers.reliability import child_processes, process_running, tiny_argv, write_dataset
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")]
 
 
-def _children(pid):
-    """The pids of ``pid``'s child processes (its loader workers), from /proc."""
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(k) for k in f.read().split()]
-    return kids
-
-
 def _wait_for_children(pid, count, timeout=60):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        kids = _children(pid)
+        kids = child_processes(pid)
         if len(kids) >= count:
             return kids
         time.sleep(0.1)
-    pytest.fail(f"rank pid {pid} has {_children(pid)} children, expected {count} loader workers")
+    pytest.fail(f"rank pid {pid} has {child_processes(pid)} children, expected {count} loader workers")
 
 
 def _gone_within(pids, seconds):

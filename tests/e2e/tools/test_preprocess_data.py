@@ -19,6 +19,7 @@ from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDatase
 from tools.preprocess_data import _pieces, get_args, main, run, splits_at_spaces
 
 from tests.helpers.paths import ROOT
+from tests.helpers.reliability import child_processes, process_running
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
 
@@ -403,32 +404,21 @@ sys.exit(pp.main(sys.argv[4:]))
 """
 
 
-def _children(pid):
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(k) for k in f.read().split()]
-    return kids
-
-
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+def _start_with_faulty_worker(src, out, mode):
+    """preprocess_data.py --workers 2 whose worker dies ("die") or sleeps ("sleep") at the chunk
+    of line 100."""
+    argv = ["--input", src, "--output-prefix", str(out / "o"), *NULL, "--chunk-size", "16",
+            "--workers", "2"]
+    return subprocess.Popen([sys.executable, "-c", _SLOW_OR_DYING_WORKER, ROOT, mode, "100", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 def test_a_worker_killed_stops_the_run_in_one_line_with_no_output_and_no_orphan(old_and_new, tmp_path):
     """Before: multiprocessing.Pool replaced the dead worker and waited for its chunk forever."""
-    _, new, _, _ = old_and_new
-    argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--chunk-size", "16",
-            "--workers", "2"]
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_OR_DYING_WORKER, ROOT, "die", "100", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, "die")
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -445,23 +435,19 @@ def test_a_worker_killed_stops_the_run_in_one_line_with_no_output_and_no_orphan(
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 def test_workers_die_with_a_sigkilled_parent(old_and_new, tmp_path):
-    _, new, _, _ = old_and_new
-    argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--chunk-size", "16",
-            "--workers", "2"]
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_OR_DYING_WORKER, ROOT, "sleep", "100", *argv],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, "sleep")
     deadline = time.time() + 60
-    while len(_children(proc.pid)) < 2 and time.time() < deadline:
+    while len(child_processes(proc.pid)) < 2 and time.time() < deadline:
         time.sleep(0.05)
-    workers = _children(proc.pid)
+    workers = child_processes(proc.pid)
     assert len(workers) >= 2
     time.sleep(1)  # the workers are in their sleeping chunk
     proc.kill()
     proc.wait()
     deadline = time.time() + 5
-    while any(map(_running, workers)) and time.time() < deadline:
+    while any(map(process_running, workers)) and time.time() < deadline:
         time.sleep(0.05)
-    alive = [w for w in workers if _running(w)]
+    alive = [w for w in workers if process_running(w)]
     for w in alive:
         os.kill(w, signal.SIGKILL)
     assert not alive, "tokenizer workers outlived their SIGKILLed parent"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import stat
 import shutil
 import socket
 import uuid
@@ -114,8 +115,14 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
         UsageError: the lock file exists but is not one of ours (names it and how to remove it).
     """
     path = lock_path(save_dir)
+    _check_regular(save_dir, path)
     try:
-        with open(path, encoding="utf-8") as f:
+        # O_NONBLOCK|O_NOFOLLOW: a pipe or link put there after the check neither blocks nor
+        # leads elsewhere; fstat confirms what was opened.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, encoding="utf-8") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError("it is no regular file")
             data = json.load(f)
         holder = LockHolder(**{k: data[k] for k in ("host", "pid", "job", "started", "token")},
                             process_start=data.get("process_start"))
@@ -128,6 +135,30 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--save ({save_dir}): the lock file {path} names no job ({exc}); if no "
                          f"job uses {save_dir}, delete {path} and start again") from None
+
+
+_KINDS = ((stat.S_ISFIFO, "named pipe"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"),
+          (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"))
+
+
+def _check_regular(save_dir: str, path: str) -> None:
+    """Refuse a lock path that exists and is no regular file, looking at it with ``lstat`` only
+    (reading a named pipe would wait for a writer forever).
+
+    Raises:
+        UsageError: naming the file, what it is and how to remove it.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _KINDS if test(mode)), "special file")
+    raise UsageError(f"--save ({save_dir}): the lock file {path} is a {kind}, not a lock file "
+                     f"this program wrote; if no job uses {save_dir}, remove {path} and start "
+                     "again")
 
 
 def _create(path: str, holder: LockHolder) -> None:

@@ -123,3 +123,53 @@ def test_metadata_that_would_run_code_or_leave_the_folder_is_refused(tmp_path):
         f.write(good[:len(good) // 2])
     with pytest.raises(storage.CheckpointFormatError, match=r"cannot read .*\.metadata"):
         storage.read_metadata(directory)
+
+
+def _save_one(directory, value):
+    storage.save([ShardedTensor("model.w", torch.full((6, 5), float(value)), (6, 5), (0, 0))],
+                 directory)
+
+
+def _read_one(directory):
+    box = torch.zeros(6, 5)
+    storage.load([ShardedTensor("model.w", box, (6, 5), (0, 0))], directory, single_process=True)
+    return box
+
+
+def test_a_data_file_of_another_save_is_refused_naming_it(tmp_path):
+    """Issue 31: two saves of one model at one layout have records at the same offsets with
+    valid CRCs; before the save ids the copied-in file loaded silently (the other save's
+    values)."""
+    import shutil
+
+    mine, other = str(tmp_path / "mine"), str(tmp_path / "other")
+    _save_one(mine, 1)
+    _save_one(other, 2)
+    assert torch.equal(_read_one(mine), torch.full((6, 5), 1.0))
+    shutil.copy(os.path.join(other, "__0_0.distcp"), os.path.join(mine, "__0_0.distcp"))
+    with pytest.raises(storage.CheckpointFormatError,
+                       match=r"mine/__0_0\.distcp comes from another save than .*mine/\.metadata "
+                             r"\(save id [0-9a-f]{32}, expected [0-9a-f]{32}\)"):
+        _read_one(mine)
+
+
+def test_metadata_and_common_of_different_saves_are_refused_and_old_checkpoints_load(tmp_path,
+                                                                                    monkeypatch):
+    mine = str(tmp_path / "mine")
+    _save_one(mine, 1)
+    metadata = storage.read_metadata(mine)
+    (record, mine_id, rank), = storage.save_ids(metadata).values()
+    assert rank == 0 and storage.check_save_id(metadata, mine_id, mine) == []
+    with pytest.raises(storage.CheckpointFormatError,
+                       match=rf"mine/common\.pt and .*mine/\.metadata come from different saves "
+                             rf"\(save id {'0' * 32} vs {mine_id}\)"):
+        storage.check_save_id(metadata, "0" * 32, mine)
+    assert metadata.storage_data[record].offset == 0  # first in the file
+    old = str(tmp_path / "old")  # as written before the ids
+    monkeypatch.setattr(storage, "_new_save_id", lambda: None)
+    _save_one(old, 3)
+    notes = storage.check_save_id(storage.read_metadata(old), None, old)
+    assert len(notes) == 1 and "written before per-save ids" in notes[0]
+    assert torch.equal(_read_one(old), torch.full((6, 5), 3.0))
+    with pytest.raises(storage.CheckpointFormatError, match="come from different saves"):
+        storage.check_save_id(storage.read_metadata(old), mine_id, old)  # common.pt of a new save

@@ -330,6 +330,29 @@ def checkpoint_bytes(config) -> int:
     return size
 
 
+def check_load_folder(load_dir: str, save_dir: Optional[str]) -> None:
+    """Refuse a ``--load`` that names no folder (missing, or a file) unless it is the ``--save``
+    folder: "resume if there is something" (``--load`` = ``--save``) starts from scratch on a
+    first run, but a mistyped path would silently train from scratch too.
+
+    Raises:
+        UsageError: naming the path, what it is and the fix.
+    """
+    if os.path.isdir(load_dir):
+        return
+    same = save_dir is not None and os.path.realpath(load_dir) == os.path.realpath(save_dir)
+    if os.path.lexists(load_dir):
+        what = ("a symbolic link to nothing" if not os.path.exists(load_dir) else
+                "a file, not a checkpoint folder")
+        raise UsageError(f"--load ({load_dir}) is {what}: give the folder that holds "
+                         "latest_checkpointed_iteration.txt (the --save folder of the run to "
+                         "resume)")
+    if not same:
+        raise UsageError(f"--load ({load_dir}) does not exist: check the path (the --save folder "
+                         "of the run to resume), drop --load to start from scratch, or give "
+                         "--load the --save folder to resume whenever it holds a checkpoint")
+
+
 def check_save_folder(save_dir: str, needed_bytes: int) -> bool:
     """Refuse a ``--save`` that cannot take checkpoints, creating it if missing.
 

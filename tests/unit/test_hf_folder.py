@@ -94,3 +94,60 @@ def test_index_without_weight_map_is_named(tmp_path):
     folder = _folder(tmp_path / "m", {"model.safetensors.index.json": {"metadata": {}}})
     with pytest.raises(ValueError, match="not a checkpoint index with a weight_map"):
         weight_map(os.path.join(folder, "model.safetensors.index.json"), folder)
+
+
+# Issue 31: a tokenizer file (or any file the converter reads or copies) linked to a file outside
+# the folder was copied into the export / read as the folder's.
+def _linked_out(tmp_path, name):
+    secret = _folder(tmp_path / "elsewhere", {"secret": "outside content"})
+    folder = _folder(tmp_path / "m", {"config.json": {"model_type": "llama"}})
+    os.symlink(os.path.join(secret, "secret"), os.path.join(folder, name))
+    return folder, os.path.realpath(os.path.join(secret, "secret"))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer.json", "special_tokens_map.json",
+                                  "model.safetensors"])
+def test_a_file_linked_outside_the_folder_is_refused(tmp_path, name):
+    folder, real = _linked_out(tmp_path, name)
+    with pytest.raises(ValueError) as err:
+        refuse_custom_code(folder, "--load-dir")
+    assert str(err.value).startswith(f"--load-dir {folder}: {name} is a link resolving outside "
+                                     f"the folder, to {real}; refused"), err.value
+
+
+def test_links_inside_the_folder_and_into_hub_blobs_pass(tmp_path):
+    folder = _folder(tmp_path / "m", {"config.json": {}, "real.model": "x"})
+    os.symlink("real.model", os.path.join(folder, "tokenizer.model"))
+    refuse_custom_code(folder, "--load-dir")
+    repo = tmp_path / "models--org--tiny"
+    _folder(repo / "blobs", {"0123abcd": "{}"})
+    snapshot = _folder(repo / "snapshots" / "rev1", {})
+    os.symlink(os.path.join("..", "..", "blobs", "0123abcd"), os.path.join(snapshot, "config.json"))
+    refuse_custom_code(snapshot, "--load-dir")
+
+
+def test_tokenizer_info_refuses_a_linked_file(tmp_path):
+    from tools.checkpoint.tokenizer_files import tokenizer_info
+
+    folder, real = _linked_out(tmp_path, "tokenizer.json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json is a link resolving outside the folder"):
+        tokenizer_info(folder)
+
+
+def test_import_and_export_refuse_a_tokenizer_linked_outside(tmp_path):
+    """Import (loader_hf) stops before reading anything; export (saver_hf) before writing, and
+    the outside file is not copied."""
+    import argparse
+
+    from tools.checkpoint import loader_hf, saver_hf
+
+    folder, _ = _linked_out(tmp_path, "tokenizer.model")
+    with pytest.raises(ValueError, match=r"--load-dir .*tokenizer\.model is a link resolving"):
+        loader_hf.load_checkpoint(argparse.Namespace(load_dir=folder, allow_unknown_hf_fields=False))
+    out = tmp_path / "export"
+    args = argparse.Namespace(target_tensor_parallel_size=None, target_pipeline_parallel_size=None,
+                              tokenizer_dir=folder, save_dir=str(out), target_params_dtype="fp32",
+                              max_shard_size=None)
+    with pytest.raises(ValueError, match=r"--tokenizer-dir .*tokenizer\.model is a link resolving"):
+        saver_hf.save_checkpoint({"true_vocab_size": 8}, iter(()), args)
+    assert not (out / "tokenizer.model").exists()

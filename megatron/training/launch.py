@@ -1,6 +1,8 @@
 """Guards of a launched worker process: its GPU, its port and its parent (issue 13).
 
-- Device: rank ``LOCAL_RANK`` computes on ``cuda:LOCAL_RANK`` (Megatron-LM's mapping). A rank
+- Device: rank ``LOCAL_RANK`` computes on ``cuda:LOCAL_RANK`` (Megatron-LM's mapping), except that
+  a process given exactly one GPU by ``CUDA_VISIBLE_DEVICES`` (Slurm's ``--gpus-per-task=1``:
+  ``LOCAL_RANK=5``, ``CUDA_VISIBLE_DEVICES=5``) computes on that one, ``cuda:0``. A rank
   whose local rank has no GPU, or a node asked to run more processes than it has GPUs, is
   refused (two ranks on one GPU run out of memory or crawl, and NCCL refuses duplicate GPUs
   only later, rank by rank); after the process group exists, ranks that still share a physical
@@ -31,9 +33,21 @@ import time
 _PR_SET_PDEATHSIG = 1
 
 
+def one_gpu_per_task(device_count: int) -> bool:
+    """Whether this process was given exactly one GPU of its own: it sees one, and
+    ``CUDA_VISIBLE_DEVICES`` names exactly one (as Slurm's ``--gpus-per-task=1`` sets it). A
+    single-GPU machine without ``CUDA_VISIBLE_DEVICES`` is not such a case: every process there
+    would share the GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (device_count == 1 and visible is not None
+            and len([v for v in visible.split(",") if v.strip()]) == 1)
+
+
 def check_local_device(local_rank: int, device_count: int, local_world_size: int | None) -> int:
-    """The CUDA device index of this rank: ``local_rank``, when that GPU exists for every process
-    of the node.
+    """The CUDA device index of this rank: 0 when the process was given one GPU of its own
+    (:func:`one_gpu_per_task`; ranks that still share a physical GPU are found later,
+    :func:`check_unique_device`), else ``local_rank``, when that GPU exists for every process of
+    the node.
 
     Args:
         local_rank: ``LOCAL_RANK`` (the rank on this node).
@@ -44,6 +58,8 @@ def check_local_device(local_rank: int, device_count: int, local_world_size: int
         ValueError: more processes than GPUs on the node, or ``local_rank`` beyond the GPUs;
             the message names the variables and the fix.
     """
+    if one_gpu_per_task(device_count):
+        return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     seen = f"{device_count} GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
     if local_world_size is not None and local_world_size > device_count:

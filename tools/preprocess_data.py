@@ -284,6 +284,13 @@ def _parse(line: str, where: str, keys: List[str]) -> List[str]:
                              "choose the field with --json-keys")
         if not isinstance(obj[key], str):
             raise InputError(f"{where}: {key!r} is a {type(obj[key]).__name__}, expected a string")
+        try:
+            obj[key].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"{where}: {key!r} holds a lone surrogate "
+                             f"({ascii(obj[key][e.start])} at character {e.start}: a \\u escape "
+                             "of half a UTF-16 pair), which is no text; fix the line or pass "
+                             "--skip-invalid") from None
         texts.append(obj[key])
     return texts
 
@@ -390,7 +397,10 @@ def encode_chunk(path: str, first_line: int, chunk) -> dict:
     del chunk
     if lines and lines[-1] == "":
         lines.pop()
-    per_key, invalid = _parse_fast(lines, _W["keys"], _W["scan"]), 0
+    # A "\\udXXX" escape can decode to a lone surrogate, which is no Unicode text and which a
+    # tokenizer rejects with a raw error: such chunks take the slow path, which names the line.
+    escapes = any("\\ud" in line or "\\uD" in line for line in lines)
+    per_key, invalid = (None if escapes else _parse_fast(lines, _W["keys"], _W["scan"])), 0
     if per_key is None:
         per_key, invalid = _parse_slow(lines, path, first_line)
     del lines  # the texts are their own strings now

@@ -122,6 +122,22 @@ def file_in_folder(folder: str, name: str, flag: str) -> str:
     return path
 
 
+def open_safetensors(path: str):
+    """``safetensors.safe_open(path, framework="pt")``, a header that lies (lengths, offsets,
+    shapes that do not fit the file) refused in one line naming the file.
+
+    Raises:
+        ValueError: naming the file and safetensors' reason.
+    """
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError, from Rust
+        raise ValueError(f"{path} is not a valid safetensors file ({exc}): its header does not "
+                         "describe its content; re-download or re-convert it") from None
+
+
 def weight_map(index_path: str, folder: str) -> dict:
     """``{tensor name: shard path}`` of a ``*.index.json`` of ``folder``.
 

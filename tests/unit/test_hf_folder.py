@@ -151,3 +151,38 @@ def test_import_and_export_refuse_a_tokenizer_linked_outside(tmp_path):
     with pytest.raises(ValueError, match=r"--tokenizer-dir .*tokenizer\.model is a link resolving"):
         saver_hf.save_checkpoint({"true_vocab_size": 8}, iter(()), args)
     assert not (out / "tokenizer.model").exists()
+
+
+def _lying_safetensors(path, how):
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(4), "b": torch.ones(2, 3)}, path)
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    if how == "offsets":
+        header["b"]["data_offsets"] = [16, 9999]
+    elif how == "shape":
+        header["b"]["shape"] = [1000, 1000]
+    text = json.dumps(header).encode()
+    length = 10 ** 12 if how == "header length" else len(text)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", length) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("how", ["offsets", "shape", "header length"])
+def test_a_safetensors_header_that_lies_is_named_in_one_line(tmp_path, how):
+    """Issue 31: safetensors' own SafetensorError reached the user."""
+    from tools.checkpoint.loader_hf import HFWeights
+
+    folder = _folder(tmp_path / "m", {})
+    path = os.path.join(folder, "model.safetensors")
+    _lying_safetensors(path, how)
+    with pytest.raises(ValueError) as err:
+        HFWeights(folder).get("model.embed_tokens.weight")
+    message = str(err.value)
+    assert message.startswith(f"{path} is not a valid safetensors file (") and "\n" not in message
+    assert message.endswith("re-download or re-convert it")

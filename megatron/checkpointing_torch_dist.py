@@ -407,7 +407,40 @@ def read_common(folder: str) -> dict:
     if common["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {common['format_version']}; this "
                                      f"code reads up to {FORMAT_VERSION}")
+    _check_common_keys(common, path)
     return common
+
+
+# What loading reads from common.pt without a default: {key: type}, and the layout's keys.
+_COMMON_KEYS = {"iteration": int, "consumed_train_samples": int, "consumed_valid_samples": int,
+                "layout": dict}
+_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "data_parallel_size", "virtual_pipeline_model_parallel_size",
+                "use_distributed_optimizer")
+_RNG_KEYS = ("tp", "pp", "dp", "states")
+
+
+def _check_common_keys(common: dict, path: str) -> None:
+    """Refuse a ``common.pt`` that lacks what loading reads (or holds it as another type), naming
+    the keys, instead of a bare KeyError later.
+
+    Raises:
+        CheckpointError: naming ``path`` and the keys.
+    """
+    wrong = [f"{k} (missing)" if k not in common else f"{k} (a {type(common[k]).__name__})"
+             for k, kind in _COMMON_KEYS.items()
+             if k not in common or not isinstance(common[k], kind) or isinstance(common[k], bool)]
+    if not wrong:
+        wrong = [f"layout.{k} (missing)" for k in _LAYOUT_KEYS if k not in common["layout"]]
+    rng = common.get("rng_state")
+    if not wrong and rng is not None and not (isinstance(rng, dict)
+                                              and all(k in rng for k in _RNG_KEYS)):
+        wrong = [f"rng_state (without {', '.join(k for k in _RNG_KEYS if k not in rng)})"
+                 if isinstance(rng, dict) else f"rng_state (a {type(rng).__name__})"]
+    if wrong:
+        raise CheckpointError(f"{path} is not the common part of a complete torch_dist "
+                              f"checkpoint: {', '.join(wrong)}; it is damaged or was not written "
+                              "by this code")
 
 
 def _prefer_fp32_weights(boxes, saved: set):

@@ -272,7 +272,65 @@ def read_metadata(directory: str) -> Metadata:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointFormatError(f"{path}: records written with stream transforms "
                                         f"{info.transform_descriptors} are not read")
+    _check_shapes(metadata, directory, path)
     return metadata
+
+
+def _nonnegative_ints(values) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)
+
+
+def _check_shapes(metadata: Metadata, directory: str, path: str) -> None:
+    """Refuse metadata whose shapes, boxes or record places cannot describe the files: a global
+    shape of negative or non-integer sizes, a box outside it or of another rank, boxes that do
+    not cover it once, a box with no record, or a record larger than its data would be or lying
+    beyond the end of its file (so nothing is allocated from a crafted shape).
+
+    Raises:
+        CheckpointFormatError: naming ``path`` and the key.
+    """
+    sizes = {}
+    for index, info in metadata.storage_data.items():
+        file = os.path.join(directory, str(info.relative_path))
+        if file not in sizes:
+            sizes[file] = os.path.getsize(file) if os.path.isfile(file) else None
+        if not _nonnegative_ints((info.offset, info.length)) or (
+                sizes[file] is not None and info.offset + info.length > sizes[file]):
+            raise CheckpointFormatError(
+                f"{path}: the record of {index.fqn} (bytes {info.offset!r} + {info.length!r}) "
+                f"does not lie inside {file} ({sizes[file]} bytes): the metadata is damaged or "
+                "belongs to other files")
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+
+        def bad(why):
+            return CheckpointFormatError(f"{path}: tensor {key} {why}; the metadata is damaged "
+                                         "or was crafted (refused before anything is allocated)")
+
+        shape = tuple(md.size)
+        if not _nonnegative_ints(shape) or not isinstance(md.properties.dtype, torch.dtype):
+            raise bad(f"has global shape {list(shape)} of dtype {md.properties.dtype!r}")
+        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+        covered = 0
+        for chunk in md.chunks:
+            offsets, lengths = tuple(chunk.offsets), tuple(chunk.sizes)
+            if (len(offsets) != len(shape) or len(lengths) != len(shape)
+                    or not _nonnegative_ints(offsets + lengths)
+                    or any(o + n > s for o, n, s in zip(offsets, lengths, shape))):
+                raise bad(f"has a box at {list(offsets)} of shape {list(lengths)} outside its "
+                          f"global shape {list(shape)}")
+            info = metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+            if info is None:
+                raise bad(f"has a box at {list(offsets)} that no data file holds")
+            if math.prod(lengths) * itemsize > info.length:
+                raise bad(f"has a box at {list(offsets)} of shape {list(lengths)} "
+                          f"({math.prod(lengths) * itemsize} bytes) in a record of "
+                          f"{info.length} bytes")
+            covered += math.prod(lengths)
+        if covered != math.prod(shape):
+            raise bad(f"has boxes covering {covered} of the {math.prod(shape)} elements of its "
+                      f"global shape {list(shape)}")
 
 
 def tensor_shapes(metadata: Metadata) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:

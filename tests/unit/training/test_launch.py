@@ -143,3 +143,30 @@ def test_one_gpu_per_task_uses_cuda_0_and_says_so(fake_gpus, monkeypatch, capsys
                                              r"has 1 GPU\(s\)"):
             initialize.select_device("nccl")
     assert fake_gpus == [0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and prctl")
+def test_a_loader_worker_ignores_the_launcher_s_signals():
+    """Issue 31: torchrun forwards SIGTERM to the rank's process group, loader workers included;
+    a worker guarded by guard_loader_worker lives on (the slow tests in
+    tests/e2e/test_preemption_workers.py show the whole run saving)."""
+    import multiprocessing
+
+    ready = multiprocessing.get_context("fork").Event()
+
+    def worker():
+        launch.guard_loader_worker()
+        ready.set()
+        time.sleep(60)
+
+    proc = multiprocessing.get_context("fork").Process(target=worker, daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(proc.pid, sig)
+        proc.join(1.0)
+        assert proc.is_alive(), f"the worker died of a forwarded signal ({proc.exitcode})"
+    finally:
+        proc.kill()
+        proc.join()

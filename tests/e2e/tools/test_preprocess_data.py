@@ -432,6 +432,20 @@ def test_a_worker_killed_stops_the_run_in_one_line_with_no_output_and_no_orphan(
         r"preprocess_data.py: error: tokenizer worker \(pid \d+\) was killed by SIGKILL .*no output "
         r"written.*--workers.*", lines[0]), err
     assert os.listdir(tmp_path) == []  # neither a .bin/.idx pair nor a temporary
+    assert not _processes_naming(str(tmp_path)), "a tokenizer worker outlived the run"
+
+
+def _processes_naming(text):
+    """Live processes whose command line holds ``text`` (forked workers keep their parent's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read() and process_running(int(pid)):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 @pytest.mark.slow

@@ -10,7 +10,13 @@ Layout (Megatron-Core's file names)::
                                                scheduler, optimizer hyperparameters and step,
                                                loss scaler, RNG states, args, layout, versions
     SAVE/iter_0000100/.metadata                torch.distributed.checkpoint's index of the boxes
-    SAVE/iter_0000100/__R_0.distcp             the boxes rank R wrote
+    SAVE/iter_0000100/__R_0.distcp             the boxes rank R wrote, after its save id
+
+Every file of one save is tied to the others: each data file starts with its rank's save id,
+which ``.metadata`` names, and ``common.pt`` holds rank 0's (``save_id``); a file of another
+save (same iteration and layout or not) is refused naming it
+(:mod:`megatron.core.dist_checkpointing.storage`). Checkpoints written before the ids load as
+before, saying so once.
 
 The tensors are global and layout-free (:mod:`megatron.core.dist_checkpointing`; names in
 :mod:`megatron.model.sharded_state` and :mod:`megatron.core.optimizer.sharded_state`).
@@ -295,10 +301,10 @@ class TorchDistSaver:
     def _write(self, boxes, staging: str, common: dict) -> None:
         """Every rank's boxes (collective over the checkpoints' group), then rank 0's plain data:
         a failure of the latter comes after DCP's collectives, so no rank waits in them."""
-        dcp.save(boxes, staging, process_group=self.group)
+        save_id = dcp.save(boxes, staging, process_group=self.group)
         if dist.get_rank() == 0:
-            try:
-                _write_common(staging, common)
+            try:  # rank 0's save id ties common.pt to .metadata (dcp.check_save_id)
+                _write_common(staging, dict(common, save_id=save_id))
             except OSError as exc:
                 raise OSError(f"rank 0 could not write {os.path.join(staging, COMMON_FILE)}: "
                               f"{exc}") from None
@@ -401,7 +407,40 @@ def read_common(folder: str) -> dict:
     if common["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {common['format_version']}; this "
                                      f"code reads up to {FORMAT_VERSION}")
+    _check_common_keys(common, path)
     return common
+
+
+# What loading reads from common.pt without a default: {key: type}, and the layout's keys.
+_COMMON_KEYS = {"iteration": int, "consumed_train_samples": int, "consumed_valid_samples": int,
+                "layout": dict}
+_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "data_parallel_size", "virtual_pipeline_model_parallel_size",
+                "use_distributed_optimizer")
+_RNG_KEYS = ("tp", "pp", "dp", "states")
+
+
+def _check_common_keys(common: dict, path: str) -> None:
+    """Refuse a ``common.pt`` that lacks what loading reads (or holds it as another type), naming
+    the keys, instead of a bare KeyError later.
+
+    Raises:
+        CheckpointError: naming ``path`` and the keys.
+    """
+    wrong = [f"{k} (missing)" if k not in common else f"{k} (a {type(common[k]).__name__})"
+             for k, kind in _COMMON_KEYS.items()
+             if k not in common or not isinstance(common[k], kind) or isinstance(common[k], bool)]
+    if not wrong:
+        wrong = [f"layout.{k} (missing)" for k in _LAYOUT_KEYS if k not in common["layout"]]
+    rng = common.get("rng_state")
+    if not wrong and rng is not None and not (isinstance(rng, dict)
+                                              and all(k in rng for k in _RNG_KEYS)):
+        wrong = [f"rng_state (without {', '.join(k for k in _RNG_KEYS if k not in rng)})"
+                 if isinstance(rng, dict) else f"rng_state (a {type(rng).__name__})"]
+    if wrong:
+        raise CheckpointError(f"{path} is not the common part of a complete torch_dist "
+                              f"checkpoint: {', '.join(wrong)}; it is damaged or was not written "
+                              "by this code")
 
 
 def _prefer_fp32_weights(boxes, saved: set):
@@ -438,11 +477,12 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
     optimizer's ``finish``."""
     common = read_common(folder)
     metadata = dcp.read_metadata(folder)
+    notes = dcp.check_save_id(metadata, common.get("save_id"), folder, COMMON_FILE)
     shapes = dcp.tensor_shapes(metadata)
     saved = set(shapes)
     boxes = _prefer_fp32_weights(
         model_sharded_tensors(model_chunks, layout.tp_rank, layout.tp_size), saved)
-    notes = _vocabulary_notes(boxes, shapes, common, folder)
+    notes += _vocabulary_notes(boxes, shapes, common, folder)
     finish = None
     if with_optimizer:
         if common.get("optimizer") is None:

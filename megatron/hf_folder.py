@@ -8,7 +8,11 @@ folder before ``transformers`` is imported, every ``from_pretrained`` passes
 ``trust_remote_code=False``, and standard input is never read.
 
 A sharded checkpoint's ``model.safetensors.index.json`` (``pytorch_model.bin.index.json``) maps
-each tensor to a shard file; :func:`weight_map` refuses entries that leave the folder.
+each tensor to a shard file; :func:`weight_map` refuses entries that leave the folder. Every other
+file of the folder (``tokenizer.model``, ``tokenizer.json``, configs, a single weights file) is
+read or copied by the converter: :func:`refuse_custom_code` also refuses a symbolic link among them
+that resolves outside the folder (an export would otherwise carry that outside file along), and
+:func:`file_in_folder` checks one file before it is read.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def refuse_custom_code(folder: str, flag: str) -> None:
 
     Raises:
         ValueError: a ``*config*.json`` of the folder has an ``auto_map`` entry, is not valid JSON,
-            or the folder holds ``*.py`` files; the message names the folder, the file and the key.
+            or the folder holds ``*.py`` files, or a file of the folder is a link leaving it
+            (:func:`refuse_links_leaving`); the message names the folder, the file and the key.
     """
     fix = ("custom code is never run here (trust_remote_code=False); use a folder with the "
            "standard files only (tokenizer.json or tokenizer.model, config.json without auto_map, "
@@ -59,6 +64,7 @@ def refuse_custom_code(folder: str, flag: str) -> None:
             if isinstance(config, dict) and key in config:
                 raise ValueError(f"{flag} {folder}: {path} asks to run code from the folder "
                                  f"({key}: {json.dumps(config[key])[:200]}); {fix}")
+    refuse_links_leaving(folder, flag)
     code = _python_files(folder)
     if code:
         raise ValueError(f"{flag} {folder}: the folder ships Python code ({', '.join(code[:3])}"
@@ -74,6 +80,62 @@ def _roots(folder: str) -> list:
     if os.path.basename(os.path.dirname(real)) == "snapshots":
         roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
     return roots
+
+
+def _outside(folder: str, path: str) -> str | None:
+    """The real path of ``path`` when it resolves outside ``folder`` (and its hub blobs), else None."""
+    real = os.path.realpath(path)
+    return None if any(real == r or real.startswith(r + os.sep) for r in _roots(folder)) else real
+
+
+def _link_error(flag: str, folder: str, path: str, real: str) -> ValueError:
+    return ValueError(f"{flag} {folder}: {os.path.basename(path)} is a link resolving outside the "
+                      f"folder, to {real}; refused (its content would be read or copied as the "
+                      "folder's); copy the file into the folder instead of linking it")
+
+
+def refuse_links_leaving(folder: str, flag: str) -> None:
+    """Refuse a file of ``folder`` (its own entries: what the converter reads or copies) that is a
+    symbolic link resolving outside it; links into a hub cache's ``blobs`` are allowed.
+
+    Raises:
+        ValueError: naming the flag, the folder, the file and where it leads.
+    """
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_symlink():
+                real = _outside(folder, entry.path)
+                if real is not None:
+                    raise _link_error(flag, folder, entry.path, real)
+
+
+def file_in_folder(folder: str, name: str, flag: str) -> str:
+    """``folder/name``, checked not to be a link leaving ``folder`` (it may not exist).
+
+    Raises:
+        ValueError: see :func:`refuse_links_leaving`.
+    """
+    path = os.path.join(folder, name)
+    real = _outside(folder, path) if os.path.islink(path) else None
+    if real is not None:
+        raise _link_error(flag, folder, path, real)
+    return path
+
+
+def open_safetensors(path: str):
+    """``safetensors.safe_open(path, framework="pt")``, a header that lies (lengths, offsets,
+    shapes that do not fit the file) refused in one line naming the file.
+
+    Raises:
+        ValueError: naming the file and safetensors' reason.
+    """
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError, from Rust
+        raise ValueError(f"{path} is not a valid safetensors file ({exc}): its header does not "
+                         "describe its content; re-download or re-convert it") from None
 
 
 def weight_map(index_path: str, folder: str) -> dict:
@@ -92,7 +154,7 @@ def weight_map(index_path: str, folder: str) -> dict:
             AttributeError) as exc:
         raise ValueError(f"{index_path}: not a checkpoint index with a weight_map "
                          f"({type(exc).__name__}: {exc})") from None
-    roots, where = _roots(folder), {}
+    where = {}
     for name, file in items:
         bad = None
         if not isinstance(file, str) or not file:
@@ -100,8 +162,8 @@ def weight_map(index_path: str, folder: str) -> dict:
         elif os.path.isabs(file) or ".." in file.replace("\\", "/").split("/"):
             bad = "a path outside the model folder"
         else:
-            real = os.path.realpath(os.path.join(folder, file))
-            if not any(real == r or real.startswith(r + os.sep) for r in roots):
+            real = _outside(folder, os.path.join(folder, file))
+            if real is not None:
                 bad = f"a link resolving outside the model folder, to {real}"
         if bad:
             raise ValueError(f"{index_path}: weight_map entry {name!r}: {file!r} is {bad}; shard "

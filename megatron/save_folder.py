@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import stat
 import shutil
 import socket
 import uuid
@@ -114,8 +115,14 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
         UsageError: the lock file exists but is not one of ours (names it and how to remove it).
     """
     path = lock_path(save_dir)
+    _check_regular(save_dir, path)
     try:
-        with open(path, encoding="utf-8") as f:
+        # O_NONBLOCK|O_NOFOLLOW: a pipe or link put there after the check neither blocks nor
+        # leads elsewhere; fstat confirms what was opened.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, encoding="utf-8") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError("it is no regular file")
             data = json.load(f)
         holder = LockHolder(**{k: data[k] for k in ("host", "pid", "job", "started", "token")},
                             process_start=data.get("process_start"))
@@ -128,6 +135,30 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--save ({save_dir}): the lock file {path} names no job ({exc}); if no "
                          f"job uses {save_dir}, delete {path} and start again") from None
+
+
+_KINDS = ((stat.S_ISFIFO, "named pipe"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"),
+          (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"))
+
+
+def _check_regular(save_dir: str, path: str) -> None:
+    """Refuse a lock path that exists and is no regular file, looking at it with ``lstat`` only
+    (reading a named pipe would wait for a writer forever).
+
+    Raises:
+        UsageError: naming the file, what it is and how to remove it.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _KINDS if test(mode)), "special file")
+    raise UsageError(f"--save ({save_dir}): the lock file {path} is a {kind}, not a lock file "
+                     f"this program wrote; if no job uses {save_dir}, remove {path} and start "
+                     "again")
 
 
 def _create(path: str, holder: LockHolder) -> None:
@@ -297,6 +328,29 @@ def checkpoint_bytes(config) -> int:
     if not config.checkpoint.no_save_optim:
         size += optimizer_state_bytes(numels, mixed_precision=dtype != torch.float32)
     return size
+
+
+def check_load_folder(load_dir: str, save_dir: Optional[str]) -> None:
+    """Refuse a ``--load`` that names no folder (missing, or a file) unless it is the ``--save``
+    folder: "resume if there is something" (``--load`` = ``--save``) starts from scratch on a
+    first run, but a mistyped path would silently train from scratch too.
+
+    Raises:
+        UsageError: naming the path, what it is and the fix.
+    """
+    if os.path.isdir(load_dir):
+        return
+    same = save_dir is not None and os.path.realpath(load_dir) == os.path.realpath(save_dir)
+    if os.path.lexists(load_dir):
+        what = ("a symbolic link to nothing" if not os.path.exists(load_dir) else
+                "a file, not a checkpoint folder")
+        raise UsageError(f"--load ({load_dir}) is {what}: give the folder that holds "
+                         "latest_checkpointed_iteration.txt (the --save folder of the run to "
+                         "resume)")
+    if not same:
+        raise UsageError(f"--load ({load_dir}) does not exist: check the path (the --save folder "
+                         "of the run to resume), drop --load to start from scratch, or give "
+                         "--load the --save folder to resume whenever it holds a checkpoint")
 
 
 def check_save_folder(save_dir: str, needed_bytes: int) -> bool:

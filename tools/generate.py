@@ -36,7 +36,19 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer-name-or-path", default=None,
                    help="HuggingFaceTokenizer folder (default: the checkpoint's)")
     p.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for i, text in enumerate(args.prompt, 1):
+        try:  # bytes of the command line that are not UTF-8 arrive as lone surrogates
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            from megatron.usage_error import UsageError
+
+            bad = text[e.start]
+            raw = (f"byte {bad.encode('utf-8', 'surrogateescape')!r}" if "\udc80" <= bad <= "\udcff"
+                   else f"lone surrogate {ascii(bad)}")
+            raise UsageError(f"--prompt (number {i}) is not UTF-8 text: {raw} at character "
+                             f"{e.start}; give the prompt in UTF-8 (e.g. convert it with iconv)") from None
+    return args
 
 
 def tokenizer_of(args, saved: dict):

@@ -31,6 +31,9 @@ Empty documents (texts that tokenize to nothing) are recorded as Megatron-LM rec
 entry of the document index without a sequence (``add_document([], [])``, no EOD either), so the
 ``.idx`` is byte-identical to Megatron-LM's; the summary counts them.
 
+A worker that dies (the out-of-memory killer) stops the run with one line naming its exit and no
+output; the workers die with the main process (``PR_SET_PDEATHSIG``).
+
 Output is written to temporary names and renamed at the end, older ``.idx`` files of the outputs
 first deleted, so a run killed at any point leaves no loadable partial dataset; the next run
 deletes the temporaries it left (see ``megatron/data/indexed_dataset.py``). Nothing here imports
@@ -173,8 +176,11 @@ _W: Dict = {}
 
 def _init_worker(args: argparse.Namespace, tokenizer=None, in_pool: bool = False) -> None:
     if in_pool:  # the main process handles Ctrl-C and SIGTERM and ends the pool itself
+        from megatron.training.launch import die_with_parent
+
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        die_with_parent()  # a SIGKILLed main process leaves no worker behind
     tokenizer = tokenizer or build_tokenizer(args)
     _W.update(tokenizer=tokenizer, keys=list(args.json_keys), skip=args.skip_invalid,
               eod=tokenizer.eod if args.append_eod else None,
@@ -278,6 +284,13 @@ def _parse(line: str, where: str, keys: List[str]) -> List[str]:
                              "choose the field with --json-keys")
         if not isinstance(obj[key], str):
             raise InputError(f"{where}: {key!r} is a {type(obj[key]).__name__}, expected a string")
+        try:
+            obj[key].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"{where}: {key!r} holds a lone surrogate "
+                             f"({ascii(obj[key][e.start])} at character {e.start}: a \\u escape "
+                             "of half a UTF-16 pair), which is no text; fix the line or pass "
+                             "--skip-invalid") from None
         texts.append(obj[key])
     return texts
 
@@ -384,7 +397,10 @@ def encode_chunk(path: str, first_line: int, chunk) -> dict:
     del chunk
     if lines and lines[-1] == "":
         lines.pop()
-    per_key, invalid = _parse_fast(lines, _W["keys"], _W["scan"]), 0
+    # A "\\udXXX" escape can decode to a lone surrogate, which is no Unicode text and which a
+    # tokenizer rejects with a raw error: such chunks take the slow path, which names the line.
+    escapes = any("\\ud" in line or "\\uD" in line for line in lines)
+    per_key, invalid = (None if escapes else _parse_fast(lines, _W["keys"], _W["scan"])), 0
     if per_key is None:
         per_key, invalid = _parse_slow(lines, path, first_line)
     del lines  # the texts are their own strings now
@@ -399,6 +415,69 @@ def encode_chunk(path: str, first_line: int, chunk) -> dict:
     return out
 
 
+class WorkerDied(RuntimeError):
+    """A tokenizer process ended while it held a chunk (out-of-memory killer, a crash)."""
+
+
+class _WorkerPool:
+    """``workers`` tokenizer processes (``concurrent.futures.ProcessPoolExecutor``: unlike
+    ``multiprocessing.Pool``, whose lost task was waited for forever, a worker that dies fails
+    every pending chunk at once, and the others are stopped)."""
+
+    def __init__(self, workers: int, args: argparse.Namespace, tokenizer):
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context()
+        self.executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                            initargs=(args, tokenizer, True))
+        # Start every worker now (fork: all at the first task), before output files are open.
+        started = self.executor.submit(os.getpid)
+        self.processes = list(self.executor._processes.values())
+        self.result(started)
+
+    def submit(self, fn, *args):
+        """``executor.submit``; a dead worker raises :class:`WorkerDied` naming its exit."""
+        return self._named(self.executor.submit, fn, *args)
+
+    def result(self, future):
+        """``future.result()``; a dead worker raises :class:`WorkerDied` naming its exit."""
+        return self._named(future.result)
+
+    def _named(self, call, *args):
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return call(*args)
+        except BrokenProcessPool:
+            raise self._died() from None
+
+    def close(self) -> None:
+        """Let the workers finish and exit (their CPU time then shows in rusage)."""
+        self.executor.shutdown(wait=True)
+
+    def terminate(self) -> None:
+        """Stop now: SIGTERM every worker, drop the pending chunks."""
+        for process in self.processes:
+            if process.exitcode is None:
+                process.terminate()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def _died(self) -> WorkerDied:
+        """Name the worker that broke the pool (the first that did not end by our SIGTERM)."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        codes = [(p.pid, p.exitcode) for p in self.processes]
+        pid, code = next(((pid, c) for pid, c in codes if c not in (None, 0, -signal.SIGTERM)),
+                         next(((pid, c) for pid, c in codes if c), (None, None)))
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+            if -code == signal.SIGKILL:
+                how += " (the out-of-memory killer sends it when memory runs out)"
+        else:
+            how = f"exited with status {code}"
+        return WorkerDied(f"tokenizer worker (pid {pid}) {how}; stopped, no output written; "
+                          "rerun, with fewer --workers or a smaller --chunk-size if memory ran out")
+
+
 def _in_order(pool, chunks, window: int, budget: int):
     """Results of ``encode_chunk`` over ``chunks`` in input order, at most ``window`` chunks and
     ``budget`` input bytes in flight; a larger chunk goes alone, and its result comes back before
@@ -408,14 +487,14 @@ def _in_order(pool, chunks, window: int, budget: int):
 
     def oldest():
         in_flight[0] -= pending[0][1]
-        return pending.popleft()[0].get()
+        return pool.result(pending.popleft()[0])
 
     for path, line, box in chunks:
         size = len(box[0])
         while pending and (len(pending) >= window or in_flight[0] + size > budget):
             yield oldest()
         # A fresh box, the yielded one emptied: once the task is sent, no one here holds the bytes.
-        pending.append((pool.apply_async(encode_chunk, (path, line, [box.pop()])), size))
+        pending.append((pool.submit(encode_chunk, path, line, [box.pop()]), size))
         in_flight[0] += size
         if size > budget:
             while pending:
@@ -484,8 +563,7 @@ def run(args: argparse.Namespace) -> dict:
             # Started before the output files are opened, so no worker holds their locks.
             gc.freeze()
             try:
-                pool = multiprocessing.Pool(args.workers, initializer=_init_worker,
-                                            initargs=(args, tokenizer, True))
+                pool = _WorkerPool(args.workers, args, tokenizer)
             finally:
                 gc.unfreeze()
             results = _in_order(pool, chunks, window=4 * args.workers, budget=4 * args.workers * CHUNK_BYTES)
@@ -502,7 +580,6 @@ def run(args: argparse.Namespace) -> dict:
             del res
         if pool is not None:  # let workers exit normally (their CPU time then shows in rusage)
             pool.close()
-            pool.join()
             pool = None
         # Every older index goes before any new file takes its name: an interrupted commit
         # leaves no output of this run paired with one of an earlier run.
@@ -519,7 +596,6 @@ def run(args: argparse.Namespace) -> dict:
         progress.close()
         if pool is not None:
             pool.terminate()
-            pool.join()
     stats["seconds"] = time.time() - start
     stats["outputs"], stats["dtype"] = prefixes, np.dtype(dtype).name
     _print_summary(stats, args, len(files))
@@ -554,6 +630,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (InputError, FileNotFoundError, FileExistsError, IndexedDatasetError, ValueError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 2  # argparse's status for a usage error: the input is the user's to fix
+    except WorkerDied as e:
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0

@@ -130,6 +130,9 @@ class MegatronPretrainingRandomSampler:
 
 
 def _seed_worker(seed: int, worker_id: int) -> None:
+    from megatron.training.launch import guard_loader_worker
+
+    guard_loader_worker()  # ignore the launcher's SIGTERM/SIGINT, die with the rank (issue 31)
     random.seed(seed + worker_id)
     np.random.seed((seed + worker_id) % 2**32)
 

@@ -116,6 +116,33 @@ def qkv_to_ours(weight: torch.Tensor, heads: int, groups: int, kv_channels: int)
     return torch.cat([t.reshape(-1, *weight.shape[1:]) for t in (q, k, v)], 0)
 
 
+def expected_shape(ours: str, config: dict, tp: int) -> tuple:
+    """The shape one tensor-parallel rank's tensor ``ours`` has by the checkpoint's own args
+    (Megatron-LM's per-rank shapes, fused QKV and ``[gate; up]`` included); None for a
+    dimension the args do not fix (the padded vocabulary)."""
+    h, f, d = config["hidden_size"], config["ffn_hidden_size"], config["kv_channels"]
+    heads, groups = config["num_attention_heads"] // tp, config["num_query_groups"] // tp
+    suffix = ours.split(".", 2)[2] if ours.startswith("layers.") else ours
+    return {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "final_layernorm.weight": (h,), QKV: ((heads + 2 * groups) * d, h),
+            "self_attention.dense.weight": (h, heads * d),
+            "mlp.dense_h_to_4h.weight": (2 * (f // tp), h), "mlp.dense_4h_to_h.weight": (h, f // tp),
+            }.get(suffix, (None, h))  # embeddings and output layer: [vocab / TP, h]
+
+
+def _check_shape(name: str, ours: str, tensor: torch.Tensor, config: dict, tp: int) -> None:
+    want = expected_shape(ours, config, tp)
+    have = tuple(tensor.shape)
+    if len(have) != len(want) or any(w is not None and w != g for w, g in zip(want, have)):
+        shown = [("vocab/TP" if w is None else w) for w in want]
+        raise CheckpointError(
+            f"tensor {name} of the Megatron-LM checkpoint has shape {list(have)}, but its own "
+            f"args (hidden_size {config['hidden_size']}, ffn_hidden_size "
+            f"{config['ffn_hidden_size']}, {config['num_attention_heads']} heads in "
+            f"{config['num_query_groups']} groups of {config['kv_channels']} channels, TP {tp}) "
+            f"give {shown}: the checkpoint contradicts its args (damaged, or args edited)")
+
+
 def to_our_state_dict(model_state: dict, config: dict, tp: int) -> dict:
     """One rank's Megatron-LM model state dict (flat or nested) with our names and QKV layout.
 
@@ -124,7 +151,8 @@ def to_our_state_dict(model_state: dict, config: dict, tp: int) -> dict:
         tp: the tensor-parallel size the checkpoint was written at.
 
     Raises:
-        CheckpointError: a tensor this model does not have (biases, QK-norm, experts), named.
+        CheckpointError: a tensor this model does not have (biases, QK-norm, experts), or whose
+            shape contradicts the args (:func:`expected_shape`), named.
     """
     heads, groups = config["num_attention_heads"] // tp, config["num_query_groups"] // tp
     out = {}
@@ -140,6 +168,7 @@ def to_our_state_dict(model_state: dict, config: dict, tp: int) -> dict:
             raise CheckpointError(f"tensor {name} of the Megatron-LM checkpoint has no "
                                   "counterpart in this LLaMA (biases, QK layernorm and experts "
                                   "are not implemented)")
+        _check_shape(name, ours, tensor, config, tp)
         if ours.endswith(QKV):
             tensor = qkv_to_ours(tensor, heads, groups, config["kv_channels"])
         if ours == "output_layer.weight" and not config["untie_embeddings_and_output_weights"]:

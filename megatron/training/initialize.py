@@ -21,7 +21,8 @@ from megatron.training import launch
 
 def select_device(backend: str | None = None) -> torch.device:
     """The device this process computes on: ``cuda:LOCAL_RANK`` with CUDA (unless the backend is
-    gloo), else the CPU.
+    gloo; ``cuda:0`` for a process given one GPU of its own, said in the start-up output), else
+    the CPU.
 
     Args:
         backend: the requested ``--distributed-backend`` (None: choose from the hardware).
@@ -32,9 +33,13 @@ def select_device(backend: str | None = None) -> torch.device:
     """
     if torch.cuda.is_available() and backend != "gloo":
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
         torch.cuda.set_device(launch.check_local_device(
-            int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count(),
-            int(local_world) if local_world else None))
+            local_rank, count, int(local_world) if local_world else None))
+        if launch.one_gpu_per_task(count) and os.environ.get("RANK", "0") == "0":
+            print(f" > device: each process is given one GPU (rank 0: LOCAL_RANK={local_rank}, "
+                  f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}, as Slurm's "
+                  "--gpus-per-task=1): every rank computes on its cuda:0", flush=True)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

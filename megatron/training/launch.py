@@ -1,6 +1,8 @@
 """Guards of a launched worker process: its GPU, its port and its parent (issue 13).
 
-- Device: rank ``LOCAL_RANK`` computes on ``cuda:LOCAL_RANK`` (Megatron-LM's mapping). A rank
+- Device: rank ``LOCAL_RANK`` computes on ``cuda:LOCAL_RANK`` (Megatron-LM's mapping), except that
+  a process given exactly one GPU by ``CUDA_VISIBLE_DEVICES`` (Slurm's ``--gpus-per-task=1``:
+  ``LOCAL_RANK=5``, ``CUDA_VISIBLE_DEVICES=5``) computes on that one, ``cuda:0``. A rank
   whose local rank has no GPU, or a node asked to run more processes than it has GPUs, is
   refused (two ranks on one GPU run out of memory or crawl, and NCCL refuses duplicate GPUs
   only later, rank by rank); after the process group exists, ranks that still share a physical
@@ -13,6 +15,10 @@
   SIGKILL the worker when the agent goes (``prctl(PR_SET_PDEATHSIG)``, Linux), or polls the
   parent elsewhere. A checkpoint being written at that moment stays in its ``.tmp`` folder and
   is never published.
+- Data-loader workers: :func:`guard_loader_worker` (their ``worker_init_fn``) makes a worker
+  ignore SIGTERM and SIGINT, which a launcher sends to the rank's whole process group (torchrun
+  on preemption, a Ctrl-C), so the rank finishes its iteration and saves with its loader alive;
+  and has the kernel SIGKILL the worker when its rank dies, so none outlives a killed rank.
 """
 
 from __future__ import annotations
@@ -27,9 +33,21 @@ import time
 _PR_SET_PDEATHSIG = 1
 
 
+def one_gpu_per_task(device_count: int) -> bool:
+    """Whether this process was given exactly one GPU of its own: it sees one, and
+    ``CUDA_VISIBLE_DEVICES`` names exactly one (as Slurm's ``--gpus-per-task=1`` sets it). A
+    single-GPU machine without ``CUDA_VISIBLE_DEVICES`` is not such a case: every process there
+    would share the GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (device_count == 1 and visible is not None
+            and len([v for v in visible.split(",") if v.strip()]) == 1)
+
+
 def check_local_device(local_rank: int, device_count: int, local_world_size: int | None) -> int:
-    """The CUDA device index of this rank: ``local_rank``, when that GPU exists for every process
-    of the node.
+    """The CUDA device index of this rank: 0 when the process was given one GPU of its own
+    (:func:`one_gpu_per_task`; ranks that still share a physical GPU are found later,
+    :func:`check_unique_device`), else ``local_rank``, when that GPU exists for every process of
+    the node.
 
     Args:
         local_rank: ``LOCAL_RANK`` (the rank on this node).
@@ -40,6 +58,8 @@ def check_local_device(local_rank: int, device_count: int, local_world_size: int
         ValueError: more processes than GPUs on the node, or ``local_rank`` beyond the GPUs;
             the message names the variables and the fix.
     """
+    if one_gpu_per_task(device_count):
+        return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     seen = f"{device_count} GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
     if local_world_size is not None and local_world_size > device_count:
@@ -114,16 +134,7 @@ def die_with_agent(poll_seconds: float = 1.0, use_prctl: bool = True) -> str | N
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     parent = os.getppid()
-    how = "poll"
-    if use_prctl and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-                how = "prctl"
-        except (OSError, AttributeError):
-            pass
+    how = "prctl" if use_prctl and _set_parent_death_signal(signal.SIGKILL) else "poll"
     if os.getppid() != parent:  # the agent died while the guard was being set
         _orphaned(parent)
     if how == "poll":
@@ -134,6 +145,60 @@ def die_with_agent(poll_seconds: float = 1.0, use_prctl: bool = True) -> str | N
 
         threading.Thread(target=watch, name="die-with-agent", daemon=True).start()
     return how
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` on Linux; False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(poll_seconds: float = 1.0) -> str:
+    """Have this process SIGKILLed when its parent process ends: ``prctl(PR_SET_PDEATHSIG,
+    SIGKILL)`` on Linux (the signal comes when the thread that started this process exits:
+    start helpers from the main thread), else a daemon thread polling ``os.getppid()`` every
+    ``poll_seconds``. A parent that died while the guard was being set is noticed too.
+
+    Returns:
+        "prctl" or "poll".
+    """
+    parent = os.getppid()
+    how = "prctl" if _set_parent_death_signal(signal.SIGKILL) else "poll"
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "poll":
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(poll_seconds)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+    return how
+
+
+def guard_loader_worker(poll_seconds: float = 1.0) -> str:
+    """Called first in every DataLoader worker (from its ``worker_init_fn``).
+
+    - SIGTERM and SIGINT are ignored: torchrun forwards preemption's SIGTERM to the rank's
+      process group (``os.killpg``), which holds the loader workers; a worker that died of it
+      made the rank crash at its next batch, before ``--exit-signal-handler`` could save. The
+      rank itself decides when to stop, and its workers end with its loader.
+    - The worker dies with its rank (:func:`die_with_parent`; the loader starts its workers from
+      the rank's main thread): a worker of a SIGKILLed rank otherwise lived on, blocked on a
+      queue nobody reads.
+
+    Returns:
+        "prctl" or "poll": how the death of the rank is noticed.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return die_with_parent(poll_seconds)
 
 
 def _orphaned(parent: int) -> None:

@@ -90,6 +90,11 @@ def _flip(path):
         f.write(data)
 
 
+def _from_iteration_3(folder, name):
+    shutil.copy(os.path.join(os.path.dirname(folder), "iter_0000003", name),
+                os.path.join(folder, name))
+
+
 def _truncate(path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
@@ -108,6 +113,14 @@ def test_bad_checkpoints_name_the_file_and_the_last_complete_one(saved, data_pre
         "flipped bit": (lambda d: _flip(os.path.join(d, "__0_0.distcp")),
                         r"__0_0\.distcp \(the record of .* at byte \d+\): record .* fails its "
                         r"CRC-32 check"),
+        # Issue 31: files of the save of iteration 3 copied into iteration 6 (same layout, same
+        # offsets, valid CRCs): the data file loaded silently before the save ids.
+        "data of another save": (lambda d: _from_iteration_3(d, "__0_0.distcp"),
+                                 r"iter_0000006/__0_0\.distcp comes from another save than "
+                                 r".*iter_0000006/\.metadata \(save id [0-9a-f]{32}, expected"),
+        "common.pt of another save": (lambda d: _from_iteration_3(d, "common.pt"),
+                                      r"iter_0000006/common\.pt and .*iter_0000006/\.metadata "
+                                      r"come from different saves"),
     }
     runs = []
     for name, (damage, _) in cases.items():

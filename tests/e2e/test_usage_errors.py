@@ -64,6 +64,11 @@ def refused(tmp_path_factory):
         # --lr-decay-iters follows --train-iters: 4 iterations of 8 samples against the saved 2
         ("longer resume", tiny_argv(data, cache, 4, "--load", fp32)),
         ("longer dist resume", tiny_argv(data, cache, 4, "--load", fp32_dist)),
+        # issue 31: a mistyped --load trained from scratch with status 0
+        ("load missing", tiny_argv(data, cache, 2, "--load", str(root / "fp32_typo"))),
+        ("load is a file", tiny_argv(data, cache, 2, "--load", str(a_file))),
+        ("load is save, empty", tiny_argv(data, cache, 2, "--load", str(root / "first"),
+                                          "--save", str(root / "first"))),
     ]
     return run_distributed(1, _commands, cases, timeout=600)[0], root, me
 
@@ -86,6 +91,9 @@ def _before_the_model(run):
     ("garbage tracker", r"^--load \(.*garbage\): .*latest_checkpointed_iteration\.txt must hold an "
                         r"iteration number or 'release', found 'hello'; write the iteration of a "
                         r"complete checkpoint there"),
+    ("load missing", r"^--load \(.*fp32_typo\) does not exist: check the path .*drop --load to "
+                     r"start from scratch"),
+    ("load is a file", r"^--load \(.*a_file\) is a file, not a checkpoint folder"),
     ("train-iters below", r"^--train-iters \(4\) ends before the checkpoint at --load .*ahead "
                           r"\(iteration 8\): raise it above 8 to train on, or pass --finetune"),
 ])
@@ -93,6 +101,14 @@ def test_refused_in_one_line_before_the_model_is_built(refused, case, message):
     run = refused[0][case]
     assert re.search(message, _one_line(run)), run["stderr"]
     _before_the_model(run)
+
+
+def test_load_that_is_the_empty_save_folder_starts_from_scratch(refused):
+    out, root, _ = refused
+    run = out["load is save, empty"]
+    assert run["status"] == 0, run["stderr"]
+    assert "starting from scratch" in run["stdout"]
+    assert (root / "first" / "iter_0000002").is_dir()
 
 
 def test_a_save_folder_another_job_holds_is_refused_naming_it(refused):

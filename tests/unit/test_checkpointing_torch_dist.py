@@ -25,8 +25,38 @@ def test_a_newer_format_version_is_refused_and_the_current_one_read(tmp_path):
     torch.save({"format_version": torch_dist.FORMAT_VERSION + 1}, str(path))
     with pytest.raises(CheckpointError, match=r"has format version 2; this code reads up to 1$"):
         torch_dist.read_common(str(tmp_path))
-    torch.save({"format_version": torch_dist.FORMAT_VERSION, "iteration": 4}, str(path))
+    torch.save(_common(4), str(path))
     assert torch_dist.read_common(str(tmp_path))["iteration"] == 4
+
+
+def _common(iteration):
+    return torch_dist.common_state(iteration, None, None, {}, torch_dist.Layout(), None, 32, 0)
+
+
+@pytest.mark.parametrize("drop, named", [
+    ("iteration", "iteration (missing)"), ("layout", "layout (missing)"),
+    ("consumed_train_samples", "consumed_train_samples (missing)"),
+    ("layout.data_parallel_size", "layout.data_parallel_size (missing)"),
+    ("rng_state.states", "rng_state (without states)"),
+    ("iteration=str", "iteration (a str)"),
+])
+def test_a_common_file_missing_keys_is_refused_naming_them(tmp_path, drop, named):
+    """Issue 31: loading such a file ended in a bare KeyError ('layout')."""
+    common = _common(4)
+    common["rng_state"] = {"tp": 1, "pp": 1, "dp": 1, "states": [[[{}]]]}
+    if drop == "iteration=str":
+        common["iteration"] = "4"
+    elif "." in drop:
+        outer, inner = drop.split(".")
+        del common[outer][inner]
+    else:
+        del common[drop]
+    path = tmp_path / torch_dist.COMMON_FILE
+    torch.save(common, str(path))
+    with pytest.raises(CheckpointError, match="^" + re.escape(
+            f"{path} is not the common part of a complete torch_dist checkpoint: {named}; it is "
+            "damaged or was not written by this code") + "$"):
+        torch_dist.read_common(str(tmp_path))
 
 
 def test_megatron_lm_s_own_torch_dist_checkpoint_is_named_as_such(tmp_path):

@@ -94,3 +94,95 @@ def test_index_without_weight_map_is_named(tmp_path):
     folder = _folder(tmp_path / "m", {"model.safetensors.index.json": {"metadata": {}}})
     with pytest.raises(ValueError, match="not a checkpoint index with a weight_map"):
         weight_map(os.path.join(folder, "model.safetensors.index.json"), folder)
+
+
+# Issue 31: a tokenizer file (or any file the converter reads or copies) linked to a file outside
+# the folder was copied into the export / read as the folder's.
+def _linked_out(tmp_path, name):
+    secret = _folder(tmp_path / "elsewhere", {"secret": "outside content"})
+    folder = _folder(tmp_path / "m", {"config.json": {"model_type": "llama"}})
+    os.symlink(os.path.join(secret, "secret"), os.path.join(folder, name))
+    return folder, os.path.realpath(os.path.join(secret, "secret"))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer.json", "special_tokens_map.json",
+                                  "model.safetensors"])
+def test_a_file_linked_outside_the_folder_is_refused(tmp_path, name):
+    folder, real = _linked_out(tmp_path, name)
+    with pytest.raises(ValueError) as err:
+        refuse_custom_code(folder, "--load-dir")
+    assert str(err.value).startswith(f"--load-dir {folder}: {name} is a link resolving outside "
+                                     f"the folder, to {real}; refused"), err.value
+
+
+def test_links_inside_the_folder_and_into_hub_blobs_pass(tmp_path):
+    folder = _folder(tmp_path / "m", {"config.json": {}, "real.model": "x"})
+    os.symlink("real.model", os.path.join(folder, "tokenizer.model"))
+    refuse_custom_code(folder, "--load-dir")
+    repo = tmp_path / "models--org--tiny"
+    _folder(repo / "blobs", {"0123abcd": "{}"})
+    snapshot = _folder(repo / "snapshots" / "rev1", {})
+    os.symlink(os.path.join("..", "..", "blobs", "0123abcd"), os.path.join(snapshot, "config.json"))
+    refuse_custom_code(snapshot, "--load-dir")
+
+
+def test_tokenizer_info_refuses_a_linked_file(tmp_path):
+    from tools.checkpoint.tokenizer_files import tokenizer_info
+
+    folder, real = _linked_out(tmp_path, "tokenizer.json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json is a link resolving outside the folder"):
+        tokenizer_info(folder)
+
+
+def test_import_and_export_refuse_a_tokenizer_linked_outside(tmp_path):
+    """Import (loader_hf) stops before reading anything; export (saver_hf) before writing, and
+    the outside file is not copied."""
+    import argparse
+
+    from tools.checkpoint import loader_hf, saver_hf
+
+    folder, _ = _linked_out(tmp_path, "tokenizer.model")
+    with pytest.raises(ValueError, match=r"--load-dir .*tokenizer\.model is a link resolving"):
+        loader_hf.load_checkpoint(argparse.Namespace(load_dir=folder, allow_unknown_hf_fields=False))
+    out = tmp_path / "export"
+    args = argparse.Namespace(target_tensor_parallel_size=None, target_pipeline_parallel_size=None,
+                              tokenizer_dir=folder, save_dir=str(out), target_params_dtype="fp32",
+                              max_shard_size=None)
+    with pytest.raises(ValueError, match=r"--tokenizer-dir .*tokenizer\.model is a link resolving"):
+        saver_hf.save_checkpoint({"true_vocab_size": 8}, iter(()), args)
+    assert not (out / "tokenizer.model").exists()
+
+
+def _lying_safetensors(path, how):
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(4), "b": torch.ones(2, 3)}, path)
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    if how == "offsets":
+        header["b"]["data_offsets"] = [16, 9999]
+    elif how == "shape":
+        header["b"]["shape"] = [1000, 1000]
+    text = json.dumps(header).encode()
+    length = 10 ** 12 if how == "header length" else len(text)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", length) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("how", ["offsets", "shape", "header length"])
+def test_a_safetensors_header_that_lies_is_named_in_one_line(tmp_path, how):
+    """Issue 31: safetensors' own SafetensorError reached the user."""
+    from tools.checkpoint.loader_hf import HFWeights
+
+    folder = _folder(tmp_path / "m", {})
+    path = os.path.join(folder, "model.safetensors")
+    _lying_safetensors(path, how)
+    with pytest.raises(ValueError) as err:
+        HFWeights(folder).get("model.embed_tokens.weight")
+    message = str(err.value)
+    assert message.startswith(f"{path} is not a valid safetensors file (") and "\n" not in message
+    assert message.endswith("re-download or re-convert it")

@@ -2,6 +2,7 @@
 lock file); megatron.checkpoint_folder.checkpoints_to_remove keeps the last good checkpoint."""
 
 import json
+import re
 import os
 import socket
 import subprocess
@@ -223,3 +224,38 @@ def test_an_os_error_on_rank_0_is_one_usage_error_on_every_rank(tmp_path):
     assert said[0] == (f"--save ({folder}): Input/output error ({folder}): give a folder this "
                        "job can read and write")
     assert said[1] == "rank 0 found a usage error (see its line)"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "symlink"])
+def test_a_lock_that_is_no_regular_file_is_refused_without_opening_it(tmp_path, kind):
+    """Issue 31: a named pipe as the lock file hung start-up (open() for reading waits for a
+    writer). Every non-regular file is refused in one line naming it."""
+    import threading
+
+    lock = tmp_path / sf.LOCK_FILENAME
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "folder":
+        lock.mkdir()
+    else:
+        (tmp_path / "elsewhere").write_text(json.dumps({"host": "h", "pid": 1}))
+        lock.symlink_to(tmp_path / "elsewhere")
+    outcome = []
+
+    def take():
+        try:
+            sf.SaveFolderLock(str(tmp_path)).acquire()
+        except UsageError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    if thread.is_alive() and kind == "fifo":  # unblock the hung reader before failing
+        os.close(os.open(lock, os.O_WRONLY | os.O_NONBLOCK))
+    assert not thread.is_alive(), "start-up hung on the lock file"
+    assert len(outcome) == 1 and "\n" not in outcome[0], outcome
+    assert re.search(rf"the lock file {re.escape(str(lock))} is a "
+                     r"(named pipe|folder|symbolic link), not a lock file this program wrote; "
+                     rf"if no job uses .*, remove {re.escape(str(lock))}", outcome[0]), outcome
+    assert os.path.lexists(lock)  # left as found

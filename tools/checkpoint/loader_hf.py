@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from megatron.hf_folder import refuse_custom_code, weight_map
+from megatron.hf_folder import open_safetensors, refuse_custom_code, weight_map
 from megatron.model.rotary import check_rope_scaling
 from tools.checkpoint.layout import DTYPES, find_file, load_torch_file
 
@@ -118,9 +118,8 @@ class HFWeights:
 
     def _file(self, path: str):
         if path not in self._open:
-            if path.endswith(".safetensors"):
-                from safetensors import safe_open
-                self._open[path] = safe_open(path, framework="pt")
+            if path.endswith(".safetensors"):  # a lying header: one line naming the file
+                self._open[path] = open_safetensors(path)
             else:
                 self._open[path] = load_torch_file(path)
         return self._open[path]

@@ -1,16 +1,21 @@
 """What a folder of HuggingFace / SentencePiece tokenizer files says about the vocabulary: its size
 (``len(tokenizer)``, added tokens included, as Megatron-LLaMA's ``PretrainedFromHF`` tokenizer
 counts it) and the ids of the BOS / EOS tokens. Only JSON and the SentencePiece model are read;
-no tokenizer code is loaded."""
+no tokenizer code is loaded, and no file that is a link leaving the folder
+(:func:`megatron.hf_folder.file_in_folder`)."""
 
 from __future__ import annotations
 
 import json
 import os
 
+from megatron.hf_folder import file_in_folder
+
+_FLAG = "the tokenizer folder"
+
 
 def _json(folder: str, name: str) -> dict:
-    path = os.path.join(folder, name)
+    path = file_in_folder(folder, name, _FLAG)
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -33,7 +38,10 @@ def _special_names(folder: str) -> dict:
 def tokenizer_info(folder: str | None) -> dict:
     """``{"vocab_size", "bos_token_id", "eos_token_id"}`` of the tokenizer files in ``folder``
     (``tokenizer.json`` first, else ``tokenizer.model``); None for what they do not say, and an
-    empty dict without such files (or with an unreadable ``tokenizer.model``)."""
+    empty dict without such files (or with an unreadable ``tokenizer.model``).
+
+    Raises:
+        ValueError: a file read is a link leaving ``folder``, naming it."""
     if not folder or not os.path.isdir(folder):
         return {}
     names = _special_names(folder)
@@ -44,7 +52,7 @@ def tokenizer_info(folder: str | None) -> dict:
         ids = {f"{k}_id": vocab.get(v) for k, v in names.items()}
         return {"vocab_size": max(vocab.values()) + 1 if vocab else None,
                 "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id")}
-    model = os.path.join(folder, "tokenizer.model")
+    model = file_in_folder(folder, "tokenizer.model", _FLAG)
     if not os.path.isfile(model):
         return {}
     import sentencepiece

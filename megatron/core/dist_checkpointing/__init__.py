@@ -41,8 +41,8 @@ of a flat range of it (:mod:`megatron.core.optimizer.sharded_state` shows both).
 from megatron.core.dist_checkpointing.mapping import (ParamSharding, Region, ShardedTensor,
                                                       balance_writers)
 from megatron.core.dist_checkpointing.storage import (CheckpointFormatError, CheckpointWriteError,
-                                                      check_fits, load, read_metadata, save,
-                                                      tensor_shapes)
+                                                      check_fits, check_save_id, load,
+                                                      read_metadata, save, tensor_shapes)
 
 __all__ = ["ParamSharding", "Region", "ShardedTensor", "balance_writers", "CheckpointFormatError",
-           "CheckpointWriteError", "check_fits", "load", "read_metadata", "save", "tensor_shapes"]
+           "CheckpointWriteError", "check_fits", "check_save_id", "load", "read_metadata", "save", "tensor_shapes"]

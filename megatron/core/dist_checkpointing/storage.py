@@ -16,6 +16,13 @@ the global; each box is a ``torch.save`` archive whose CRC-32s are checked befor
 ``torch.load(weights_only=True)`` (:mod:`megatron.checkpoint_io`: a flipped bit is refused, not
 loaded); file names in the metadata must be plain ``__R_K.distcp`` names inside the checkpoint
 folder. Each stored record is read once however many wanted boxes overlap it.
+
+Save ids (issue 31): every writing rank puts a record of its own random id first in its data file,
+under the key ``__save_id__/RANK/ID`` (so ``.metadata`` names it), and the caller stores rank 0's
+id beside the checkpoint (``common.pt``). Reading a data file starts with that record: a file
+copied in from another save (same layout, same offsets, valid CRCs) is refused naming the file,
+and :func:`check_save_id` ties ``.metadata`` to ``common.pt``. A checkpoint written before the ids
+has none and loads as before (:func:`check_save_id` says so).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 METADATA_FILE = ".metadata"
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
+SAVE_ID_PREFIX = "__save_id__/"
+_SAVE_ID_KEY = re.compile(r"__save_id__/(\d+)/([0-9a-f]{32})")
 
 
 class CheckpointFormatError(RuntimeError):
@@ -160,20 +169,39 @@ class _Writer(FileSystemWriter):
         return fut
 
 
-def save(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None) -> None:
-    """Write this rank's boxes into ``directory``. Collective over ``process_group`` (every rank
-    of it calls this with its own boxes; None: the default group, or one process without
-    ``torch.distributed``).
+def _new_save_id() -> Optional[str]:
+    """A fresh id of 32 hex digits (``uuid4``) for this rank's part of a save."""
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def _save_id_box(rank: int, save_id: str) -> ShardedTensor:
+    data = torch.frombuffer(bytearray(save_id.encode("ascii")), dtype=torch.uint8)
+    return ShardedTensor(f"{SAVE_ID_PREFIX}{rank}/{save_id}", data, (len(save_id),), (0,))
+
+
+def save(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None) -> Optional[str]:
+    """Write this rank's boxes into ``directory``, its save id first (module docstring).
+    Collective over ``process_group`` (every rank of it calls this with its own boxes; None: the
+    default group, or one process without ``torch.distributed``).
 
     Args:
         tensors: the boxes this rank holds; those with ``replica_id > 0`` are not written here.
         directory: the checkpoint folder (created if missing).
+
+    Returns:
+        this rank's save id (rank 0's is to be stored beside the checkpoint: ``check_save_id``).
 
     Raises:
         CheckpointWriteError: on every rank when a write failed on any (e.g. a full disk), naming
             the lowest failing rank and its error.
     """
     writer = _Writer(directory, single_file_per_rank=True, sync_files=True)
+    save_id = _new_save_id()
+    if save_id is not None:
+        rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        tensors = [_save_id_box(rank, save_id), *tensors]  # first: at byte 0 of the file
     try:
         with _single_process_quiet():
             dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors),
@@ -184,6 +212,7 @@ def save(tensors: Sequence[ShardedTensor], directory: str, *, process_group=None
             raise ValueError(f"{directory}: {cause}") from None
         raise CheckpointWriteError(f"rank {rank} could not write its part of {directory}: "
                                    f"{type(cause).__name__}: {cause}") from None
+    return save_id
 
 
 # Reading the metadata ---------------------------------------------------------------------------
@@ -243,14 +272,107 @@ def read_metadata(directory: str) -> Metadata:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointFormatError(f"{path}: records written with stream transforms "
                                         f"{info.transform_descriptors} are not read")
+    _check_shapes(metadata, directory, path)
     return metadata
 
 
+def _nonnegative_ints(values) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)
+
+
+def _check_shapes(metadata: Metadata, directory: str, path: str) -> None:
+    """Refuse metadata whose shapes, boxes or record places cannot describe the files: a global
+    shape of negative or non-integer sizes, a box outside it or of another rank, boxes that do
+    not cover it once, a box with no record, or a record larger than its data would be or lying
+    beyond the end of its file (so nothing is allocated from a crafted shape).
+
+    Raises:
+        CheckpointFormatError: naming ``path`` and the key.
+    """
+    sizes = {}
+    for index, info in metadata.storage_data.items():
+        file = os.path.join(directory, str(info.relative_path))
+        if file not in sizes:
+            sizes[file] = os.path.getsize(file) if os.path.isfile(file) else None
+        if not _nonnegative_ints((info.offset, info.length)) or (
+                sizes[file] is not None and info.offset + info.length > sizes[file]):
+            raise CheckpointFormatError(
+                f"{path}: the record of {index.fqn} (bytes {info.offset!r} + {info.length!r}) "
+                f"does not lie inside {file} ({sizes[file]} bytes): the metadata is damaged or "
+                "belongs to other files")
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+
+        def bad(why):
+            return CheckpointFormatError(f"{path}: tensor {key} {why}; the metadata is damaged "
+                                         "or was crafted (refused before anything is allocated)")
+
+        shape = tuple(md.size)
+        if not _nonnegative_ints(shape) or not isinstance(md.properties.dtype, torch.dtype):
+            raise bad(f"has global shape {list(shape)} of dtype {md.properties.dtype!r}")
+        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+        covered = 0
+        for chunk in md.chunks:
+            offsets, lengths = tuple(chunk.offsets), tuple(chunk.sizes)
+            if (len(offsets) != len(shape) or len(lengths) != len(shape)
+                    or not _nonnegative_ints(offsets + lengths)
+                    or any(o + n > s for o, n, s in zip(offsets, lengths, shape))):
+                raise bad(f"has a box at {list(offsets)} of shape {list(lengths)} outside its "
+                          f"global shape {list(shape)}")
+            info = metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+            if info is None:
+                raise bad(f"has a box at {list(offsets)} that no data file holds")
+            if math.prod(lengths) * itemsize > info.length:
+                raise bad(f"has a box at {list(offsets)} of shape {list(lengths)} "
+                          f"({math.prod(lengths) * itemsize} bytes) in a record of "
+                          f"{info.length} bytes")
+            covered += math.prod(lengths)
+        if covered != math.prod(shape):
+            raise bad(f"has boxes covering {covered} of the {math.prod(shape)} elements of its "
+                      f"global shape {list(shape)}")
+
+
 def tensor_shapes(metadata: Metadata) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-    """``{key: (global shape, dtype)}`` of every tensor in the checkpoint."""
+    """``{key: (global shape, dtype)}`` of every tensor in the checkpoint (save ids aside)."""
     return {k: (tuple(md.size), md.properties.dtype)
             for k, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)}
+            if isinstance(md, TensorStorageMetadata) and not k.startswith(SAVE_ID_PREFIX)}
+
+
+def save_ids(metadata: Metadata) -> Dict[str, Tuple[MetadataIndex, str, int]]:
+    """``{data file name: (index of its id record, id, writing rank)}``; empty for a checkpoint
+    written before save ids."""
+    out = {}
+    for index, info in metadata.storage_data.items():
+        match = _SAVE_ID_KEY.fullmatch(index.fqn)
+        if match:
+            out[str(info.relative_path)] = (index, match.group(2), int(match.group(1)))
+    return out
+
+
+def check_save_id(metadata: Metadata, common_id: Optional[str], directory: str,
+                  common_name: str = "common.pt") -> List[str]:
+    """Check that ``.metadata`` and the plain-data file ``common_name`` (holding rank 0's id
+    ``common_id``) come from one save.
+
+    Returns:
+        the notes to print: one for a checkpoint written before save ids.
+
+    Raises:
+        CheckpointFormatError: naming both files and the ids when they differ.
+    """
+    ids = {rank: save_id for _, save_id, rank in save_ids(metadata).values()}
+    meta = os.path.join(directory, METADATA_FILE)
+    if not ids and common_id is None:
+        return [f"{directory} was written before per-save ids: its data files are not checked "
+                "against its .metadata (save it again to have them checked)"]
+    if ids.get(0) != common_id:
+        raise CheckpointFormatError(
+            f"{os.path.join(directory, common_name)} and {meta} come from different saves (save "
+            f"id {common_id} vs {ids.get(0)}): the folder mixes files of two checkpoints; "
+            "restore it, or resume from another checkpoint")
+    return []
 
 
 # Loading ----------------------------------------------------------------------------------------
@@ -263,6 +385,35 @@ class _Reader(FileSystemReader):
     def __init__(self, directory: str, metadata: Metadata):
         super().__init__(directory)
         self._metadata = metadata
+        self._ids = save_ids(metadata)
+
+    def _open(self, relative_path: str):
+        """Open a data file; with save ids, check first that it comes from this save."""
+        path = os.path.join(str(self.path), relative_path)
+        f = open(path, "rb")
+        if not self._ids:
+            return f
+        try:
+            if relative_path not in self._ids:
+                raise CheckpointFormatError(f"{path} has no save id although {METADATA_FILE} "
+                                            "gives every data file one")
+            index, expected, _ = self._ids[relative_path]
+            info = self.storage_data[index]
+            f.seek(info.offset)
+            data = f.read(info.length)
+            try:
+                found = bytes(_load_record(data, path, index, info.offset).numpy()).decode("ascii")
+            except (CheckpointFormatError, UnicodeDecodeError, TypeError, ValueError):
+                found = "unreadable"
+            if found != expected:
+                raise CheckpointFormatError(
+                    f"{path} comes from another save than {os.path.join(str(self.path), METADATA_FILE)} "
+                    f"(save id {found}, expected {expected}): the folder mixes files of two "
+                    "checkpoints; restore it, or resume from another checkpoint")
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's per-rank fallback: we never write those
@@ -284,8 +435,7 @@ class _Reader(FileSystemReader):
                 info = self.storage_data[index]
                 f = handles.get(info.relative_path)
                 if f is None:
-                    f = handles[info.relative_path] = open(
-                        os.path.join(str(self.path), info.relative_path), "rb")
+                    f = handles[info.relative_path] = self._open(info.relative_path)
                 f.seek(info.offset)
                 data = f.read(info.length)
                 if len(data) != info.length:

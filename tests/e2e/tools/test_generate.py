@@ -120,3 +120,16 @@ def test_without_torchrun_at_tp_pp_above_one_names_torchrun_and_reshard(checkpoi
     assert "tensor-parallel size 2 x pipeline-parallel size 2 and needs 4 processes" in lines[0]
     assert f"torchrun --nproc-per-node 4 tools/generate.py --load {load}" in lines[0]
     assert "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1" in lines[0]
+
+
+@pytest.mark.parametrize("prompt, what", [("ab\udcffc", r"byte b'\\xff' at character 2"),
+                                          ("\ud800", r"lone surrogate '\\ud800' at character 0")])
+def test_a_prompt_that_is_not_utf8_is_refused_naming_it(prompt, what):
+    """Issue 31: command-line bytes that are not UTF-8 reach Python as lone surrogates, which the
+    tokenizer rejected with a raw error."""
+    from megatron.usage_error import UsageError
+    from tools.generate import parse_args
+
+    with pytest.raises(UsageError, match=rf"^--prompt \(number 2\) is not UTF-8 text: {what}; "
+                                         "give the prompt in UTF-8"):
+        parse_args(["--load", "x", "--prompt", "fine", "--prompt", prompt])

@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDatase
 from tools.preprocess_data import _pieces, get_args, main, run, splits_at_spaces
 
 from tests.helpers.paths import ROOT
+from tests.helpers.reliability import child_processes, process_running
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
 
@@ -131,6 +133,8 @@ def test_int32_for_large_vocabulary(tmp_path):
     ('{"body": "1 2"}', "no key 'text'"),
     ('{"text": 5}', "is a int"),
     ('[1, 2]', "expected a JSON object"),
+    # issue 31: reached the tokenizer ("TypeError: List elements must be str or bytes")
+    ('{"text": "1 \\ud800 2"}', "'text' holds a lone surrogate ('\\ud800' at character 2"),
 ])
 def test_bad_line_names_file_and_line_and_leaves_nothing(tmp_path, capsys, workers, bad_line, message):
     rows = [{"text": "1"}] * 30 + [bad_line] + [{"text": "2"}] * 5
@@ -382,3 +386,85 @@ def test_pieces_only_where_the_model_allows(shared_data, tmp_path):
         path = tmp_path / f"{change}.model"
         path.write_bytes(model.SerializeToString())
         assert not splits_at_spaces(SentencePieceTokenizer(str(path))), change
+
+
+# ---------------------------------------------------------------- a worker or the parent killed
+_SLOW_OR_DYING_WORKER = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import tools.preprocess_data as pp
+mode, at = sys.argv[2], int(sys.argv[3])
+real = pp.encode_chunk
+def encode(path, first_line, chunk):  # runs in a forked worker, which inherits this module
+    if first_line >= at:
+        if mode == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+    return real(path, first_line, chunk)
+pp.encode_chunk = encode
+sys.exit(pp.main(sys.argv[4:]))
+"""
+
+
+def _start_with_faulty_worker(src, out, mode):
+    """preprocess_data.py --workers 2 whose worker dies ("die") or sleeps ("sleep") at the chunk
+    of line 100."""
+    argv = ["--input", src, "--output-prefix", str(out / "o"), *NULL, "--chunk-size", "16",
+            "--workers", "2"]
+    return subprocess.Popen([sys.executable, "-c", _SLOW_OR_DYING_WORKER, ROOT, mode, "100", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_worker_killed_stops_the_run_in_one_line_with_no_output_and_no_orphan(old_and_new, tmp_path):
+    """Before: multiprocessing.Pool replaced the dead worker and waited for its chunk forever."""
+    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, "die")
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("preprocess_data.py hung after a worker died")
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"preprocess_data.py: error: tokenizer worker \(pid \d+\) was killed by SIGKILL .*no output "
+        r"written.*--workers.*", lines[0]), err
+    assert os.listdir(tmp_path) == []  # neither a .bin/.idx pair nor a temporary
+    assert not _processes_naming(str(tmp_path)), "a tokenizer worker outlived the run"
+
+
+def _processes_naming(text):
+    """Live processes whose command line holds ``text`` (forked workers keep their parent's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read() and process_running(int(pid)):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_workers_die_with_a_sigkilled_parent(old_and_new, tmp_path):
+    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, "sleep")
+    deadline = time.time() + 60
+    while len(child_processes(proc.pid)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    workers = child_processes(proc.pid)
+    assert len(workers) >= 2
+    time.sleep(1)  # the workers are in their sleeping chunk
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 5
+    while any(map(process_running, workers)) and time.time() < deadline:
+        time.sleep(0.05)
+    alive = [w for w in workers if process_running(w)]
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert not alive, "tokenizer workers outlived their SIGKILLed parent"
+    assert not glob.glob(str(tmp_path / "*.idx"))  # nothing that looks like a dataset

@@ -5,6 +5,7 @@ naming the field, other architectures, layouts and model flags are refused namin
 and ``--use-checkpoint-args`` takes the model shape over."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -124,3 +125,31 @@ def test_run_flags_must_match_the_checkpoint(shared_data):
     with pytest.raises(CheckpointError, match="M1 has num_attention_heads=8 but this run has "
                                               "--num-attention-heads 4"):
         check_run_matches(ours, argparse.Namespace(**other), "M1")
+
+
+def test_a_tensor_shape_contradicting_the_args_is_named():
+    """Issue 31: such a tensor passed the mapping and failed later in torch's load_state_dict
+    (a multi-line "size mismatch" RuntimeError) or in a reshape."""
+    import torch
+
+    from megatron.checkpoint_io import CheckpointError
+    from megatron.foreign_checkpoints import megatron_lm
+
+    config = {"hidden_size": 8, "ffn_hidden_size": 12, "num_attention_heads": 4,
+              "num_query_groups": 2, "kv_channels": 2, "untie_embeddings_and_output_weights": True}
+    good = {"decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(8, 6),  # [h, f / TP] at TP 2
+            "decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(8, 8),
+            "embedding.word_embeddings.weight": torch.zeros(5, 8)}
+    assert set(megatron_lm.to_our_state_dict(good, config, tp=2)) == {
+        "layers.0.mlp.dense_4h_to_h.weight", "layers.0.self_attention.query_key_value.weight",
+        "word_embeddings.weight"}
+    for name, shape, want in (("decoder.layers.0.mlp.linear_fc2.weight", (8, 7), "[8, 6]"),
+                              ("decoder.layers.0.self_attention.linear_qkv.weight", (8, 9),
+                               "[8, 8]"),
+                              ("embedding.word_embeddings.weight", (5, 9), "['vocab/TP', 8]"),
+                              ("decoder.final_layernorm.weight", (8, 1), "[8]")):
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"tensor {name} of the Megatron-LM checkpoint has shape {list(shape)}, but its own "
+                "args (hidden_size 8, ffn_hidden_size 12, 4 heads in 2 groups of 2 channels, "
+                f"TP 2) give {want}: the checkpoint contradicts its args")):
+            megatron_lm.to_our_state_dict({name: torch.zeros(shape)}, config, tp=2)

@@ -119,3 +119,54 @@ def test_worker_dies_with_its_agent(prctl):
 def test_no_guard_outside_torchrun(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert launch.die_with_agent() is None
+
+
+def test_one_gpu_per_task_uses_cuda_0_and_says_so(fake_gpus, monkeypatch, capsys):
+    """Issue 31: Slurm's --gpus-per-task=1 gives LOCAL_RANK=5 and CUDA_VISIBLE_DEVICES=5, one
+    visible GPU; it was refused ("LOCAL_RANK=5 but this process sees 1 GPU(s)")."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    monkeypatch.setenv("RANK", "0")
+    assert initialize.select_device("nccl") == torch.device("cuda", 0) and fake_gpus == [0]
+    assert ("each process is given one GPU (rank 0: LOCAL_RANK=5, CUDA_VISIBLE_DEVICES=5, as "
+            "Slurm's --gpus-per-task=1): every rank computes on its cuda:0") in capsys.readouterr().out
+    # Ambiguous: one GPU for the node's 8 processes (no CUDA_VISIBLE_DEVICES), or two named
+    # where one is visible: refused as before.
+    for visible in (None, "4,5"):
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=8 processes on this node but it "
+                                             r"has 1 GPU\(s\)"):
+            initialize.select_device("nccl")
+    assert fake_gpus == [0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and prctl")
+def test_a_loader_worker_ignores_the_launcher_s_signals():
+    """Issue 31: torchrun forwards SIGTERM to the rank's process group, loader workers included;
+    a worker guarded by guard_loader_worker lives on (the slow tests in
+    tests/e2e/test_preemption_workers.py show the whole run saving)."""
+    import multiprocessing
+
+    ready = multiprocessing.get_context("fork").Event()
+
+    def worker():
+        launch.guard_loader_worker()
+        ready.set()
+        time.sleep(60)
+
+    proc = multiprocessing.get_context("fork").Process(target=worker, daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(proc.pid, sig)
+        proc.join(1.0)
+        assert proc.is_alive(), f"the worker died of a forwarded signal ({proc.exitcode})"
+    finally:
+        proc.kill()
+        proc.join()

@@ -123,3 +123,102 @@ def test_metadata_that_would_run_code_or_leave_the_folder_is_refused(tmp_path):
         f.write(good[:len(good) // 2])
     with pytest.raises(storage.CheckpointFormatError, match=r"cannot read .*\.metadata"):
         storage.read_metadata(directory)
+
+
+def _save_one(directory, value):
+    storage.save([ShardedTensor("model.w", torch.full((6, 5), float(value)), (6, 5), (0, 0))],
+                 directory)
+
+
+def _read_one(directory):
+    box = torch.zeros(6, 5)
+    storage.load([ShardedTensor("model.w", box, (6, 5), (0, 0))], directory, single_process=True)
+    return box
+
+
+def test_a_data_file_of_another_save_is_refused_naming_it(tmp_path):
+    """Issue 31: two saves of one model at one layout have records at the same offsets with
+    valid CRCs; before the save ids the copied-in file loaded silently (the other save's
+    values)."""
+    import shutil
+
+    mine, other = str(tmp_path / "mine"), str(tmp_path / "other")
+    _save_one(mine, 1)
+    _save_one(other, 2)
+    assert torch.equal(_read_one(mine), torch.full((6, 5), 1.0))
+    shutil.copy(os.path.join(other, "__0_0.distcp"), os.path.join(mine, "__0_0.distcp"))
+    with pytest.raises(storage.CheckpointFormatError,
+                       match=r"mine/__0_0\.distcp comes from another save than .*mine/\.metadata "
+                             r"\(save id [0-9a-f]{32}, expected [0-9a-f]{32}\)"):
+        _read_one(mine)
+
+
+def test_metadata_and_common_of_different_saves_are_refused_and_old_checkpoints_load(tmp_path,
+                                                                                    monkeypatch):
+    mine = str(tmp_path / "mine")
+    _save_one(mine, 1)
+    metadata = storage.read_metadata(mine)
+    (record, mine_id, rank), = storage.save_ids(metadata).values()
+    assert rank == 0 and storage.check_save_id(metadata, mine_id, mine) == []
+    with pytest.raises(storage.CheckpointFormatError,
+                       match=rf"mine/common\.pt and .*mine/\.metadata come from different saves "
+                             rf"\(save id {'0' * 32} vs {mine_id}\)"):
+        storage.check_save_id(metadata, "0" * 32, mine)
+    assert metadata.storage_data[record].offset == 0  # first in the file
+    old = str(tmp_path / "old")  # as written before the ids
+    monkeypatch.setattr(storage, "_new_save_id", lambda: None)
+    _save_one(old, 3)
+    notes = storage.check_save_id(storage.read_metadata(old), None, old)
+    assert len(notes) == 1 and "written before per-save ids" in notes[0]
+    assert torch.equal(_read_one(old), torch.full((6, 5), 3.0))
+    with pytest.raises(storage.CheckpointFormatError, match="come from different saves"):
+        storage.check_save_id(storage.read_metadata(old), mine_id, old)  # common.pt of a new save
+
+
+def _crafted(md, how):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    if how == "negative":
+        md.size = torch.Size([-6, 5])
+    elif how == "huge":  # torch.empty of it would ask for 4 TB
+        md.size = torch.Size([10 ** 6, 10 ** 6])
+    elif how == "box outside":
+        md.chunks = [ChunkStorageMetadata(offsets=torch.Size([4, 0]), sizes=torch.Size([6, 5]))]
+    elif how == "box bigger than its record":
+        md.size = torch.Size([6000, 5])
+        md.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([6000, 5]))]
+
+
+@pytest.mark.parametrize("how, why", [
+    ("negative", r"has global shape \[-6, 5\]"),
+    ("huge", r"has boxes covering 30 of the 1000000000000 elements"),
+    ("box outside", r"has a box at \[4, 0\] of shape \[6, 5\] outside its global shape \[6, 5\]"),
+    ("box bigger than its record", r"has a box at \[0, 0\] of shape \[6000, 5\] \(120000 bytes\) "
+                                   r"in a record of \d+ bytes"),
+])
+def test_a_crafted_metadata_shape_is_refused_naming_the_tensor(tmp_path, how, why):
+    """Issue 31: a crafted shape reached torch (torch.empty of a negative or huge shape) or DCP
+    with their raw errors."""
+    directory = str(tmp_path)
+    storage.save([ShardedTensor("w", FULL.clone(), (6, 5), (0, 0))], directory)
+    metadata = storage.read_metadata(directory)
+    _crafted(metadata.state_dict_metadata["w"], how)
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(storage.CheckpointFormatError,
+                       match=rf"\.metadata: tensor w {why}.*; the metadata is damaged or was crafted"):
+        storage.read_metadata(directory)
+
+
+def test_a_record_beyond_its_file_is_refused(tmp_path):
+    directory = str(tmp_path)
+    storage.save([ShardedTensor("w", FULL.clone(), (6, 5), (0, 0))], directory)
+    metadata = storage.read_metadata(directory)
+    info = metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == "w")]
+    info.offset = 10 ** 9
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(storage.CheckpointFormatError,
+                       match=r"the record of w \(bytes 1000000000 \+ \d+\) does not lie inside "
+                             r".*__0_0\.distcp \(\d+ bytes\)"):
+        storage.read_metadata(directory)

@@ -47,6 +47,7 @@ from megatron.checkpoint_folder import (TRACKER_FILENAME, all_ranks_ok, complete
                                         read_metadata, write_atomic)
 from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
 from megatron.config.saved_args import check_resume_precision, plain
+from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.model import unwrap_model
 from megatron.rng_state import get_rng_state, set_rng_state
 from megatron.usage_error import UsageError, agree_on_usage_error
@@ -128,14 +129,14 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
                               "on rank 0 (see its error); nothing was written")
 
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
     save_optim = optimizer is not None and not config.no_save_optim
     name = checkpoint_name_of(save_dir, iteration, pg_collection).replace(final_dir, staging, 1)
     rng_states = None
     if not config.no_save_rng:  # one per DP rank, as Megatron-LM keeps them
         rng_states = [None] * dp.size
         dist.all_gather_object(rng_states, get_rng_state(), group=dp.group)
-    if save_optim and hasattr(optimizer, "parameter_state"):  # distributed optimizer: per shard
+    if save_optim and optimizer.kind == "distributed":  # distributed optimizer: per shard
         shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp_cp.rank))
         try:
             os.makedirs(os.path.dirname(shard), exist_ok=True)
@@ -345,7 +346,7 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
     """Load the optimizer state whichever optimizer saved it: the distributed optimizer re-cuts
     the per-DP-rank shards at this run's DP size or takes a plain optimizer's state whole; the
     plain optimizer takes a distributed optimizer's shards reassembled."""
-    distributed = hasattr(optimizer, "load_parameter_state")
+    distributed = optimizer.kind == "distributed"
     if saved.get("distributed_optimizer") and not distributed:
         from megatron.core.optimizer.distrib_optimizer_checkpoint import shards_to_plain
         saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
@@ -407,7 +408,7 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
         # ZeRO-3: gather the sharded parameters (every rank loads); loading reshards them.
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 
@@ -424,7 +425,7 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             load_scheduler_state(opt_param_scheduler, state["opt_param_scheduler"], config.load)
-    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+    elif optimizer is not None:
         # The fp32 main params were copied from the weights before the load: without optimizer
         # state they must follow the loaded weights, or the first step would restore the old ones.
         optimizer.reload_model_params()

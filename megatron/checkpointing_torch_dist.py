@@ -56,6 +56,7 @@ from megatron import checkpoint_folder
 from megatron.checkpoint_io import CheckpointError
 from megatron.config.saved_args import check_resume_precision
 from megatron.core import dist_checkpointing as dcp
+from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.dist_checkpointing.async_writer import (DONE, FAILED, RUNNING, BackgroundWrite,
                                                            HostBuffers, stage_to_host)
 from megatron.model import unwrap_model
@@ -95,7 +96,7 @@ class Layout:
         return cls(pg_collection.tp.rank, pg_collection.tp.size, pg_collection.pp.rank,
                    pg_collection.pp.size, pg_collection.dp_cp.rank, pg_collection.dp_cp.size,
                    pg_collection.virtual_pipeline_model_parallel_size,
-                   hasattr(optimizer, "load_parameter_state"))
+                   optimizer is not None and optimizer.kind == "distributed")
 
     def describe(self) -> str:
         vp = f" x {self.vp_size} virtual stages" if self.vp_size else ""
@@ -142,7 +143,7 @@ def sharded_tensors(model_chunks, optimizer, layout: Layout, *, with_optimizer: 
     """This rank's boxes of the model (and optimizer state), each with its one writer chosen, and
     the optimizer's plain data (None without optimizer)."""
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: new weights
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
     replicated = model_sharded_tensors(model_chunks, layout.tp_rank, layout.tp_size)
     owned, common = [], None
     if with_optimizer:
@@ -509,7 +510,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     device = next(unwrap_model(model_chunks[0]).parameters()).device
     error, prepared = None, None
     for chunk in model_chunks:  # ZeRO-3: DCP reads into the full (gathered) parameters
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
     try:
         prepared = _prepare(folder, model_chunks, optimizer, layout, with_optimizer)
     except (CheckpointError, dcp.CheckpointFormatError, ValueError) as exc:
@@ -538,7 +539,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     except dcp.CheckpointFormatError as exc:
         raise CheckpointError(str(exc)) from None
     for chunk in model_chunks:  # ZeRO-3: the loaded weights into the shards, the rest freed
-        getattr(chunk, "reshard_params", lambda: None)()
+        as_model_chunk(chunk).reshard_params()
     if finish is not None:
         finish(common["optimizer"])
     elif optimizer is not None:

@@ -45,7 +45,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
@@ -57,6 +57,7 @@ from megatron.checkpoint_io import CheckpointError
 from megatron.config.saved_args import check_resume_precision
 from megatron.core import dist_checkpointing as dcp
 from megatron.core.distributed.model_chunk import as_model_chunk
+from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.dist_checkpointing.async_writer import (DONE, FAILED, RUNNING, BackgroundWrite,
                                                            HostBuffers, stage_to_host)
 from megatron.model import unwrap_model
@@ -78,7 +79,9 @@ class CheckpointMismatchError(CheckpointError):
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place in the run's layout, as the checkpoint needs it."""
+    """This rank's place in the run's layout, as the checkpoint needs it; ``groups`` the
+    process groups themselves (each parameter's tensor-parallel group and replica group: the
+    sharded-state code takes them), None for a layout read back from a checkpoint."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -88,6 +91,7 @@ class Layout:
     dp_size: int = 1
     vp_size: Optional[int] = None
     distributed_optimizer: bool = False
+    groups: Optional[ProcessGroupCollection] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, pg_collection, optimizer=None) -> "Layout":
@@ -96,7 +100,7 @@ class Layout:
         return cls(pg_collection.tp.rank, pg_collection.tp.size, pg_collection.pp.rank,
                    pg_collection.pp.size, pg_collection.dp_cp.rank, pg_collection.dp_cp.size,
                    pg_collection.virtual_pipeline_model_parallel_size,
-                   optimizer is not None and optimizer.kind == "distributed")
+                   optimizer is not None and optimizer.kind == "distributed", pg_collection)
 
     def describe(self) -> str:
         vp = f" x {self.vp_size} virtual stages" if self.vp_size else ""
@@ -144,14 +148,14 @@ def sharded_tensors(model_chunks, optimizer, layout: Layout, *, with_optimizer: 
     the optimizer's plain data (None without optimizer)."""
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: new weights
         as_model_chunk(chunk).finish_param_sync()
-    replicated = model_sharded_tensors(model_chunks, layout.tp_rank, layout.tp_size)
+    replicated = model_sharded_tensors(model_chunks, layout.groups)
     owned, common = [], None
     if with_optimizer:
-        state = optimizer.sharded_state_dict(
-            model_shardings(model_chunks, layout.tp_rank, layout.tp_size))
+        state = optimizer.sharded_state_dict(model_shardings(model_chunks, layout.groups))
         replicated += state.replicated
         owned, common = state.owned, state.common
-    return dcp.balance_writers(replicated, layout.dp_rank, layout.dp_size) + owned, common
+    # One writer per replicated box, chosen among its own replica group (dp_cp or expt_dp).
+    return dcp.balance_writers_by_group(replicated, layout.groups.rank) + owned, common
 
 
 def _gather_rng(layout: Layout, group) -> Optional[dict]:
@@ -442,7 +446,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
     shapes = dcp.tensor_shapes(metadata)
     saved = set(shapes)
     boxes = _prefer_fp32_weights(
-        model_sharded_tensors(model_chunks, layout.tp_rank, layout.tp_size), saved)
+        model_sharded_tensors(model_chunks, layout.groups), saved)
     notes = _vocabulary_notes(boxes, shapes, common, folder)
     finish = None
     if with_optimizer:
@@ -450,7 +454,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
             raise CheckpointMismatchError(f"checkpoint {folder} holds no optimizer state (saved "
                                          "with --no-save-optim); pass --no-load-optim or --finetune")
         targets = optimizer.sharded_load_targets(
-            model_shardings(model_chunks, layout.tp_rank, layout.tp_size), saved)
+            model_shardings(model_chunks, layout.groups), saved)
         boxes += targets.replicated + targets.owned
         finish = targets.finish
     try:

@@ -335,6 +335,12 @@ def _add_distributed_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="CP: each sequence split over CP ranks (load-balanced causal split); "
                         "WORLD_SIZE = TP x CP x PP x DP")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP: ranks the experts are split over (Megatron-Core's expert grid, "
+                        "order tp-ep-dp-pp); EP x expert-TP must divide TP x CP x DP")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="expert-TP: tensor parallelism inside each expert; default "
+                        "--tensor-model-parallel-size")
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
                    help="context-parallel attention: p2p (ring exchange of K/V blocks) or "
                         "all_gather (Llama 3's all-gather of K/V; Megatron-LM's spelling "

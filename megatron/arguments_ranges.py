@@ -134,6 +134,8 @@ RANGES = {
     "tensor_model_parallel_size": _positive("ranks"),
     "pipeline_model_parallel_size": _positive("ranks"),
     "context_parallel_size": _positive("ranks"),
+    "expert_model_parallel_size": _positive("ranks"),
+    "expert_tensor_parallel_size": _positive("ranks"),
     "num_layers_per_virtual_pipeline_stage": _positive("layers"),
     "virtual_pipeline_model_parallel_size": _positive("model chunks per pipeline rank"),
     "distributed_timeout_minutes": _above_0("minutes"),

@@ -197,6 +197,24 @@ def _validate_parallel_layout(args, world_size):
                          f"--pipeline-model-parallel-size ({pp})")
     args.world_size = world_size
     args.data_parallel_size = world_size // model
+    _validate_expert_layout(args, world_size)
+
+
+def _validate_expert_layout(args, world_size):
+    """Megatron-Core's expert grid: expert-TP defaults to TP; EP x expert-TP divides the ranks
+    of one pipeline stage (:func:`megatron.core.process_groups.expert_layout_error`)."""
+    from megatron.core.process_groups import expert_layout_error
+
+    if getattr(args, "expert_tensor_parallel_size", None) is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    args.expert_model_parallel_size = getattr(args, "expert_model_parallel_size", 1)
+    error = expert_layout_error(world_size, args.tensor_model_parallel_size,
+                                args.pipeline_model_parallel_size,
+                                getattr(args, "context_parallel_size", 1),
+                                args.expert_model_parallel_size,
+                                args.expert_tensor_parallel_size)
+    if error:
+        raise UsageError(error)
 
 
 # --cp-comm-type values: ours, Megatron-LM's spelling of the same, and Megatron-LM's not built here.

@@ -47,6 +47,8 @@ from megatron.checkpoint_folder import (TRACKER_FILENAME, all_ranks_ok, complete
                                         read_metadata, write_atomic)
 from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
 from megatron.config.saved_args import check_resume_precision, plain
+from megatron.core.distributed.model_chunk import as_model_chunk
+from megatron.core.process_groups import layout_groups
 from megatron.model import unwrap_model
 from megatron.rng_state import get_rng_state, set_rng_state
 from megatron.usage_error import UsageError, agree_on_usage_error
@@ -64,20 +66,41 @@ def distrib_optim_filename(data_parallel_rank) -> str:
 
 def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = False, *,
                         pipeline_parallel: bool, tensor_rank: int,
-                        pipeline_rank: int | None = None) -> str:
-    """Path of one (tensor rank, pipeline rank)'s ``model_optim_rng.pt`` (Megatron-LM's naming;
-    ``pipeline_rank`` only matters with ``pipeline_parallel``)."""
+                        pipeline_rank: int | None = None,
+                        expert_parallel: bool = False, expert_rank: int | None = None) -> str:
+    """Path of one (tensor rank, pipeline rank[, expert rank])'s ``model_optim_rng.pt``
+    (Megatron-LM's naming ``mp_rank_TT[_PPP][_EEE]``; ``pipeline_rank`` only matters with
+    ``pipeline_parallel``, ``expert_rank`` with ``expert_parallel``, EP > 1)."""
     sub = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
+    if expert_parallel:
+        sub += f"_{expert_rank:03d}"
     return os.path.join(get_checkpoint_dir(checkpoints_path, iteration, release), sub,
                         "model_optim_rng.pt")
 
 
 def checkpoint_name_of(checkpoints_path: str, iteration: int, pg_collection,
                        release: bool = False) -> str:
-    """This rank's ``model_optim_rng.pt`` (its tensor- and pipeline-parallel ranks)."""
-    pp = pg_collection.pp
+    """This rank's ``model_optim_rng.pt`` (its tensor-, pipeline- and, at EP > 1,
+    expert-parallel ranks)."""
+    pp, ep = pg_collection.pp, pg_collection.ep
     return get_checkpoint_name(checkpoints_path, iteration, release, pipeline_parallel=pp.size > 1,
-                               tensor_rank=pg_collection.tp.rank, pipeline_rank=pp.rank)
+                               tensor_rank=pg_collection.tp.rank, pipeline_rank=pp.rank,
+                               expert_parallel=ep.size > 1, expert_rank=ep.rank)
+
+
+def writes_model_file(pg_collection) -> bool:
+    """Whether this rank writes its folder's ``model_optim_rng.pt``: DP rank 0 of CP rank 0 (the
+    ranks of DP x CP hold the same weights); at EP > 1, where the ranks of DP x CP hold different
+    experts, the first rank of DP x CP with this rank's expert-parallel rank (one writer per
+    ``mp_rank_TT[_PPP]_EEE`` folder)."""
+    g = pg_collection
+    if g.ep.size == 1:
+        return g.dp_cp.rank == 0
+    expert_groups = layout_groups(g.world_size, g.tp.size, g.pp.size, g.cp.size, g.ep.size,
+                                  g.expt_tp.size)["expert"]
+    ep_rank = {r: group.index(r) for group in expert_groups for r in group}
+    first = min(r for r in g.dp_cp.ranks if ep_rank[r] == g.ep.rank)
+    return g.rank == first
 
 
 # RNG states -------------------------------------------------------------------------------------
@@ -128,21 +151,27 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
                               "on rank 0 (see its error); nothing was written")
 
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
     save_optim = optimizer is not None and not config.no_save_optim
+    if save_optim and optimizer.kind == "distributed" and pg_collection.ep.size > 1:
+        # Each mp_rank_TT_PPP_EEE folder would hold the shard files of only some DP x CP ranks.
+        raise CheckpointError(f"the legacy format's distributed-optimizer shards at "
+                              f"--expert-model-parallel-size {pg_collection.ep.size} are not "
+                              "supported yet; save with --ckpt-format torch_dist or without "
+                              "--use-distributed-optimizer")
     name = checkpoint_name_of(save_dir, iteration, pg_collection).replace(final_dir, staging, 1)
     rng_states = None
     if not config.no_save_rng:  # one per DP rank, as Megatron-LM keeps them
         rng_states = [None] * dp.size
         dist.all_gather_object(rng_states, get_rng_state(), group=dp.group)
-    if save_optim and hasattr(optimizer, "parameter_state"):  # distributed optimizer: per shard
+    if save_optim and optimizer.kind == "distributed":  # distributed optimizer: per shard
         shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp_cp.rank))
         try:
             os.makedirs(os.path.dirname(shard), exist_ok=True)
             write_atomic(optimizer.parameter_state(), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
-    if dp_cp.rank == 0:  # DP rank 0 of CP rank 0: the ranks of DP x CP hold the same weights
+    if writes_model_file(pg_collection):
         state = {
             "args": {k: plain(v) for k, v in run_flags.items()},
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -345,7 +374,7 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
     """Load the optimizer state whichever optimizer saved it: the distributed optimizer re-cuts
     the per-DP-rank shards at this run's DP size or takes a plain optimizer's state whole; the
     plain optimizer takes a distributed optimizer's shards reassembled."""
-    distributed = hasattr(optimizer, "load_parameter_state")
+    distributed = optimizer.kind == "distributed"
     if saved.get("distributed_optimizer") and not distributed:
         from megatron.core.optimizer.distrib_optimizer_checkpoint import shards_to_plain
         saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
@@ -407,7 +436,7 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
         # ZeRO-3: gather the sharded parameters (every rank loads); loading reshards them.
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 
@@ -424,7 +453,7 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             load_scheduler_state(opt_param_scheduler, state["opt_param_scheduler"], config.load)
-    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+    elif optimizer is not None:
         # The fp32 main params were copied from the weights before the load: without optimizer
         # state they must follow the loaded weights, or the first step would restore the old ones.
         optimizer.reload_model_params()

@@ -51,7 +51,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
@@ -62,6 +62,8 @@ from megatron import checkpoint_folder
 from megatron.checkpoint_io import CheckpointError
 from megatron.config.saved_args import check_resume_precision
 from megatron.core import dist_checkpointing as dcp
+from megatron.core.distributed.model_chunk import as_model_chunk
+from megatron.core.process_groups import ProcessGroupCollection
 from megatron.core.dist_checkpointing.async_writer import (DONE, FAILED, RUNNING, BackgroundWrite,
                                                            HostBuffers, stage_to_host)
 from megatron.model import unwrap_model
@@ -83,7 +85,9 @@ class CheckpointMismatchError(CheckpointError):
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place in the run's layout, as the checkpoint needs it."""
+    """This rank's place in the run's layout, as the checkpoint needs it; ``groups`` the
+    process groups themselves (each parameter's tensor-parallel group and replica group: the
+    sharded-state code takes them), None for a layout read back from a checkpoint."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -93,6 +97,7 @@ class Layout:
     dp_size: int = 1
     vp_size: Optional[int] = None
     distributed_optimizer: bool = False
+    groups: Optional[ProcessGroupCollection] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, pg_collection, optimizer=None) -> "Layout":
@@ -101,7 +106,7 @@ class Layout:
         return cls(pg_collection.tp.rank, pg_collection.tp.size, pg_collection.pp.rank,
                    pg_collection.pp.size, pg_collection.dp_cp.rank, pg_collection.dp_cp.size,
                    pg_collection.virtual_pipeline_model_parallel_size,
-                   hasattr(optimizer, "load_parameter_state"))
+                   optimizer is not None and optimizer.kind == "distributed", pg_collection)
 
     def describe(self) -> str:
         vp = f" x {self.vp_size} virtual stages" if self.vp_size else ""
@@ -148,15 +153,15 @@ def sharded_tensors(model_chunks, optimizer, layout: Layout, *, with_optimizer: 
     """This rank's boxes of the model (and optimizer state), each with its one writer chosen, and
     the optimizer's plain data (None without optimizer)."""
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: new weights
-        getattr(chunk, "finish_param_sync", lambda: None)()
-    replicated = model_sharded_tensors(model_chunks, layout.tp_rank, layout.tp_size)
+        as_model_chunk(chunk).finish_param_sync()
+    replicated = model_sharded_tensors(model_chunks, layout.groups)
     owned, common = [], None
     if with_optimizer:
-        state = optimizer.sharded_state_dict(
-            model_shardings(model_chunks, layout.tp_rank, layout.tp_size))
+        state = optimizer.sharded_state_dict(model_shardings(model_chunks, layout.groups))
         replicated += state.replicated
         owned, common = state.owned, state.common
-    return dcp.balance_writers(replicated, layout.dp_rank, layout.dp_size) + owned, common
+    # One writer per replicated box, chosen among its own replica group (dp_cp or expt_dp).
+    return dcp.balance_writers_by_group(replicated, layout.groups.rank) + owned, common
 
 
 def _gather_rng(layout: Layout, group) -> Optional[dict]:
@@ -481,7 +486,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
     shapes = dcp.tensor_shapes(metadata)
     saved = set(shapes)
     boxes = _prefer_fp32_weights(
-        model_sharded_tensors(model_chunks, layout.tp_rank, layout.tp_size), saved)
+        model_sharded_tensors(model_chunks, layout.groups), saved)
     notes += _vocabulary_notes(boxes, shapes, common, folder)
     finish = None
     if with_optimizer:
@@ -489,7 +494,7 @@ def _prepare(folder, model_chunks, optimizer, layout: Layout, with_optimizer: bo
             raise CheckpointMismatchError(f"checkpoint {folder} holds no optimizer state (saved "
                                          "with --no-save-optim); pass --no-load-optim or --finetune")
         targets = optimizer.sharded_load_targets(
-            model_shardings(model_chunks, layout.tp_rank, layout.tp_size), saved)
+            model_shardings(model_chunks, layout.groups), saved)
         boxes += targets.replicated + targets.owned
         finish = targets.finish
     try:
@@ -549,7 +554,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     device = next(unwrap_model(model_chunks[0]).parameters()).device
     error, prepared = None, None
     for chunk in model_chunks:  # ZeRO-3: DCP reads into the full (gathered) parameters
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
     try:
         prepared = _prepare(folder, model_chunks, optimizer, layout, with_optimizer)
     except (CheckpointError, dcp.CheckpointFormatError, ValueError) as exc:
@@ -578,7 +583,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     except dcp.CheckpointFormatError as exc:
         raise CheckpointError(str(exc)) from None
     for chunk in model_chunks:  # ZeRO-3: the loaded weights into the shards, the rest freed
-        getattr(chunk, "reshard_params", lambda: None)()
+        as_model_chunk(chunk).reshard_params()
     if finish is not None:
         finish(common["optimizer"])
     elif optimizer is not None:

@@ -26,6 +26,12 @@ class ParallelConfig:
     split of :mod:`megatron.core.context_parallel`). Default 1."""
     data_parallel_size: int = 1
     """Derived: DP = world size / (TP x CP x PP), the one definition (validation computes it)."""
+    expert_model_parallel_size: int = 1
+    """``--expert-model-parallel-size``: EP, ranks the experts are split over (the expert grid
+    of :mod:`megatron.core.process_groups`). Default 1."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """``--expert-tensor-parallel-size``: expert-TP; None (the flag's default) is TP, which
+    validation fills in."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """``--virtual-pipeline-model-parallel-size`` (or derived from
     ``--num-layers-per-virtual-pipeline-stage``): model chunks per pipeline rank, the interleaved

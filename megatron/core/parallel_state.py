@@ -20,8 +20,8 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from megatron.core.process_groups import (CREATION_ORDER, ParallelGroup, ProcessGroupCollection,
-                                          layout_groups)
+from megatron.core.process_groups import (CREATION_ORDER, EXPERT_FIELDS, ParallelGroup,
+                                          ProcessGroupCollection, layout_groups)
 
 __all__ = ["initialize_model_parallel", "get_process_groups", "model_parallel_is_initialized",
            "destroy_model_parallel", "layout_groups"]
@@ -32,7 +32,9 @@ _GROUPS: Optional[ProcessGroupCollection] = None
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              timeout=None, context_parallel_size: int = 1
+                              timeout=None, context_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: Optional[int] = None
                               ) -> ProcessGroupCollection:
     """Create every group of the layout and return this rank's
     :class:`~megatron.core.process_groups.ProcessGroupCollection` (also kept by the registry).
@@ -41,10 +43,14 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     every rank must call it with the same arguments. ``timeout`` (a ``datetime.timedelta``, from
     ``--distributed-timeout-minutes``) bounds every collective of the new groups; None keeps
     torch's default (new groups do not inherit the world group's timeout).
+    ``expert_model_parallel_size`` (EP) and ``expert_tensor_parallel_size`` (expert-TP, None:
+    TP) lay out the expert grid (the collection's ``ep``, ``expt_tp``, ``expt_dp``, ``tp_ep``,
+    ``tp_ep_pp``; :mod:`megatron.core.process_groups`).
 
     Raises:
         RuntimeError: if torch.distributed is not initialized or groups already exist.
-        ValueError: if the world size is not divisible by TP x CP x PP.
+        ValueError: if the world size is not divisible by TP x CP x PP, or EP x expert-TP does
+            not divide TP x CP x DP.
     """
     global _GROUPS
     if not dist.is_initialized():
@@ -54,13 +60,15 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                            "destroy_model_parallel first")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = layout_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
-                           context_parallel_size)
+                           context_parallel_size, expert_model_parallel_size,
+                           expert_tensor_parallel_size)
     mine, made = {}, {}
     for kind in CREATION_ORDER:
         # Middle pipeline stages belong to no embedding group: no group, no ranks, rank -1.
         mine[kind] = ParallelGroup(None, (), -1)
-        if kind == "context" and context_parallel_size == 1:
-            # Context parallelism of one: nothing communicates over it, no communicator is made.
+        if len(layout[kind][0]) == 1 and (kind == "context" or kind in EXPERT_FIELDS.values()):
+            # Context or expert group of one (CP = 1, EP = 1, expert-TP = 1): nothing
+            # communicates over it, no communicator is made.
             mine[kind] = ParallelGroup.of_one(None, rank)
             continue
         for ranks in layout[kind]:
@@ -75,7 +83,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         tp=mine["tensor"], pp=mine["pipeline"], dp=mine["data"], cp=mine["context"],
         dp_cp=mine["data_context"], model=mine["model"], embedding=mine["embedding"], rank=rank,
         world_size=world_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        **{name: mine[kind] for name, kind in EXPERT_FIELDS.items()})
     return _GROUPS
 
 
@@ -122,6 +131,22 @@ def get_model_parallel_group():
 
 def get_embedding_group():
     return get_process_groups().embedding.group
+
+
+def get_expert_model_parallel_group():
+    return get_process_groups().ep.group
+
+
+def get_expert_data_parallel_group():
+    return get_process_groups().expt_dp.group
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_process_groups().ep.size
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_process_groups().ep.rank
 
 
 def get_tensor_model_parallel_world_size() -> int:

@@ -45,6 +45,49 @@ rank 0), each its half of every sequence: attention exchanges keys and values ov
 context-parallel group [0, 2]; the data loader reads by data-parallel rank (ranks 0, 2 read the
 same samples, 4 and 6 the next ones); gradients are reduced, and the distributed optimizer shards,
 over the data x context group [0, 2, 4, 6], whose four ranks all hold replicas of one model shard.
+
+The expert grid: a second decomposition of the same world (Megatron-Core's)
+-------------------------------------------------------------------------
+Expert parameters (``--expert-model-parallel-size`` EP, ``--expert-tensor-parallel-size``
+expert-TP, default TP) are laid out over the same ranks in a second order, Megatron-Core's
+``tp-ep-dp-pp`` (expert-TP fastest, then EP, then expert-DP, then PP; no CP: the ranks that
+attention splits as TP x CP x DP inside one pipeline stage are cut as expert-TP x EP x expert-DP)::
+
+    expert-DP = world / (expert-TP x EP x PP)
+    rank = ((pp_rank * expert-DP + expert_dp_rank) * EP + ep_rank) * expert-TP + expert_tp_rank
+
+EP x expert-TP must divide TP x CP x DP (the ranks of one pipeline stage). Groups:
+``expert_tensor`` (expert-TP), ``expert`` (EP: the ranks holding different experts),
+``expert_data`` (expert-DP: the replicas of one expert shard; expert gradients reduce and the
+distributed optimizer's expert part shards over it), ``tensor_expert`` (expert-TP x EP) and
+``tensor_expert_pipeline`` (expert-TP x EP x PP: the expert part's norm is summed over it, as
+the dense part's over ``model``). At EP = 1 and expert-TP = TP the expert grid is the dense one:
+``expert_tensor`` = ``tensor``, ``expert_data`` = ``data_context``,
+``tensor_expert_pipeline`` = ``model``.
+
+The 16-rank layout above (TP=2, CP=2, PP=2, DP=2) with EP=2 (expert-TP = TP = 2, expert-DP =
+16 / (2 x 2 x 2) = 2; EP folded over CP)::
+
+    expert-tensor groups:     [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]
+    expert groups (EP):       [0, 2] [1, 3] [4, 6] [5, 7] [8, 10] [9, 11] [12, 14] [13, 15]
+    expert-data groups:       [0, 4] [1, 5] [2, 6] [3, 7] [8, 12] [9, 13] [10, 14] [11, 15]
+    tensor x expert groups:   [0, 1, 2, 3] [4, 5, 6, 7] [8, 9, 10, 11] [12, 13, 14, 15]
+    tensor x expert x pipeline groups:
+                              [0, 1, 2, 3, 8, 9, 10, 11] [4, 5, 6, 7, 12, 13, 14, 15]
+
+The same layout with EP=4 and expert-TP=1 (expert-DP = 16 / (1 x 4 x 2) = 2; EP folded over
+TP x CP, expert-DP over DP)::
+
+    expert-tensor groups:     [0] [1] ... [15]  (groups of one)
+    expert groups (EP):       [0, 1, 2, 3] [4, 5, 6, 7] [8, 9, 10, 11] [12, 13, 14, 15]
+    expert-data groups:       [0, 4] [1, 5] [2, 6] [3, 7] [8, 12] [9, 13] [10, 14] [11, 15]
+    tensor x expert groups:   the expert groups
+    tensor x expert x pipeline groups:
+                              [0, 1, 2, 3, 8, 9, 10, 11] [4, 5, 6, 7, 12, 13, 14, 15]
+
+Rank 2 holds the attention weights of tensor rank 0 (as rank 0) and, at EP=4, the experts of EP
+rank 2: its expert gradients are reduced with rank 6's only (expert-DP [2, 6]), its dense
+gradients over the data x context group [0, 2, 4, 6].
 """
 
 from __future__ import annotations
@@ -57,13 +100,24 @@ import torch.distributed as dist
 
 # Dimensions in rank order, fastest first (Megatron-Core's "tp-cp-dp-pp").
 _ORDER = ("tp", "cp", "dp", "pp")
+# The expert grid's order (Megatron-Core's expert RankGenerator, "tp-ep-dp-pp"): expert-TP,
+# EP, expert-DP, PP.
+_EXPERT_ORDER = ("etp", "ep", "edp", "pp")
 
 # Kind of group -> the dimensions its members differ in.
 _VARYING = {"tensor": ("tp",), "context": ("cp",), "data": ("dp",), "data_context": ("cp", "dp"),
             "pipeline": ("pp",), "model": ("tp", "pp")}
+_EXPERT_VARYING = {"expert_tensor": ("etp",), "expert": ("ep",), "expert_data": ("edp",),
+                   "tensor_expert": ("etp", "ep"), "tensor_expert_pipeline": ("etp", "ep", "pp")}
+
+# ProcessGroupCollection's expert fields, and the layout kind each holds.
+EXPERT_FIELDS = {"ep": "expert", "expt_tp": "expert_tensor", "expt_dp": "expert_data",
+                 "tp_ep": "tensor_expert", "tp_ep_pp": "tensor_expert_pipeline"}
 
 # Creation order of the groups (torch.distributed.new_group is collective over the whole world).
-CREATION_ORDER = ("data", "data_context", "context", "model", "tensor", "pipeline", "embedding")
+CREATION_ORDER = ("data", "data_context", "context", "model", "tensor", "pipeline", "embedding",
+                  "expert_tensor", "expert", "expert_data", "tensor_expert",
+                  "tensor_expert_pipeline")
 
 
 def group_size(group) -> int:
@@ -76,14 +130,16 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _groups_varying(sizes: Dict[str, int], varying: Tuple[str, ...]) -> List[List[int]]:
+def _groups_varying(sizes: Dict[str, int], varying: Tuple[str, ...],
+                    order: Tuple[str, ...] = _ORDER) -> List[List[int]]:
     """Every group whose members differ exactly in the ``varying`` dimensions, as sorted global
-    ranks; groups enumerated with the fixed dimensions in rank order (fastest first)."""
+    ranks; groups enumerated with the fixed dimensions in rank ``order`` (fastest first), as
+    Megatron-Core's ``RankGenerator.get_ranks`` lists them."""
     strides, stride = {}, 1
-    for dim in _ORDER:
+    for dim in order:
         strides[dim] = stride
         stride *= sizes[dim]
-    fixed = [d for d in _ORDER if d not in varying]
+    fixed = [d for d in order if d not in varying]
     groups = []
     # itertools.product varies its last factor fastest: list the fixed dimensions slowest first.
     for fixed_pos in itertools.product(*(range(sizes[d]) for d in reversed(fixed))):
@@ -94,20 +150,50 @@ def _groups_varying(sizes: Dict[str, int], varying: Tuple[str, ...]) -> List[Lis
     return groups
 
 
+def expert_layout_error(world_size: int, tensor_model_parallel_size: int,
+                        pipeline_model_parallel_size: int, context_parallel_size: int,
+                        expert_model_parallel_size: int,
+                        expert_tensor_parallel_size: int) -> Optional[str]:
+    """Why the expert grid does not fit the layout (one line naming the flags), or None.
+
+    EP x expert-TP must divide TP x CP x DP, the ranks of one pipeline stage (Megatron-Core's
+    ``decoder_world_size % (expert-TP x EP x PP) == 0``)."""
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    if ep < 1 or etp < 1:
+        return (f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) "
+                f"must be >= 1")
+    stage = world_size // pipeline_model_parallel_size  # TP x CP x DP
+    if stage % (ep * etp) != 0:
+        return (f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) "
+                f"= {ep * etp} must divide the ranks of one pipeline stage, TP x CP x DP = "
+                f"{stage} (world {world_size} / --pipeline-model-parallel-size "
+                f"{pipeline_model_parallel_size}); choose sizes whose product divides {stage}")
+    return None
+
+
 def layout_groups(world_size: int, tensor_model_parallel_size: int,
-                  pipeline_model_parallel_size: int, context_parallel_size: int = 1) -> dict:
+                  pipeline_model_parallel_size: int, context_parallel_size: int = 1,
+                  expert_model_parallel_size: int = 1,
+                  expert_tensor_parallel_size: Optional[int] = None) -> dict:
     """Every group of a layout as lists of global ranks, without creating any group.
 
     Pure function (no process group needed), used by ``initialize_model_parallel`` and by tests
-    and tools that print a layout. Rank order: see the module docstring.
+    and tools that print a layout. Rank order and the expert grid: see the module docstring.
+
+    Args:
+        expert_model_parallel_size: EP (``--expert-model-parallel-size``), default 1.
+        expert_tensor_parallel_size: expert-TP (``--expert-tensor-parallel-size``); None: TP.
 
     Returns:
         dict with keys ``tensor``, ``context``, ``data``, ``data_context`` (DP x CP),
         ``pipeline``, ``model`` (TP x PP), ``embedding`` (first and last rank of each pipeline
-        group; the one rank at PP = 1); each a list of rank lists, in creation order.
+        group; the one rank at PP = 1), and the expert grid's ``expert_tensor``, ``expert``
+        (EP), ``expert_data``, ``tensor_expert`` (expert-TP x EP), ``tensor_expert_pipeline``
+        (expert-TP x EP x PP); each a list of rank lists, in creation order.
 
     Raises:
-        ValueError: if a size is below 1 or ``world_size`` is not divisible by TP x CP x PP.
+        ValueError: if a size is below 1, ``world_size`` is not divisible by TP x CP x PP, or
+            EP x expert-TP does not divide TP x CP x DP (:func:`expert_layout_error`).
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     if min(tp, pp, cp) < 1:
@@ -118,9 +204,17 @@ def layout_groups(world_size: int, tensor_model_parallel_size: int,
         raise ValueError(
             f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) "
             f"x --pipeline-model-parallel-size ({pp}){extra}")
+    ep = expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    error = expert_layout_error(world_size, tp, pp, cp, ep, etp)
+    if error:
+        raise ValueError(error)
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": world_size // (tp * pp * cp)}
     groups = {kind: _groups_varying(sizes, varying) for kind, varying in _VARYING.items()}
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in groups["pipeline"]]
+    expert_sizes = {"etp": etp, "ep": ep, "pp": pp, "edp": world_size // (etp * ep * pp)}
+    for kind, varying in _EXPERT_VARYING.items():
+        groups[kind] = _groups_varying(expert_sizes, varying, _EXPERT_ORDER)
     return groups
 
 
@@ -181,6 +275,16 @@ class ProcessGroupCollection:
         rank / world_size: this process's global rank and the world's size.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved
             schedule), None without virtual stages.
+        ep: expert-parallel group (EP: the ranks holding different experts).
+        expt_tp: expert tensor-parallel group (expert-TP).
+        expt_dp: expert data-parallel group: the replicas of this rank's expert shard; expert
+            gradients are reduced and the distributed optimizer's expert part shards over it.
+        tp_ep: expert-TP x EP group.
+        tp_ep_pp: expert-TP x EP x PP group: the expert part's gradient norm is summed over it
+            (one full set of experts, as ``model`` is one full dense model).
+
+    The five expert groups default to this rank alone (groups of one, no communicator), the
+    expert grid of a collection built without one; ``initialize_model_parallel`` fills them.
     """
 
     tp: ParallelGroup
@@ -193,6 +297,16 @@ class ProcessGroupCollection:
     rank: int = 0
     world_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    ep: Optional[ParallelGroup] = None
+    expt_tp: Optional[ParallelGroup] = None
+    expt_dp: Optional[ParallelGroup] = None
+    tp_ep: Optional[ParallelGroup] = None
+    tp_ep_pp: Optional[ParallelGroup] = None
+
+    def __post_init__(self):
+        for name in EXPERT_FIELDS:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ParallelGroup.of_one(None, self.rank))
 
     @classmethod
     def world_of_one(cls, virtual_pipeline_model_parallel_size: Optional[int] = None

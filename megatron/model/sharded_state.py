@@ -17,6 +17,11 @@ are the module names of a TP = PP = 1 model, with global 0-based layer indices::
     final_layernorm.weight                          [h]
     output_layer.weight                             [v, h]   (untied embeddings)
 
+Every sharding takes this rank's :class:`~megatron.core.process_groups.ProcessGroupCollection`:
+a dense parameter is partitioned over ``tp`` and replicated over ``dp_cp``; an expert parameter
+(:func:`~megatron.core.distributed.expert_params.is_expert_param`) over ``expt_tp`` and
+``expt_dp``; each box carries the ranks of its replica group, among which one writer is chosen.
+
 A tensor-parallel partition is its slice of the global tensor along the parameter's
 ``partition_dim``; the fused weights, whose rows on rank r are ``[q_r; k_r; v_r]`` and
 ``[gate_r; up_r]`` (:mod:`megatron.model.initialization`), are split into their logical blocks,
@@ -34,6 +39,8 @@ from typing import Dict
 import torch
 
 from megatron.core.dist_checkpointing.mapping import ParamSharding
+from megatron.core.distributed.expert_params import is_expert_param
+from megatron.core.process_groups import ProcessGroupCollection
 from megatron.model import unwrap_model
 
 # Global tensors whose first dimension is the padded vocabulary (padding depends on TP).
@@ -52,13 +59,31 @@ def _global_name(model, local: str) -> str:
     return local
 
 
-def param_shardings(chunk, tp_rank: int, tp_size: int) -> Dict[str, ParamSharding]:
+def _grid(p, pg_collection: ProcessGroupCollection):
+    """``(tensor-parallel group, replica group)`` of a parameter: the dense grid's ``tp`` and
+    ``dp_cp``, or the expert grid's ``expt_tp`` and ``expt_dp``.
+
+    Raises:
+        ValueError: an expert parameter at EP > 1 (each EP rank's experts need global keys of
+            their own, which the layers holding experts give; not built yet).
+    """
+    if not is_expert_param(p):
+        return pg_collection.tp, pg_collection.dp_cp
+    if pg_collection.ep.size > 1:
+        raise ValueError(f"distributed checkpoints of expert parameters at "
+                         f"--expert-model-parallel-size {pg_collection.ep.size} are not "
+                         "supported yet (experts need global keys per expert); save with EP 1")
+    return pg_collection.expt_tp, pg_collection.expt_dp
+
+
+def param_shardings(chunk, pg_collection: ProcessGroupCollection) -> Dict[str, ParamSharding]:
     """``{local parameter name: ParamSharding}`` of one model chunk (DDP wrappers are unwrapped).
 
     Args:
         chunk: a :class:`~megatron.model.llama.LlamaModel` (one pipeline stage or virtual stage),
             possibly wrapped.
-        tp_rank, tp_size: this rank's tensor-parallel rank and the tensor-parallel size.
+        pg_collection: this rank's groups: each parameter's tensor-parallel rank and size, and
+            its replica group (:func:`_grid`).
     """
     model = unwrap_model(chunk)
     fused = {}
@@ -70,12 +95,15 @@ def param_shardings(chunk, tp_rank: int, tp_size: int) -> Dict[str, ParamShardin
     out = {}
     for local, p in model.named_parameters():
         key = _global_name(model, local)
+        tp, replicas = _grid(p, pg_collection)
+        tp_rank, tp_size = tp.rank, tp.size
         if local in fused:
             prefix, rows = fused[local]
             gprefix = _global_name(model, prefix + ".x")[:-1]
             suffix = local[len(prefix) + 1:].split(".", 1)[1]  # "weight" of "query_key_value.weight"
             out[local] = ParamSharding.row_blocks(
-                [(f"{gprefix}{block}.{suffix}", n) for block, n in rows], p.shape, tp_rank, tp_size)
+                [(f"{gprefix}{block}.{suffix}", n) for block, n in rows], p.shape, tp_rank,
+                tp_size, replica_group=replicas.ranks)
             continue
         partitioned = bool(getattr(p, "tensor_model_parallel", False))
         replica = 1 if local.startswith("word_embeddings_for_head.") else 0
@@ -83,26 +111,28 @@ def param_shardings(chunk, tp_rank: int, tp_size: int) -> Dict[str, ParamShardin
             replica = 1
         out[local] = ParamSharding.partition(
             key, p.shape, p.partition_dim if partitioned else None, tp_rank, tp_size,
-            replica_id=replica, resizable=key in _VOCABULARY)
+            replica_id=replica, resizable=key in _VOCABULARY, replica_group=replicas.ranks)
     return out
 
 
-def model_shardings(model_chunks, tp_rank: int, tp_size: int) -> Dict[torch.nn.Parameter, ParamSharding]:
+def model_shardings(model_chunks, pg_collection: ProcessGroupCollection
+                    ) -> Dict[torch.nn.Parameter, ParamSharding]:
     """``{parameter: ParamSharding}`` over all chunks of this rank (the optimizers' view)."""
     out = {}
     for chunk in model_chunks:
         named = dict(unwrap_model(chunk).named_parameters())
-        for local, sharding in param_shardings(chunk, tp_rank, tp_size).items():
+        for local, sharding in param_shardings(chunk, pg_collection).items():
             out.setdefault(named[local], sharding)
     return out
 
 
-def model_sharded_tensors(model_chunks, tp_rank: int, tp_size: int, prefix: str = "model."):
+def model_sharded_tensors(model_chunks, pg_collection: ProcessGroupCollection,
+                          prefix: str = "model."):
     """The boxes of every chunk's weights (views of the parameters: a load writes in place)."""
     boxes = []
     for chunk in model_chunks:
         named = dict(unwrap_model(chunk).named_parameters())
-        for local, sharding in param_shardings(chunk, tp_rank, tp_size).items():
+        for local, sharding in param_shardings(chunk, pg_collection).items():
             boxes += sharding.boxes(named[local].data, prefix)
     return boxes
 

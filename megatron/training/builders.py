@@ -60,6 +60,7 @@ def setup_model_and_optimizer(config, model_provider, pg_collection, device, *,
     strategy = "optim" if strategy == "no_shard" else strategy
     chunks = [DistributedDataParallel(
         model, data_parallel_group=pg_collection.dp_cp.group,
+        expert_data_parallel_group=pg_collection.expt_dp.group,
         accumulate_allreduce_grads_in_fp32=parallel.accumulate_allreduce_grads_in_fp32,
         bucket_size=None if bucket is None else int(bucket),
         overlap_grad_reduce=parallel.overlap_grad_reduce,
@@ -76,7 +77,7 @@ def setup_model_and_optimizer(config, model_provider, pg_collection, device, *,
 def schedule_config(config, model_chunks, pg_collection, optimizer=None) -> PipelineConfig:
     """The pipeline schedule's configuration for this run; with an fp16 ``optimizer`` the last
     stage's loss is multiplied by its loss scale before backward (``grad_scale_func``)."""
-    scaler = getattr(optimizer, "grad_scaler", None)
+    scaler = None if optimizer is None else optimizer.grad_scaler
     return PipelineConfig(
         hidden_size=config.model.hidden_size,
         params_dtype=config.model.params_dtype,

@@ -164,7 +164,9 @@ def initialize_megatron(config):
     groups = parallel_state.initialize_model_parallel(
         parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
         parallel.virtual_pipeline_model_parallel_size, timeout=timedelta(minutes=minutes),
-        context_parallel_size=parallel.context_parallel_size)
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
     set_random_seed(config.training.seed, groups)
     return device, created, groups
 

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.model import unwrap_model
+
 SPLITS = ("train", "validation", "test")
 
 
@@ -138,7 +140,7 @@ def count_parameters(model_chunks) -> tuple[int, int]:
     (``word_embeddings_for_head``, tied weights with PP > 1), which the model's total counts once."""
     total = copies = 0
     for chunk in model_chunks:
-        module = getattr(chunk, "module", chunk)
+        module = unwrap_model(chunk)
         total += sum(p.nelement() for p in module.parameters())
         head = getattr(module, "word_embeddings_for_head", None)
         if head is not None:

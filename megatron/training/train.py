@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron import checkpointing, save_folder
 from megatron import checkpointing_torch_dist as torch_dist
 from megatron.config import checkpoint_args
+from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.model.flops import num_floating_point_operations as model_flops
 from megatron.training import builders
@@ -58,10 +59,10 @@ class NonFiniteTrainingError(RuntimeError):
 def loss_scale_at_floor(optimizer) -> bool:
     """Whether the fp16 loss scale cannot back off any further: a constant ``--loss-scale``, or
     the dynamic scale at ``--min-loss-scale``. False without a loss scaler (bf16, fp32)."""
-    scaler = getattr(optimizer, "grad_scaler", None)
+    scaler = optimizer.grad_scaler
     if scaler is None:
         return False
-    floor = getattr(scaler, "min_scale", None)
+    floor = scaler.min_scale
     return floor is None or float(scaler.scale) <= float(floor)
 
 
@@ -74,7 +75,7 @@ def nonfinite_iteration(skipped: int, optimizer, scale_was_at_floor: bool) -> bo
     (:func:`loss_scale_at_floor`, read before the step) is trouble."""
     if not skipped:
         return False
-    return getattr(optimizer, "grad_scaler", None) is None or scale_was_at_floor
+    return optimizer.grad_scaler is None or scale_was_at_floor
 
 
 def reduce_loss_dicts(loss_dicts: list) -> dict:
@@ -150,7 +151,7 @@ def evaluate(forward_step_func, data_iterator, model, *, config, schedule_config
     previous evaluation stopped). Returns ``{key: token-weighted mean}`` on the last stage."""
     for chunk in model:
         # Pending parameter all-gathers of the distributed optimizer: evaluate the latest weights.
-        getattr(chunk, "finish_param_sync", lambda: None)()
+        as_model_chunk(chunk).finish_param_sync()
         chunk.eval()
     sums: dict = {}
     training = config.training
@@ -280,8 +281,8 @@ class _Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         # fp16: a skipped step is an overflow (the scaler backs off); otherwise it had inf/NaN.
         nan = (any(not math.isfinite(v) for v in losses.values())
-               or bool(skipped and getattr(self.optimizer, "grad_scaler", None) is None))
-        loss_scale = float(getattr(self.optimizer, "get_loss_scale", lambda: 1.0)())
+               or bool(skipped and self.optimizer.grad_scaler is None))
+        loss_scale = float(self.optimizer.get_loss_scale())
         for key, value in (("global batch size", batch), ("consumed samples",
                            st.consumed_train_samples), ("loss scale", loss_scale),
                            ("skipped", skipped), ("nan", int(nan))):
@@ -354,16 +355,16 @@ class _Trainer:
     def _streak_text(self) -> str:
         it, n = self.state.iteration, self.nan_streak
         span = f"iteration {it}" if n == 1 else f"iterations {it - n + 1} to {it}"
-        scaler = getattr(self.optimizer, "grad_scaler", None)
+        scaler = self.optimizer.grad_scaler
         if scaler is None:
             return f"{span} had inf/NaN loss or gradients"
-        floor = getattr(scaler, "min_scale", None)
+        floor = scaler.min_scale
         at = (f"the lowest loss scale (--min-loss-scale {float(floor):g})" if floor is not None
               else f"the constant --loss-scale {float(scaler.scale):g}")
         return f"{span} overflowed in fp16 (inf/NaN loss or gradients) at {at}"
 
     def _remedy(self) -> str:
-        fp16 = getattr(self.optimizer, "grad_scaler", None) is not None
+        fp16 = self.optimizer.grad_scaler is not None
         return ("Lower --lr, check the data" + (", use --bf16" if fp16 else "")
                 + ", or raise --max-consecutive-nan-iterations (0 = never stop).")
 

@@ -15,7 +15,10 @@ class CountingScheduler:
 
 
 def checkpoint_parts(seed, out_features=3):
+    """``([model], optimizer, scheduler)``: the optimizer is AdamW in Megatron's fp32 wrapper
+    (what the checkpoints ask of an optimizer: its kind, state dict, reload)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 
     if not ps.model_parallel_is_initialized():
@@ -23,9 +26,10 @@ def checkpoint_parts(seed, out_features=3):
     model_parallel_manual_seed(1234, 0)
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, out_features)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = FP32Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), OptimizerConfig(lr=0.1),
+                        pg_collection=ps.get_process_groups())
     model(torch.ones(2, 4)).sum().backward()
-    opt.step()
+    opt.optimizer.step()
     return [model], opt, CountingScheduler()
 
 

@@ -56,11 +56,17 @@ def world_of_one():
 
 
 def linear_and_adamw(value):
+    """A linear layer filled with ``value`` and AdamW in Megatron's fp32 wrapper (what the
+    checkpoints ask of an optimizer)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig
+
     model = torch.nn.Linear(4, 3)
     with torch.no_grad():
         model.weight.fill_(value)
         model.bias.fill_(value)
-    return [model], torch.optim.AdamW(model.parameters(), lr=0.1)
+    return [model], FP32Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1),
+                                  OptimizerConfig(lr=0.1), pg_collection=ps.get_process_groups())
 
 
 def checkpoint_config(folder):

@@ -151,6 +151,16 @@ ERRORS = [
                                    r"not supported; use p2p or all_gather"),
     (["--cp-comm-type", "ring"], 1, r"--cp-comm-type ring is not one of p2p, all_gather"),
     (["--cp-comm-type", "p2p", "allgather"], 1, r"one communication type for every layer"),
+    (TWO + ["--expert-model-parallel-size", "3"], 4,
+     r"^--expert-model-parallel-size \(3\) x --expert-tensor-parallel-size \(2\) = 6 must "
+     r"divide the ranks of one pipeline stage, TP x CP x DP = 4 .*divides 4$"),
+    (["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], 2,
+     r"^--expert-model-parallel-size \(2\) x --expert-tensor-parallel-size \(2\) = 4 must "
+     r"divide .* = 2"),
+    (["--expert-model-parallel-size", "0"], 1,
+     r"--expert-model-parallel-size \(0\) must be positive: ranks"),
+    (["--expert-tensor-parallel-size", "0"], 1,
+     r"--expert-tensor-parallel-size \(0\) must be positive: ranks"),
 ]
 
 
@@ -172,6 +182,16 @@ def test_context_parallel_layout_and_config(files):
     with pytest.raises(ValueError, match=r"TP \(1\) x CP \(2\) x PP \(1\) x DP \(2\) = 4 != "
                                          r"world size \(2\)"):
         cfg.ParallelConfig(world_size=2, context_parallel_size=2, data_parallel_size=2)
+
+
+def test_expert_layout_defaults_and_config(files):
+    args = check(base_argv(files) + TWO, world_size=8)
+    # Megatron-Core's defaults: EP 1, expert-TP = TP.
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (1, 2)
+    args = check(base_argv(files) + TWO + ["--expert-model-parallel-size", "4",
+                                           "--expert-tensor-parallel-size", "1"], world_size=8)
+    c = cfg.build_config(args, vocab_size=32001)
+    assert (c.parallel.expert_model_parallel_size, c.parallel.expert_tensor_parallel_size) == (4, 1)
 
 
 def test_query_groups_without_gqa_flag(files):

@@ -25,6 +25,46 @@ def test_checkpoint_names_follow_megatron():
     assert name == os.path.join("out", "release", "mp_rank_03", "model_optim_rng.pt")
 
 
+def _collection(rank, world, tp, pp, cp=1, ep=1, etp=None):
+    """Rank ``rank``'s groups of a layout, as ranks only (no communicator)."""
+    from megatron.core.process_groups import ParallelGroup, ProcessGroupCollection, layout_groups
+
+    g = layout_groups(world, tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep,
+                      expert_tensor_parallel_size=etp)
+
+    def mine(kind):
+        ranks = next(r for r in g[kind] if rank in r)
+        return ParallelGroup(None, tuple(ranks), ranks.index(rank))
+
+    return ProcessGroupCollection(
+        tp=mine("tensor"), pp=mine("pipeline"), dp=mine("data"), cp=mine("context"),
+        dp_cp=mine("data_context"), model=mine("model"), embedding=mine("embedding"), rank=rank,
+        world_size=world, ep=mine("expert"), expt_tp=mine("expert_tensor"),
+        expt_dp=mine("expert_data"), tp_ep=mine("tensor_expert"),
+        tp_ep_pp=mine("tensor_expert_pipeline"))
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, ep, etp, folders", [
+    (8, 2, 2, 1, 1, None, 4),    # mp_rank_TT_PPP, written by DP rank 0
+    (8, 2, 2, 1, 2, None, 8),    # EP over DP: every rank its own mp_rank_TT_PPP_EEE
+    (16, 2, 2, 2, 2, None, 8),   # EP over CP: the two DP ranks of each (TT, PPP, EEE) share it
+    (8, 2, 1, 1, 2, 1, 2),       # EP over TP (expert-TP 1), PP=1: mp_rank_TT_EEE, EEE = TT
+])
+def test_expert_parallel_folders_follow_megatron_and_have_one_writer(world, tp, pp, cp, ep, etp,
+                                                                     folders):
+    names = {}
+    for rank in range(world):
+        groups = _collection(rank, world, tp, pp, cp, ep, etp)
+        name = os.path.relpath(ckpt.checkpoint_name_of("out", 5, groups), "out")
+        parts = os.path.dirname(name).split(os.sep)[1].split("_")[2:]
+        want = [f"{groups.tp.rank:02d}"] + ([f"{groups.pp.rank:03d}"] if pp > 1 else []) + (
+            [f"{groups.ep.rank:03d}"] if ep > 1 else [])
+        assert parts == want, (rank, name)
+        names.setdefault(name, []).append(ckpt.writes_model_file(groups))
+    assert len(names) == folders
+    assert all(writers.count(True) == 1 for writers in names.values()), names
+
+
 def test_tracker_file(tmp_path):
     tracker = tmp_path / ckpt.TRACKER_FILENAME
     tracker.write_text("release")

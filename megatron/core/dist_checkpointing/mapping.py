@@ -48,6 +48,10 @@ class ShardedTensor:
         resizable: the first dimension is a padded vocabulary, which may differ between the run
             that saved and the run that loads (padding depends on the tensor-parallel size):
             only the rows both have are read.
+        replica_group: the global ranks holding this same box (its data-parallel replicas:
+            ``dp_cp`` for dense parameters, ``expt_dp`` for expert ones), among which
+            :func:`balance_writers_by_group` picks its one writer; ``()`` for a box this rank
+            alone holds (a distributed-optimizer shard).
     """
 
     key: str
@@ -56,6 +60,7 @@ class ShardedTensor:
     global_offset: Tuple[int, ...]
     replica_id: int = 0
     resizable: bool = False
+    replica_group: Tuple[int, ...] = ()
 
     def __post_init__(self):
         shape = tuple(self.data.shape)
@@ -109,12 +114,16 @@ class ParamSharding:
         replica_id: > 0 when another rank writes the same values (a tensor-parallel duplicate on
             TP rank > 0, the tied embedding's copy on the last pipeline stage).
         resizable: the first dimension is a padded vocabulary (see :class:`ShardedTensor`).
+        replica_group: the global ranks holding the same parameter (see
+            :class:`ShardedTensor`); its :meth:`boxes` carry it, its :meth:`flat_boxes` (one
+            rank's shard) do not.
     """
 
     local_shape: Tuple[int, ...]
     regions: Tuple[Region, ...]
     replica_id: int = 0
     resizable: bool = False
+    replica_group: Tuple[int, ...] = ()
 
     def __post_init__(self):
         at = 0
@@ -128,7 +137,8 @@ class ParamSharding:
     @classmethod
     def partition(cls, key: str, local_shape: Sequence[int], partition_dim: Optional[int],
                   tp_rank: int, tp_size: int, *, replica_id: int = 0,
-                  resizable: bool = False) -> "ParamSharding":
+                  resizable: bool = False,
+                  replica_group: Tuple[int, ...] = ()) -> "ParamSharding":
         """One region: the whole local tensor, partition ``tp_rank`` of ``tp_size`` along
         ``partition_dim`` of the global tensor (None: not partitioned, the same on every
         tensor-parallel rank)."""
@@ -138,11 +148,12 @@ class ParamSharding:
             global_shape[partition_dim] *= tp_size
             offset[partition_dim] = tp_rank * local_shape[partition_dim]
         region = Region(key, 0, local_shape[0], tuple(global_shape), tuple(offset))
-        return cls(local_shape, (region,), replica_id, resizable)
+        return cls(local_shape, (region,), replica_id, resizable, tuple(replica_group))
 
     @classmethod
     def row_blocks(cls, blocks: Sequence[Tuple[str, int]], local_shape: Sequence[int],
-                   tp_rank: int, tp_size: int) -> "ParamSharding":
+                   tp_rank: int, tp_size: int, *,
+                   replica_group: Tuple[int, ...] = ()) -> "ParamSharding":
         """A fused column-parallel weight whose local rows are ``rows_j`` rows of each global
         tensor ``key_j`` in turn (``blocks = [(key_j, rows_j)]``), partition ``tp_rank`` of each.
         """
@@ -152,7 +163,7 @@ class ParamSharding:
             regions.append(Region(key, at, at + rows, global_shape,
                                   (tp_rank * rows,) + (0,) * (len(local_shape) - 1)))
             at += rows
-        return cls(tuple(local_shape), tuple(regions))
+        return cls(tuple(local_shape), tuple(regions), replica_group=tuple(replica_group))
 
     @property
     def row_numel(self) -> int:
@@ -165,7 +176,8 @@ class ParamSharding:
             raise ValueError(f"tensor of shape {tuple(tensor.shape)} for a parameter of shape "
                              f"{self.local_shape}")
         return [ShardedTensor(prefix + r.key, tensor[r.start:r.stop], r.global_shape,
-                              r.global_offset, self.replica_id, self.resizable)
+                              r.global_offset, self.replica_id, self.resizable,
+                              self.replica_group)
                 for r in self.regions]
 
     def flat_boxes(self, start: int, stop: int, flat: torch.Tensor,
@@ -219,6 +231,31 @@ def _row_boxes(lo: int, hi: int, width: int) -> Iterable[Tuple[int, int, int, in
             rows = (hi - at) // width
             yield row, 0, rows, width
             at += rows * width
+
+
+def balance_writers_by_group(tensors: Sequence[ShardedTensor],
+                             global_rank: int) -> List[ShardedTensor]:
+    """:func:`balance_writers` within each box's own ``replica_group`` (dense boxes among the
+    data x context ranks, expert boxes among the expert-data ranks), order kept; boxes of no
+    group (this rank's alone) as they are.
+
+    Raises:
+        ValueError: a box whose replica group does not hold ``global_rank``.
+    """
+    by_group = {}
+    for i, t in enumerate(tensors):
+        if t.replica_group:
+            by_group.setdefault(t.replica_group, []).append(i)
+    out = list(tensors)
+    for group, members in by_group.items():
+        if global_rank not in group:
+            raise ValueError(f"{tensors[members[0]].key}: replica group {list(group)} does not "
+                             f"hold rank {global_rank}")
+        chosen = balance_writers([tensors[i] for i in members], group.index(global_rank),
+                                 len(group))
+        for i, t in zip(members, chosen):
+            out[i] = t
+    return out
 
 
 def balance_writers(tensors: Sequence[ShardedTensor], rank: int, size: int) -> List[ShardedTensor]:

@@ -13,6 +13,14 @@ Averaging: each bucket is multiplied by ``1 / DP`` *before* a sum all-reduce (Me
 (NCCL only). Either way ``main_grad`` ends as the mean over data-parallel ranks of the per-rank
 gradient sums over micro-batches.
 
+Plural buffers (Megatron-Core's): one buffer per (param dtype, grad dtype, replica group). Expert
+parameters (:func:`~megatron.core.distributed.expert_params.is_expert_param`) get buffers of
+their own, reduced over the expert-data-parallel group (``expt_dp``) and scaled by ``1 / DP``
+too (Megatron-Core's ``expert_gradient_scaling_factor``: an expert's gradient sums the tokens
+that every rank of the data x context group routed to it; with ``ReduceOp.AVG`` the buffer is
+pre-scaled by ``expert-DP / DP``). At EP = 1 ``expt_dp`` has the ranks of ``dp_cp``: the
+expert buffers reduce exactly as the dense ones would.
+
 Typical iteration::
 
     model.zero_grad_buffer()
@@ -31,6 +39,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.expert_params import is_expert_param
 from megatron.core.distributed.param_and_grad_buffer import (GradStorageMeter, ParamAndGradBuffer,
                                                             allocated_bytes, default_bucket_size)
 from megatron.core.distributed.param_units import ParamUnits, order_by_unit, unit_assignment
@@ -39,6 +48,14 @@ from megatron.core.process_groups import group_size
 
 # Megatron-Core's --data-parallel-sharding-strategy choices.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The module a :class:`DistributedDataParallel` chunk wraps; a plain module itself."""
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+# expert_data_parallel_group not given: refused when expert parameters exist and DP > 1.
+_NOT_GIVEN = object()
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -74,11 +91,20 @@ class DistributedDataParallel(torch.nn.Module):
             :mod:`~megatron.core.distributed.param_units`, ZeRO-3). ``no_shard``: plain.
         fsdp_unit_modules: module classes whose instances are ZeRO-3 units (the transformer
             layer); every other parameter is the root unit. None: the root unit only.
+        expert_data_parallel_group: the group expert parameters' gradients reduce over
+            (``ProcessGroupCollection.expt_dp``; None for a group of one). Needed only when the
+            module has expert parameters.
+
+    Attributes:
+        buffers: one :class:`ParamAndGradBuffer` per (param dtype, grad dtype, replica group);
+            each has ``is_expert``, its ``data_parallel_group`` and ``gradient_scaling_factor``.
 
     Raises:
         ValueError: if ``average_in_collective`` is asked on a backend without ``ReduceOp.AVG``;
             an unknown strategy, a sharding strategy without the distributed optimizer, or
-            ``overlap_param_gather`` with sharded parameters (the forward gathers them).
+            ``overlap_param_gather`` with sharded parameters (the forward gathers them);
+            expert parameters without ``expert_data_parallel_group`` (at DP > 1) or with
+            sharded gradients (ZeRO-2/3 hold one group for now).
     """
 
     def __init__(self, module: torch.nn.Module, *, data_parallel_group,
@@ -87,7 +113,8 @@ class DistributedDataParallel(torch.nn.Module):
                  overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
                  overlap_param_gather: bool = False,
                  data_parallel_sharding_strategy: str = "optim",
-                 fsdp_unit_modules: Optional[Sequence[type]] = None):
+                 fsdp_unit_modules: Optional[Sequence[type]] = None,
+                 expert_data_parallel_group=_NOT_GIVEN):
         super().__init__()
         self.module = module
         self.data_parallel_group = data_parallel_group
@@ -127,31 +154,52 @@ class DistributedDataParallel(torch.nn.Module):
         # Buckets already launched when the last gradient of the backward arrived (benchmark).
         self.launched_before_last_grad = 0
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
-        # Factor applied to summed gradients: finalize_model_grads undoes it for per-token loss.
+        # The averaging every buffer ends with (dense or expert, pre-scaled or AVG): undone by
+        # divide_gradients_by_tokens for per-token loss.
         self.gradient_scaling_factor = 1.0 / dp
         self.is_last_microbatch = True
 
-        groups: Dict[Tuple[torch.dtype, torch.dtype], list] = {}
+        groups: Dict[Tuple[torch.dtype, torch.dtype, bool], list] = {}
         for p in module.parameters():
             if not p.requires_grad:
                 continue
             grad_dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
-            groups.setdefault((p.dtype, grad_dtype), []).append(p)
+            groups.setdefault((p.dtype, grad_dtype, is_expert_param(p)), []).append(p)
+        has_experts = any(expert for _, _, expert in groups)
+        if has_experts and shard_grads:
+            raise ValueError(f"expert parameters (allreduce=False) with "
+                             f"--data-parallel-sharding-strategy {strategy} are not supported yet "
+                             "(ZeRO-2/3 units hold one replica group); use optim or no_shard")
+        if expert_data_parallel_group is _NOT_GIVEN:
+            if has_experts and dp > 1:
+                raise ValueError("the module has expert parameters (allreduce=False): give "
+                                 "expert_data_parallel_group (ProcessGroupCollection.expt_dp)")
+            expert_data_parallel_group = data_parallel_group
+        self.expert_data_parallel_group = expert_data_parallel_group
         unit_modules, unit_of = [], None
         if shard_params:
             kinds = tuple(fsdp_unit_modules or ())
             unit_modules = [m for m in module.modules() if kinds and isinstance(m, kinds)]
             unit_of = unit_assignment(module, unit_modules)
             groups = {k: order_by_unit(v, unit_of) for k, v in groups.items()}
+        expert_dp = group_size(expert_data_parallel_group)
+
+        def scaling(expert: bool) -> float:
+            # Megatron-Core's: 1/DP for both; ReduceOp.AVG divides an expert buffer by expert-DP.
+            if average_in_collective:
+                return expert_dp / dp if expert else 1.0
+            return 1.0 / dp
+
         self.buffers = [
-            ParamAndGradBuffer(params, grad_dtype, data_parallel_group, bucket_size,
-                               gradient_scaling_factor=1.0 if average_in_collective else 1.0 / dp,
+            ParamAndGradBuffer(params, grad_dtype,
+                               expert_data_parallel_group if expert else data_parallel_group,
+                               bucket_size, gradient_scaling_factor=scaling(expert),
                                use_avg_op=average_in_collective,
                                use_param_buffer=use_distributed_optimizer,
                                reduce_scatter=use_distributed_optimizer,
                                shard_grads=shard_grads, shard_params=shard_params,
-                               unit_of=unit_of)
-            for (_, grad_dtype), params in groups.items()]
+                               unit_of=unit_of, is_expert=expert)
+            for (_, grad_dtype, expert), params in groups.items()]
         self.param_to_buffer = {p: buf for buf in self.buffers for p in buf.params}
         self.param_units = (ParamUnits(module, self.buffers, unit_modules) if shard_params
                             else None)
@@ -308,14 +356,17 @@ class DistributedDataParallel(torch.nn.Module):
         a, b = max(start, lo), min(end, hi)
         return bucket.grad_shard[a - lo:max(a, b) - lo]
 
-    def start_param_sync(self) -> None:
+    def start_param_sync(self, expert: Optional[bool] = None) -> None:
         """Launch the all-gather of every bucket's updated parameter shards (distributed
-        optimizer), asynchronously under ``overlap_param_gather``, else completed here.
-        Nothing with sharded parameters: the next forward gathers each unit."""
+        optimizer), asynchronously under ``overlap_param_gather``, else completed here; with
+        ``expert`` True or False only the expert or the dense buffers' (each optimizer part
+        gathers what it stepped). Nothing with sharded parameters: the next forward gathers
+        each unit."""
         if self.param_units is not None:
             return
         for buf in self.buffers:
-            buf.start_param_sync(async_op=self.overlap_param_gather)
+            if expert is None or buf.is_expert == expert:
+                buf.start_param_sync(async_op=self.overlap_param_gather)
         if not self.overlap_param_gather:
             self.finish_param_sync()
 
@@ -367,6 +418,13 @@ class DistributedDataParallel(torch.nn.Module):
         """Multiply every ``main_grad`` by ``factor``."""
         for buf in self.buffers:
             buf.scale_gradients(factor)
+
+    def divide_gradients_by_tokens(self, total_tokens: float) -> None:
+        """Per-token loss: undo the averaging (``1 / DP`` for every buffer, dense or expert,
+        whether applied before the sum or by ``ReduceOp.AVG``) and divide by ``total_tokens``
+        (the loss tokens of the whole global batch), so ``main_grad`` ends as the sum over
+        ranks divided by the token count."""
+        self.scale_gradients(1.0 / (self.gradient_scaling_factor * total_tokens))
 
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.process_groups import ProcessGroupCollection
 
 
 def _grad(chunk, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The reduced gradient of ``param``: under DDP its ``reduced_grad`` (``main_grad``, or with
     sharded gradients the part of the rank's shard that is ``param``'s), else ``grad``."""
-    if hasattr(chunk, "reduced_grad"):
+    if isinstance(chunk, DistributedDataParallel):
         return chunk.reduced_grad(param)
-    g = getattr(param, "main_grad", None)
-    return g if g is not None else param.grad
+    return param.grad
 
 
 def _unique_params(model_chunks):
@@ -78,16 +78,6 @@ def _allreduce_embedding_grads(model_chunks, pg_collection) -> None:
     _allreduce_coalesced(grads, pg_collection.embedding.group)
 
 
-def _scale_gradients(model_chunks, factor: float) -> None:
-    for chunk in model_chunks:
-        if hasattr(chunk, "scale_gradients"):
-            chunk.scale_gradients(factor)
-        else:
-            for p in chunk.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(factor)
-
-
 def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
                          num_tokens: Optional[Union[torch.Tensor, int]] = None,
                          pg_collection: ProcessGroupCollection) -> None:
@@ -109,7 +99,7 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
     all-reduce of ``num_tokens``.
     """
     for chunk in model_chunks:
-        if hasattr(chunk, "finish_grad_sync"):
+        if isinstance(chunk, DistributedDataParallel):
             chunk.finish_grad_sync()
     _allreduce_sequence_parallel_grads(model_chunks, pg_collection)
     _allreduce_embedding_grads(model_chunks, pg_collection)
@@ -126,8 +116,12 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
     if total.item() <= 0:
         raise ValueError(f"finalize_model_grads: the global batch has {total.item():g} loss tokens; "
                          "with --calculate-per-token-loss at least one unmasked token is needed")
-    # DDP already multiplied the summed gradients by its scaling factor (1/DP): undo it so the
-    # result is sum over ranks / total tokens.
+    # DDP already averaged the summed gradients (1/DP): undone, so the result is sum over
+    # ranks / total tokens.
     for chunk in model_chunks:
-        applied = getattr(chunk, "gradient_scaling_factor", 1.0)
-        _scale_gradients([chunk], 1.0 / (applied * total.item()))
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.divide_gradients_by_tokens(total.item())
+        else:
+            for p in chunk.parameters():
+                if p.grad is not None:
+                    p.grad.div_(total.item())

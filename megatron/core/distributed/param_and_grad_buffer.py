@@ -342,6 +342,8 @@ class ParamAndGradBuffer:
             ``shard_grads`` and ``use_param_buffer``): the buckets start freed.
         unit_of: ``param -> unit index`` (ZeRO-3): a bucket closes where the unit changes (and
             never by size), so a unit is whole buckets; the params must come unit by unit.
+        is_expert: the buffer holds expert parameters (reduced over the expert-data-parallel
+            group ``data_parallel_group`` then is); recorded for the optimizer's parts.
 
     Attributes:
         grad_data: the 1-D gradient buffer, ``numel`` elements of ``grad_dtype`` (None with
@@ -356,7 +358,8 @@ class ParamAndGradBuffer:
                  gradient_scaling_factor: float, use_avg_op: bool = False,
                  use_param_buffer: bool = False, reduce_scatter: bool = False,
                  shard_grads: bool = False, shard_params: bool = False,
-                 unit_of: Optional[Dict[torch.nn.Parameter, int]] = None):
+                 unit_of: Optional[Dict[torch.nn.Parameter, int]] = None,
+                 is_expert: bool = False):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.param_dtype = params[0].dtype
@@ -364,8 +367,10 @@ class ParamAndGradBuffer:
             raise ValueError("all parameters of one ParamAndGradBuffer must share a dtype")
         self.grad_dtype = grad_dtype
         self.params = list(params)
+        self.is_expert = is_expert
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = group_size(data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
         device = params[0].device
 
         if (shard_grads and not reduce_scatter) or (shard_params and not (

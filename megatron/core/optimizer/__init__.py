@@ -10,6 +10,7 @@ import torch
 
 from megatron.core.optimizer.clip_grads import (clip_grad_norm_fp32, count_zeros_fp32,
                                                 get_grad_norm_fp32, grads_for_norm)
+from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
 from megatron.core.optimizer.lr_scheduler import (OptimizerParamScheduler, build_opt_param_scheduler,
@@ -20,7 +21,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerC
 from megatron.core.optimizer.param_groups import get_param_groups
 from megatron.core.process_groups import ProcessGroupCollection
 
-__all__ = ["DistributedOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
+__all__ = ["ChainedOptimizer", "DistributedOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
            "MegatronOptimizer", "MixedPrecisionOptimizer", "OptimizerConfig",
            "OptimizerParamScheduler", "SchedulerConfig", "build_opt_param_scheduler",
            "clip_grad_norm_fp32", "lr_schedule_steps",
@@ -45,7 +46,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
             (:func:`~megatron.core.optimizer.grad_scaler.build_grad_scaler`).
 
     With ``config.use_distributed_optimizer`` the result is a :class:`DistributedOptimizer` (the
-    chunks must be wrapped with ``use_distributed_optimizer=True``).
+    chunks must be wrapped with ``use_distributed_optimizer=True``). A model with expert
+    parameters (``allreduce = False``) gets a :class:`ChainedOptimizer` of a dense part
+    (sharded over ``dp_cp``) and an expert part (sharded over ``expt_dp``, its norm summed over
+    ``tp_ep_pp``).
 
     Raises:
         ValueError: for invalid loss-scale settings, or chunks without a trainable parameter.
@@ -61,15 +65,27 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                  eps=config.adam_eps, weight_decay=config.weight_decay, **kernel)
 
-    if config.use_distributed_optimizer:
-        return DistributedOptimizer(config, model_chunks, make_adamw, grad_scaler,
-                                    pg_collection=pg_collection,
-                                    data_parallel_group=pg_collection.dp_cp.group)
-    groups = get_param_groups(model_chunks, config.weight_decay)
-    if not groups:
-        raise ValueError("the model has no trainable parameters")
-    optimizer = make_adamw(groups)
-    if config.bf16 or config.fp16:
-        return Float16OptimizerWithFloat16Params(optimizer, config, grad_scaler,
-                                                 pg_collection=pg_collection)
-    return FP32Optimizer(optimizer, config, grad_scaler, pg_collection=pg_collection)
+    has_experts = bool(get_param_groups(model_chunks, config.weight_decay, expert=True))
+
+    def part(expert):
+        """The optimizer of the dense (``expert`` False) or the expert parameters (None: all,
+        the one optimizer of a model without experts)."""
+        if config.use_distributed_optimizer:
+            group = pg_collection.expt_dp if expert else pg_collection.dp_cp
+            return DistributedOptimizer(config, model_chunks, make_adamw, grad_scaler,
+                                        pg_collection=pg_collection,
+                                        data_parallel_group=group.group, expert=bool(expert))
+        groups = get_param_groups(model_chunks, config.weight_decay, expert)
+        if not groups:
+            raise ValueError("the model has no trainable parameters")
+        if config.bf16 or config.fp16:
+            return Float16OptimizerWithFloat16Params(make_adamw(groups), config, grad_scaler,
+                                                     pg_collection=pg_collection,
+                                                     expert=bool(expert))
+        return FP32Optimizer(make_adamw(groups), config, grad_scaler,
+                             pg_collection=pg_collection, expert=bool(expert))
+
+    if not has_experts:
+        return part(None)
+    dense = [part(False)] if get_param_groups(model_chunks, config.weight_decay, False) else []
+    return ChainedOptimizer(dense + [part(True)])

@@ -3,7 +3,8 @@
 After Megatron-LM's ``megatron/core/optimizer/clip_grads.py``. The caller chooses which gradients
 enter the norm so that every element of the whole model is counted exactly once
 (:func:`grads_for_norm`); the per-rank partial sums are then summed over the model-parallel group
-(TP x PP). Data parallelism needs no sum: gradients are already reduced, so the DP replicas hold
+(TP x PP; expert parameters: expert-TP x EP x PP, ``tp_ep_pp``, their duplicates found over
+``expt_tp``). Data parallelism needs no sum: gradients are already reduced, so the DP replicas hold
 identical values; gradients sharded over data parallelism (the distributed optimizer) add their
 data-parallel group. Every group is an argument: None means no reduction (a group of one), never
 a group looked up elsewhere.
@@ -27,24 +28,27 @@ def param_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return g if g is not None else param.grad
 
 
-def model_parallel_group_of(pg_collection: ProcessGroupCollection):
-    """The group the norm's partial sums are combined over: the model-parallel group (TP x PP),
-    or None when it is this rank alone."""
-    return pg_collection.model.group if pg_collection.model.size > 1 else None
+def model_parallel_group_of(pg_collection: ProcessGroupCollection, expert: bool = False):
+    """The group the norm's partial sums are combined over: the model-parallel group (TP x PP;
+    for expert parameters expert-TP x EP x PP, ``tp_ep_pp``: one full set of experts), or None
+    when it is this rank alone."""
+    group = pg_collection.tp_ep_pp if expert else pg_collection.model
+    return group.group if group.size > 1 else None
 
 
 def grads_for_norm(params: Iterable[torch.nn.Parameter],
-                   pg_collection: ProcessGroupCollection) -> List[torch.Tensor]:
+                   pg_collection: ProcessGroupCollection,
+                   expert: bool = False) -> List[torch.Tensor]:
     """Gradients of ``params`` that this rank contributes to the global norm.
 
     Skipped, so that each element is counted once across the model:
       * tensor-parallel duplicates (params without ``tensor_model_parallel``) on TP ranks > 0 of
-        ``pg_collection.tp``;
+        ``pg_collection.tp`` (``expt_tp`` for ``expert`` parameters);
       * the copy of a tied embedding (``shared_embedding=True``) on pipeline stages other than
         the first (the first stage's word embedding counts).
     """
     first_stage = pg_collection.is_pipeline_first_stage()
-    tp_group = pg_collection.tp.group
+    tp_group = (pg_collection.expt_tp if expert else pg_collection.tp).group
     out = []
     for p in params:
         g = param_grad(p)
@@ -181,12 +185,13 @@ def clip_grad_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm: float,
 
 
 def count_zeros_fp32(params: Iterable[torch.nn.Parameter], *,
-                     pg_collection: ProcessGroupCollection, data_parallel_group) -> int:
+                     pg_collection: ProcessGroupCollection, data_parallel_group,
+                     expert: bool = False) -> int:
     """Number of zero gradient elements over the whole model, each counted once (as the norm,
-    over the model-parallel group of ``pg_collection``); ``data_parallel_group`` as in
-    :func:`get_grad_norm_fp32`."""
-    model_parallel_group = model_parallel_group_of(pg_collection)
-    grads = grads_for_norm(params, pg_collection)
+    over the model-parallel group of ``pg_collection``, ``tp_ep_pp`` for ``expert``
+    parameters); ``data_parallel_group`` as in :func:`get_grad_norm_fp32`."""
+    model_parallel_group = model_parallel_group_of(pg_collection, expert)
+    grads = grads_for_norm(params, pg_collection, expert)
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.optimizer.clip_grads import grads_for_norm
 from megatron.core.optimizer.distrib_optimizer_checkpoint import (STATE_KEYS, param_names,
                                                                   plain_to_records, read_shards)
@@ -88,10 +89,6 @@ def _host_tensor(like: torch.Tensor, copy: bool = True) -> torch.Tensor:
     return out
 
 
-def _unwrap(chunk):
-    return getattr(chunk, "module", chunk)
-
-
 def _runs_of_shard(bucket, buf, lo: int, hi: int, main: torch.Tensor, names, group_of) -> List[Run]:
     """Cut the shard ``[lo, hi)`` (buffer elements) into runs; ``main`` is its flat main tensor."""
     segments = []  # [key, first element, pieces, end of the last piece]
@@ -131,7 +128,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         grad_scaler: fp16 loss scaler or None.
         pg_collection: this rank's process groups (the norm's model-parallel group).
         data_parallel_group: the group the main params and moments are sharded over
-            (Megatron-Core's ``dp_cp``): the group the chunks' buffers reduce-scatter over.
+            (Megatron-Core's ``dp_cp``; ``expt_dp`` for the expert part): the group the chunks'
+            buffers of this part reduce-scatter over.
+        expert: this optimizer steps the expert buffers (the expert part of a
+            :class:`~megatron.core.optimizer.chained_optimizer.ChainedOptimizer`), else the
+            dense ones.
 
     Attributes:
         shards: ``(model_shard, main)`` per bucket shard: the parameter buffer's view and the flat
@@ -143,25 +144,29 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             buffers reduce over another group than ``data_parallel_group``.
     """
 
+    kind = "distributed"
+
     def __init__(self, config, model_chunks, make_adamw, grad_scaler=None, *, pg_collection,
-                 data_parallel_group):
+                 data_parallel_group, expert: bool = False):
         for chunk in model_chunks:
-            if not getattr(chunk, "use_distributed_optimizer", False):
+            if not (isinstance(chunk, DistributedDataParallel) and chunk.use_distributed_optimizer):
                 raise ValueError("--use-distributed-optimizer needs the model wrapped by "
                                  "DistributedDataParallel(use_distributed_optimizer=True)")
-            if chunk.data_parallel_group is not data_parallel_group:
+            if any(buf.data_parallel_group is not data_parallel_group
+                   for buf in chunk.buffers if buf.is_expert == expert):
                 raise ValueError("the distributed optimizer shards over another data-parallel "
                                  "group than the one the model's gradient buffers reduce over: "
-                                 "build both from the same ProcessGroupCollection (dp_cp)")
+                                 "build both from the same ProcessGroupCollection (dp_cp, "
+                                 "expt_dp for expert parameters)")
         self.model_chunks = list(model_chunks)
         names = param_names(model_chunks)
-        groups = get_param_groups(model_chunks, config.weight_decay)
+        groups = get_param_groups(model_chunks, config.weight_decay, expert)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
-        self.offload = bool(getattr(config, "optimizer_cpu_offload", False))
+        self.offload = bool(config.optimizer_cpu_offload)
         self.shards: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.runs: List[Run] = []
         for chunk in model_chunks:
-            for buf in chunk.buffers:
+            for buf in (b for b in chunk.buffers if b.is_expert == expert):
                 for bucket in buf.buckets:
                     s, e = bucket.shard_range(bucket.data_parallel_rank)
                     lo, hi = bucket.offset + s, bucket.offset + e
@@ -184,7 +189,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         torch_groups = [{**g, "params": [r.main for r in self.runs if r.group == gi]}
                         for gi, g in enumerate(groups)]
         super().__init__(make_adamw(torch_groups), config, grad_scaler,
-                         pg_collection=pg_collection)
+                         pg_collection=pg_collection, expert=expert)
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = group_size(data_parallel_group)
         self._loaded_from_plain = False
@@ -219,7 +224,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def count_zeros(self) -> int:
         """Zero gradient elements of the model (padding excluded), each counted once."""
-        counted = {id(g) for g in grads_for_norm(self.get_parameters(), self.pg_collection)}
+        counted = {id(g) for g in grads_for_norm(self.get_parameters(), self.pg_collection,
+                                                 self.expert)}
         device = self._collective_device() or self.runs[0].main.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         for r in self.runs:
@@ -236,7 +242,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.zero_grad()
         if update_successful:
             for chunk in self.model_chunks:
-                chunk.start_param_sync()
+                chunk.start_param_sync(expert=self.expert)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for r in self.runs:
@@ -246,7 +252,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Complete pending parameter all-gathers (before reading weights outside a forward);
         never starts one (ZeRO-3's gather of every unit is the model's finish_param_sync)."""
         for chunk in self.model_chunks:
-            getattr(chunk, "wait_param_sync", chunk.finish_param_sync)()
+            chunk.wait_param_sync()
 
     def reload_model_params(self) -> None:
         with torch.no_grad():

@@ -24,6 +24,7 @@ import torch
 
 from megatron.checkpoint_io import load_torch_file
 from megatron.core.optimizer.param_groups import get_param_groups
+from megatron.core.distributed.distributed_data_parallel import unwrap_chunk
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _HALF = (torch.float16, torch.bfloat16)
@@ -33,7 +34,7 @@ def param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
     """``param -> "<chunk index>.<name>"`` (names in the unwrapped chunk; a shared param once)."""
     names = {}
     for ci, chunk in enumerate(model_chunks):
-        for n, p in getattr(chunk, "module", chunk).named_parameters():
+        for n, p in unwrap_chunk(chunk).named_parameters():
             names.setdefault(p, f"{ci}.{n}")
     return names
 
@@ -143,7 +144,7 @@ def shards_to_plain(paths: List[str], common: dict, optimizer, model_chunks) -> 
         torch_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
         mains.append(group_mains)
     torch_sd = {"state": state, "param_groups": torch_groups}
-    if not hasattr(optimizer, "fp32_from_float16_groups"):
+    if not optimizer.keeps_fp32_main_params:
         return torch_sd
     out = {"optimizer": torch_sd, "fp32_from_fp16_params": mains}
     if "grad_scaler" in common:

@@ -27,6 +27,10 @@ class MegatronGradScaler:
         ValueError: for a scale that is not positive and finite.
     """
 
+    # The lowest scale a dynamic scaler backs off to; None for a constant scale (no floor to
+    # reach: it never backs off).
+    min_scale = None
+
     def __init__(self, initial_scale: float):
         if not (initial_scale > 0 and initial_scale < float("inf")):
             raise ValueError(f"loss scale ({initial_scale}) must be positive and finite")

@@ -63,15 +63,33 @@ class MegatronOptimizer:
             ``update(found_inf)``, ``state_dict()`` and ``load_state_dict()``.
         pg_collection: this rank's process groups (the norm counts each element once over its
             ``tp`` and pipeline stages and sums over its ``model`` group).
+        expert: the parameters are expert parameters (a part of a
+            :class:`~megatron.core.optimizer.chained_optimizer.ChainedOptimizer`): duplicates
+            are found over ``expt_tp`` and the norm summed over ``tp_ep_pp``.
+
+    The optimizer protocol the training loop and the checkpoints use (no attribute probes):
+    ``kind`` (``"plain"`` or ``"distributed"``: the latter has :meth:`parameter_state` /
+    :meth:`load_parameter_state`, one file per data-parallel rank in the legacy format),
+    :meth:`sharded_state_dict` / :meth:`sharded_load_targets` (``torch_dist``),
+    :meth:`reload_model_params`, :meth:`finish_param_sync`, ``grad_scaler``.
     """
 
+    kind = "plain"
+    # Float16OptimizerWithFloat16Params: fp32 copies of the bf16/fp16 params, saved under
+    # Megatron's "fp32_from_fp16_params".
+    keeps_fp32_main_params = False
+    # Tests set True to take the device path of step() on the CPU (_steps_on_device).
+    device_side_step: Optional[bool] = None
+
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 grad_scaler=None, *, pg_collection: ProcessGroupCollection):
+                 grad_scaler=None, *, pg_collection: ProcessGroupCollection,
+                 expert: bool = False):
         self.optimizer = optimizer
         self.config = config
         self.grad_scaler = grad_scaler
         self.pg_collection = pg_collection
-        self.model_parallel_group = model_parallel_group_of(pg_collection)
+        self.expert = expert
+        self.model_parallel_group = model_parallel_group_of(pg_collection, expert)
 
     # What subclasses provide ---------------------------------------------------------------------
 
@@ -100,7 +118,7 @@ class MegatronOptimizer:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        return grads_for_norm(self.get_parameters(), self.pg_collection)
+        return grads_for_norm(self.get_parameters(), self.pg_collection, self.expert)
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the main grads, each element of the model counted once."""
@@ -121,7 +139,14 @@ class MegatronOptimizer:
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), pg_collection=self.pg_collection,
-                                data_parallel_group=self._data_parallel_group())
+                                data_parallel_group=self._data_parallel_group(),
+                                expert=self.expert)
+
+    def flag_groups(self) -> List:
+        """The groups the skip flag is agreed over (max): the model-parallel group, and the
+        data-parallel group when the main grads are DP shards; None entries dropped."""
+        return [g for g in (self.model_parallel_group, self._data_parallel_group())
+                if g is not None]
 
     def get_loss_scale(self) -> torch.Tensor:
         if self.grad_scaler is None:
@@ -220,9 +245,8 @@ class MegatronOptimizer:
             # past any useful range): one read pass, where isfinite().any() makes five.
             sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
             found = torch.maximum(found, (~torch.isfinite(sums)).any().float().to(device))
-        for group in (self.model_parallel_group, self._data_parallel_group()):
-            if group is not None:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        for group in self.flag_groups():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return found
 
     def _norm_checks_grads(self) -> bool:
@@ -312,7 +336,7 @@ class MegatronOptimizer:
         """True for the step without host syncs (:meth:`_step_reading_once`): parameters on CUDA
         (on the CPU a host read waits for nothing) or ``device_side_step = True`` set on this
         object (tests), torch's fused AdamW, no zero counting (a count is a host read)."""
-        forced = getattr(self, "device_side_step", None)
+        forced = self.device_side_step
         params = self.get_parameters()
         on_device = forced if forced is not None else bool(params) and params[0].is_cuda
         return on_device and self._fused_step() and not self.config.log_num_zeros_in_grad
@@ -338,6 +362,14 @@ class MegatronOptimizer:
 
     def reload_model_params(self) -> None:
         """Refresh main params from the model params (after loading a model without optimizer)."""
+
+    def finish_param_sync(self) -> None:
+        """Complete pending parameter all-gathers (nothing but for the distributed optimizer)."""
+
+    def model_main_pairs(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``(model parameter, main parameter)`` of a plain optimizer (the same tensor for
+        fp32)."""
+        return [(p, p) for p in self.get_parameters()]
 
 
 class FP32Optimizer(MegatronOptimizer):
@@ -380,8 +412,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         TypeError: for a parameter that is neither fp32, bf16 nor fp16.
     """
 
-    def __init__(self, optimizer, config, grad_scaler=None, *, pg_collection):
-        super().__init__(optimizer, config, grad_scaler, pg_collection=pg_collection)
+    def __init__(self, optimizer, config, grad_scaler=None, *, pg_collection, expert=False):
+        super().__init__(optimizer, config, grad_scaler, pg_collection=pg_collection,
+                         expert=expert)
         self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups = [], [], []
         for group in self.optimizer.param_groups:
             f16, main, f32 = [], [], []
@@ -405,9 +438,18 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             self.fp32_from_float16_groups.append(main)
             self.fp32_from_fp32_groups.append(f32)
 
+    keeps_fp32_main_params = True
+
     def _pairs(self):
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             yield from zip(model_group, main_group)
+
+    def model_main_pairs(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+        pairs = []
+        for f16, mains, f32 in zip(self.float16_groups, self.fp32_from_float16_groups,
+                                   self.fp32_from_fp32_groups):
+            pairs += list(zip(f16, mains)) + [(p, p) for p in f32]
+        return pairs
 
     def _main_grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]

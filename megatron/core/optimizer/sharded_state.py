@@ -24,7 +24,7 @@ global keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List
 
 import torch
 
@@ -102,21 +102,10 @@ def _main_prefix(saved: set, sharding: ParamSharding) -> str:
 
 # Plain optimizers (FP32Optimizer, Float16OptimizerWithFloat16Params) -----------------------------
 
-def model_main_pairs(optimizer) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
-    """``(model parameter, main parameter)`` of a plain optimizer (the same tensor for fp32)."""
-    if hasattr(optimizer, "fp32_from_float16_groups"):
-        pairs = []
-        for f16, mains, f32 in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups,
-                                   optimizer.fp32_from_fp32_groups):
-            pairs += list(zip(f16, mains)) + [(p, p) for p in f32]
-        return pairs
-    return [(p, p) for p in optimizer.get_parameters()]
-
-
 def plain_sharded_state(optimizer, shardings: Dict[torch.nn.Parameter, ParamSharding]) -> ShardedState:
     """The state of a plain optimizer to save (boxes are views; see the module docstring)."""
     out = ShardedState(common=common_state(optimizer))
-    for p, main in model_main_pairs(optimizer):
+    for p, main in optimizer.model_main_pairs():
         sharding = shardings[p]
         state = optimizer.optimizer.state.get(main, {})
         for name, prefix in MOMENTS:
@@ -131,7 +120,7 @@ def plain_load_targets(optimizer, shardings: Dict[torch.nn.Parameter, ParamShard
     """Boxes to fill from a checkpoint whose keys are ``saved``, and the step that installs them."""
     out = ShardedState()
     moments = []
-    for p, main in model_main_pairs(optimizer):
+    for p, main in optimizer.model_main_pairs():
         sharding = shardings[p]
         values = {name: torch.zeros(main.shape, dtype=torch.float32) for name, _ in MOMENTS}
         for name, prefix in MOMENTS:
@@ -202,6 +191,33 @@ def distributed_load_targets(optimizer, shardings, saved: set) -> ShardedState:
         step = _load_common(optimizer, common, "optimizer checkpoint")
         for main, values in buffers.values():
             optimizer.optimizer.state[main] = _adam_state(optimizer, main, step, values)
+
+    out.finish = finish
+    return out
+
+
+# A chained optimizer (dense and expert parts) ----------------------------------------------------
+
+def chain_states(states: List[ShardedState]) -> ShardedState:
+    """The parts' states as one: boxes together (their keys are disjoint: each parameter is in
+    one part), ``common`` ``{"chained_optimizers": [part common, ...]}``, and a ``finish`` that
+    hands each part its own common.
+
+    The finish raises ValueError for a checkpoint of another number of parts."""
+    out = ShardedState(common={"chained_optimizers": [s.common for s in states]})
+    for s in states:
+        out.replicated += s.replicated
+        out.owned += s.owned
+
+    def finish(common: dict) -> None:
+        saved = common.get("chained_optimizers")
+        if saved is None or len(saved) != len(states):
+            found = "one optimizer" if saved is None else f"{len(saved)} optimizer parts"
+            raise ValueError(f"optimizer checkpoint: it holds {found}, this model has "
+                             f"{len(states)} (dense and expert parameters); load with "
+                             "--no-load-optim or use the same model configuration")
+        for s, part_common in zip(states, saved):
+            s.finish(part_common)
 
     out.finish = finish
     return out

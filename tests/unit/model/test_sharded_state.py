@@ -11,21 +11,20 @@ from tests.helpers.groups import current_groups
 from tests.helpers.model import small_config
 
 
-def _boxes(model, tp_rank, tp_size):
+def _boxes(model):
     from megatron.model.sharded_state import model_sharded_tensors
 
     return [(b.key, b.global_shape, b.global_offset, b.data.clone(), b.replica_id, b.resizable)
-            for b in model_sharded_tensors([model], tp_rank, tp_size)]
+            for b in model_sharded_tensors([model], current_groups())]
 
 
 def _tp_rank(config):
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.model.llama import LlamaModel
 
     parallel_state.initialize_model_parallel(2, 1)
     model = LlamaModel(config.replace(tensor_model_parallel_size=2), pg_collection=current_groups())
-    return _boxes(model, dist.get_rank(), 2)
+    return _boxes(model)
 
 
 def _expected(config):
@@ -88,9 +87,9 @@ def test_pipeline_stages_use_global_layer_numbers_and_write_the_tied_embedding_o
                        layer_numbers=[1, 2])
     last = LlamaModel(config, pg_collection=groups, pre_process=False, post_process=True,
                       layer_numbers=[3, 4])
-    boxes = _boxes(first, 0, 1) + _boxes(last, 0, 1)
-    assert [b[0] for b in _boxes(last, 0, 1)][:1] == ["model.layers.2.input_layernorm.weight"]
-    head = [b for b in _boxes(last, 0, 1) if b[0] == "model.word_embeddings.weight"]
+    boxes = _boxes(first) + _boxes(last)
+    assert [b[0] for b in _boxes(last)][:1] == ["model.layers.2.input_layernorm.weight"]
+    head = [b for b in _boxes(last) if b[0] == "model.word_embeddings.weight"]
     assert len(head) == 1 and head[0][4] == 1  # the last stage's copy is a replica
     got = _assemble(boxes)
     assert sorted(got) == sorted("model." + k for k in expected)

@@ -126,3 +126,37 @@ def test_writers_are_balanced_and_unique():
     written = [sum(b.nbytes for b in p if not b.replica_id) for p in per_rank]
     assert written == [400, 400, 384]  # 100 | 70+30 | 60+30+5+1 elements of 4 bytes
     assert balance_writers(boxes, 0, 1) == boxes
+
+
+def test_writers_are_chosen_within_each_boxes_replica_group():
+    from megatron.core.dist_checkpointing import balance_writers_by_group
+
+    # 4 ranks: dense boxes replicated over all four (dp_cp), expert boxes over [0, 2] or
+    # [1, 3] (expt_dp at EP=2: ranks 0, 2 hold one expert, 1, 3 the other), one owned shard.
+    def boxes_of(rank):
+        experts = (0, 2) if rank in (0, 2) else (1, 3)
+        out = [ShardedTensor(f"dense{i}", torch.zeros(n), (n,), (0,), replica_group=(0, 1, 2, 3))
+               for i, n in enumerate((40, 30, 20, 10))]
+        out += [ShardedTensor(f"expert{experts[0]}.{i}", torch.zeros(n), (n,), (0,),
+                              replica_group=experts) for i, n in enumerate((25, 5))]
+        out.append(ShardedTensor(f"owned{rank}", torch.zeros(3), (3,), (0,)))
+        return out
+
+    chosen = {r: balance_writers_by_group(boxes_of(r), r) for r in range(4)}
+    writers = {}
+    for r, boxes in chosen.items():
+        assert [b.key for b in boxes] == [b.key for b in boxes_of(r)]  # order kept
+        for b in boxes:
+            if not b.replica_id:
+                writers.setdefault(b.key, []).append(r)
+    # every box exactly one writer, a member of its replica group
+    assert writers == {"dense0": [0], "dense1": [1], "dense2": [2], "dense3": [3],
+                       "expert0.0": [0], "expert0.1": [2], "expert1.0": [1], "expert1.1": [3],
+                       "owned0": [0], "owned1": [1], "owned2": [2], "owned3": [3]}
+    # the oracle: within a group, the plain balance_writers over the group's own boxes
+    dense = [b for b in boxes_of(0) if b.key.startswith("dense")]
+    assert [b.replica_id for b in chosen[0][:4]] == [b.replica_id
+                                                     for b in balance_writers(dense, 0, 4)]
+    with pytest.raises(ValueError, match=r"replica group \[1, 3\] does not hold rank 0"):
+        balance_writers_by_group([ShardedTensor("x", torch.zeros(1), (1,), (0,),
+                                                replica_group=(1, 3))], 0)

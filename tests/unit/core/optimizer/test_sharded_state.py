@@ -50,8 +50,9 @@ def _save(opt, ddp, directory):
     from megatron.model.sharded_state import model_shardings, model_sharded_tensors
 
     ddp.finish_param_sync()
-    state = opt.sharded_state_dict(model_shardings([ddp], 0, 1))
-    boxes = balance_writers(model_sharded_tensors([ddp], 0, 1) + state.replicated,
+    groups = current_groups()
+    state = opt.sharded_state_dict(model_shardings([ddp], groups))
+    boxes = balance_writers(model_sharded_tensors([ddp], groups) + state.replicated,
                             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     save(boxes + state.owned, directory)
     return state.common
@@ -62,8 +63,8 @@ def _load(opt, model, directory, common):
     from megatron.model.sharded_state import model_shardings, model_sharded_tensors
 
     saved = set(tensor_shapes(read_metadata(directory)))
-    targets = opt.sharded_load_targets(model_shardings([model], 0, 1), saved)
-    load(model_sharded_tensors([model], 0, 1) + targets.replicated + targets.owned, directory)
+    targets = opt.sharded_load_targets(model_shardings([model], current_groups()), saved)
+    load(model_sharded_tensors([model], current_groups()) + targets.replicated + targets.owned, directory)
     targets.finish(common)
 
 
@@ -152,10 +153,10 @@ def test_plain_state_loads_into_the_distributed_optimizer(tmp_path):
     for p in net.parameters():
         p.main_grad = p.grad
     assert opt.step()[0]
-    state = opt.sharded_state_dict(model_shardings([net], 0, 1))
+    state = opt.sharded_state_dict(model_shardings([net], current_groups()))
     assert not [b for b in state.replicated if "fp32_param" in b.key]
     directory = str(tmp_path / "plain")
-    save(model_sharded_tensors([net], 0, 1) + state.replicated, directory)
+    save(model_sharded_tensors([net], current_groups()) + state.replicated, directory)
     expected = {n: {"param": p.detach().clone(), "exp_avg": opt.optimizer.state[p]["exp_avg"],
                     "exp_avg_sq": opt.optimizer.state[p]["exp_avg_sq"]}
                 for n, p in net.named_parameters()}

@@ -69,17 +69,21 @@ def prints_here(error: UsageError, rank: Optional[int] = None) -> bool:
     return rank == (0 if error.reporter is None else error.reporter)
 
 
-def agree_on_usage_error(error: Optional[UsageError], device, group=None) -> None:
+def agree_on_usage_error(error: Optional[UsageError], device, group=None,
+                         kind: type = UsageError) -> None:
     """Collective over ``group`` (the world when None): when any rank passes an error, every rank
     raises. One all-reduce (MIN) of an int64 elects the lowest rank with an error as the reporter.
 
     Args:
         error: this rank's usage error, or None.
         device: where the collective's tensor lives (the backend's device).
+        kind: the class of the errors raised (a subclass of :class:`UsageError` taking the same
+            arguments, e.g. one that is also a ``CheckpointError``, so callers that catch that
+            class keep working).
 
     Raises:
-        UsageError: on the reporter, its own error (``reporter`` set to its rank); on every other
-            rank a silent one naming the reporter.
+        UsageError: (of class ``kind``) on the reporter, its own error (``reporter`` set to its
+            rank); on every other rank a silent one naming the reporter.
     """
     import torch
     import torch.distributed as dist
@@ -93,14 +97,14 @@ def agree_on_usage_error(error: Optional[UsageError], device, group=None) -> Non
         return
     global_reporter = dist.get_global_rank(group, reporter) if group is not None else reporter
     if error is not None and rank == reporter:
-        agreed = UsageError(str(error), reporter=global_reporter)
+        agreed = kind(str(error), reporter=global_reporter)
         if _COMMAND:
             # Said now, before the others leave: torchrun stops the remaining workers as soon as
             # one has exited, which could be before this rank has unwound to run_command.
             _say(_COMMAND, agreed)
     else:
-        agreed = UsageError(f"rank {global_reporter} found a usage error (see its line)",
-                            reporter=global_reporter, silent=True)
+        agreed = kind(f"rank {global_reporter} found a usage error (see its line)",
+                      reporter=global_reporter, silent=True)
     dist.barrier(group=group)  # every rank is here: the line is out before any rank exits
     raise agreed from error
 

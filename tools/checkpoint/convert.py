@@ -136,6 +136,8 @@ def main(argv=None) -> str:
     if args.include_optimizer and (args.loader, args.saver) != ("megatron", "megatron"):
         parser.error("--include-optimizer needs --loader megatron --saver megatron (only our "
                      "training checkpoints hold an optimizer state we can re-split)")
+    if hasattr(saver, "check_target"):  # a --save-dir it cannot write: refused before reading
+        saver.check_target(args)
     meta, stream = loader.load_checkpoint(args)
     return saver.save_checkpoint(meta, stream, args)
 

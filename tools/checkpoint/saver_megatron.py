@@ -35,6 +35,28 @@ def add_arguments(parser) -> None:
                        help="vocabulary padding multiple (per TP rank); default: the source's, else 128")
 
 
+def check_target(args) -> None:
+    """Refuse a ``--save-dir`` that already holds a checkpoint (its tracker file, a ``release/``
+    or an ``iter_*`` folder, stale or not), before anything is read or written: the converted
+    checkpoint could not be put in place, or would mix with the old one.
+
+    Raises:
+        FileExistsError: naming the folder and what it holds.
+    """
+    save = args.save_dir
+    if not os.path.isdir(save):
+        if os.path.exists(save):
+            raise FileExistsError(f"--save-dir {save} is a file, not a folder; choose an empty "
+                                  "folder")
+        return
+    held = sorted(n for n in os.listdir(save)
+                  if n == os.path.basename(get_checkpoint_tracker_filename(save)) or n == "release"
+                  or (n.startswith("iter_") and not n.endswith(".tmp")))
+    if held:
+        raise FileExistsError(f"--save-dir {save} already holds a checkpoint ({', '.join(held)}); "
+                              "choose an empty folder, or remove those first")
+
+
 def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divisible_by: int) -> dict:
     """The ``args`` entry (plain values; the names ``--use-checkpoint-args`` takes over)."""
     return {
@@ -79,7 +101,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     Raises:
         ValueError: the target layout does not divide the model, or (with the optimizer) changes
             the padded vocabulary (before anything is written).
-        FileExistsError: ``--save-dir`` already holds a checkpoint.
+        FileExistsError: ``--save-dir`` already holds a checkpoint (:func:`check_target`).
     """
     tp = args.target_tensor_parallel_size or 1
     pp = args.target_pipeline_parallel_size or 1
@@ -97,8 +119,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                          "(the padded rows are trained, so the model would change); pass "
                          "--make-vocab-size-divisible-by so that both layouts pad to the same size")
     save = args.save_dir
-    if os.path.exists(get_checkpoint_tracker_filename(save)):
-        raise FileExistsError(f"--save-dir {save} already holds a checkpoint; choose an empty folder")
+    check_target(args)
     name = "release" if optim is None else f"iter_{int(optim['iteration']):07d}"
     staging = os.path.join(save, name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -110,6 +131,14 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                                        "consumed_valid_samples", "opt_param_scheduler")}
     writer = _StageWriter(staging, tp, pp, ckpt_args, extra, optim,
                           mixed=dtype_name != "fp32")
+    try:
+        return _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-written release.tmp left behind
+        raise
+
+
+def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging) -> str:
     per_stage = meta["num_layers"] // pp
 
     def cast(t):

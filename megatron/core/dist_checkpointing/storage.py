@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron.checkpoint_io import save_to_file
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 METADATA_FILE = ".metadata"
@@ -149,8 +150,10 @@ class _Writer(FileSystemWriter):
                 data = planner.resolve_data(item).detach().cpu()
                 if data.untyped_storage().nbytes() != data.nbytes:
                     data = data.clone()  # torch.save writes a view's whole storage
-                results.append(_write_item(self.transforms, stream, data, item, name,
-                                           self.serialization_format))
+                # a failed write (full disk, file-size limit) as the OSError naming the file
+                save_to_file(data, stream, self.fs.concat_path(self.path, name),
+                             save=lambda d, f: results.append(_write_item(
+                                 self.transforms, f, d, item, name, self.serialization_format)))
                 del data
             if self.sync_files:
                 stream.flush()

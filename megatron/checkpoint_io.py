@@ -27,6 +27,7 @@ import os
 import pickle
 import re
 import struct
+import warnings
 import zipfile
 import zlib
 
@@ -265,7 +266,10 @@ def load_torch_file(path: str, *, what: str = "file", mmap: bool = False, extra_
     if verify and is_zip:
         verify_checksums(path, what)
     try:
-        with torch.serialization.safe_globals(list(extra_globals)):
+        with torch.serialization.safe_globals(list(extra_globals)), warnings.catch_warnings():
+            # A bare pickle (not torch.save's) makes torch warn about its protocol before the
+            # refusal below says what the file is: one line for the user, not two.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and is_zip)
     except pickle.UnpicklingError as exc:
         allowed = {_global_name(g) for g in extra_globals}

@@ -127,7 +127,8 @@ def run_command(prog: str, main: Callable, argv=None,
         prog: the command's name as users type it (``pretrain_llama.py``).
         main: the command's function of ``argv``.
         usage_errors: the exception classes that are the user's to fix (a tool adds the errors of
-            its inputs, e.g. a malformed dataset).
+            its inputs, e.g. a malformed dataset); one that is not a :class:`UsageError` is taken
+            as found by every rank alike (rank 0 prints it).
 
     Returns:
         0 after ``main`` returned, 2 after a usage error.
@@ -137,7 +138,10 @@ def run_command(prog: str, main: Callable, argv=None,
     try:
         main(argv)
     except usage_errors as exc:
-        if not isinstance(exc, UsageError) or prints_here(exc):
+        # Another class of ``usage_errors`` is one every rank finds alike (the flags, the files
+        # they name, read before any collective): rank 0 says it, as for a UsageError of no
+        # reporter. A load's errors found by some ranks only arrive agreed, as UsageErrors.
+        if prints_here(exc if isinstance(exc, UsageError) else UsageError(str(exc))):
             _say(prog, exc)
         return USAGE_EXIT_STATUS
     finally:

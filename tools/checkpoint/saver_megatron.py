@@ -25,7 +25,7 @@ import torch
 from megatron.checkpoint_io import load_torch_file
 from megatron.checkpointing import CHECKPOINT_VERSION, get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.tokenizer import vocab_size_with_padding
-from tools.checkpoint import optimizer_state
+from tools.checkpoint import model_flags, optimizer_state
 from tools.checkpoint.layout import DTYPES, check_layout, layer_to_partitions, pad_vocab, split
 
 
@@ -75,6 +75,7 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "true_vocab_size": meta["true_vocab_size"],
         "tokenizer_type": meta.get("tokenizer_type") or ("PretrainedFromHF" if meta.get("tokenizer_dir") else None),
         "tokenizer_model": meta.get("tokenizer_model") or meta.get("tokenizer_dir"),
+        "tokenizer_name_or_path": meta.get("tokenizer_dir"),
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
@@ -95,7 +96,8 @@ def rope_scaling_flags(scaling) -> dict:
 
 def save_checkpoint(meta: dict, stream, args) -> str:
     """Consume the loader's stream; write ``args.save_dir/release`` (with ``--include-optimizer``:
-    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts).
+    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts),
+    then print the ``pretrain_llama.py`` flags it needs (:mod:`tools.checkpoint.model_flags`).
     Returns that folder.
 
     Raises:
@@ -132,10 +134,13 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     writer = _StageWriter(staging, tp, pp, ckpt_args, extra, optim,
                           mixed=dtype_name != "fp32")
     try:
-        return _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging)
+        final = _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
+                       staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # no half-written release.tmp left behind
         raise
+    print(model_flags.describe(ckpt_args, save, final), flush=True)
+    return final
 
 
 def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging) -> str:

@@ -222,3 +222,33 @@ def test_the_tools_say_a_damaged_checkpoint_in_one_line(runs, tmp_path):
     assert len(printed) == 1 and len(printed[0].splitlines()) == 1, results
     assert re.search(r"^generate\.py: error: cannot read checkpoint shard .*mp_rank_00_000/"
                      r"model_optim_rng\.pt: record .* fails its CRC-32 check", printed[0]), printed
+
+
+def _resume(argv):
+    import pretrain_llama
+
+    return pretrain_llama.main(argv)["iteration"]
+
+
+@pytest.mark.slow
+def test_following_the_layout_line_resumes(runs):
+    """The converter command of the TP=1 x PP=2 line, run as printed, then the resume it names:
+    training goes on from iteration 3 at the new layout."""
+    import shlex
+
+    from tools.checkpoint.convert import main as convert
+
+    out, root = runs
+    _, line = _the_line(out["two"], "tp1pp2")
+    command = re.search(r"re-cut it with python (tools/checkpoint/convert\.py .*?), then resume "
+                        r"with (.*?); save with", line)
+    argv = shlex.split(command.group(1))[1:]
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(argv)
+    data, cache = str(root / "text_document"), str(root / "cache")
+    resume = shlex.split(command.group(2))
+    # training on to 4 iterations: the schedule grows with it (docs/troubleshooting.md)
+    iterations = run_distributed(2, _resume, tiny_argv(data, cache, 4, *PP2, *resume,
+                                                       "--override-opt_param-scheduler"),
+                                 timeout=600)
+    assert iterations[0] == [3, 4], iterations

@@ -150,7 +150,8 @@ def command(argv=None) -> int:
     from megatron.usage_error import UsageError, run_command
 
     return run_command("convert.py", lambda a: print(f"saved {main(a)}"), argv,
-                       usage_errors=(UsageError, ValueError, FileNotFoundError, CheckpointError))
+                       usage_errors=(UsageError, ValueError, FileNotFoundError, FileExistsError,
+                                     CheckpointError))
 
 
 if __name__ == "__main__":

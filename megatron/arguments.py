@@ -155,7 +155,8 @@ def load_args_from_checkpoint(args) -> list[str]:
         saved = read_saved_args(shards[0])
     changed = []
     for name in CHECKPOINT_MODEL_ARGS:
-        if name in TOKENIZER_ARGS or (name == "seq_length" and args.seq_length is not None):
+        if name in TOKENIZER_ARGS or (name == "seq_length"
+                                      and getattr(args, "seq_length", None) is not None):
             continue  # the run's own choice (Megatron-LM sets seq_length only when not given)
         if name in saved and hasattr(args, name) and name not in layout:
             setattr(args, name, saved[name])

@@ -352,8 +352,8 @@ def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, confi
         return torch_dist.load_checkpoint(folder, model_chunks, optimizer, opt_param_scheduler,
                                           config, torch_dist.Layout.of(pg_collection, optimizer),
                                           group, run_flags=run_flags, explain=explain)
-    except torch_dist.CheckpointMismatchError:
-        raise  # the flags' to fix: another checkpoint of this run would not fit either
+    except (torch_dist.CheckpointMismatchError, UsageError):
+        raise  # the flags' to fix (no other checkpoint would fit either), or agreed and said
     except CheckpointError as exc:  # raised by every rank alike (DCP's read gathers failures)
         raise CheckpointError(explain(str(exc))) from None
     finally:

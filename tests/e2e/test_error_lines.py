@@ -222,6 +222,16 @@ def test_the_tools_say_a_damaged_checkpoint_in_one_line(runs, tmp_path):
     assert len(printed) == 1 and len(printed[0].splitlines()) == 1, results
     assert re.search(r"^generate\.py: error: cannot read checkpoint shard .*mp_rank_00_000/"
                      r"model_optim_rng\.pt: record .* fails its CRC-32 check", printed[0]), printed
+    # and at another layout than the checkpoint's (one process for PP=2): its own line
+    pp2 = str(root / "pp2")
+    (status, error), = run_distributed(1, _generate, ["--load", pp2, "--prompt", "1"])
+    assert status == 2 and error == (
+        f"generate.py: error: the checkpoint in --load {pp2} is cut for tensor-parallel size 1 "
+        "x pipeline-parallel size 2 and needs 2 processes (or a multiple); this run has 1. Launch "
+        f"it with torchrun: torchrun --nproc-per-node 2 tools/generate.py --load {pp2} ..., "
+        "or reshard it for one process first: python tools/checkpoint/convert.py --loader "
+        f"megatron --saver megatron --load-dir {pp2} --save-dir {pp2}_tp1pp1 "
+        "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1\n"), error
 
 
 def _resume(argv):

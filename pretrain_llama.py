@@ -80,10 +80,30 @@ def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_a
     return attention_mask, loss_mask, position_ids
 
 
+def tokenizer_flags(data) -> str:
+    """The run's tokenizer flags as typed (``data``: the parsed flags or the run's
+    :class:`~megatron.config.DataConfig`), for messages."""
+    return (f"--tokenizer-type {data.tokenizer_type}"
+            + (f" --vocab-size {data.vocab_size}" if data.vocab_size else "")
+            + (f" --tokenizer-model {data.tokenizer_model}" if data.tokenizer_model else "")
+            + (f" --tokenizer-name-or-path {data.tokenizer_name_or_path}"
+               if getattr(data, "tokenizer_name_or_path", None) else ""))
+
+
+def data_flags(data) -> str:
+    """Every data flag of the run with its paths (``--data-path (a b)``, or ``--train-data-path
+    (a) or --valid-data-path (b)``), for messages about a batch of unknown origin."""
+    given = [(flag, getattr(data, flag[2:].replace("-", "_"), None))
+             for flag in ("--data-path", "--train-data-path", "--valid-data-path",
+                          "--test-data-path")]
+    return " or ".join(f"{flag} ({' '.join(map(str, paths))})" for flag, paths in given if paths)
+
+
 def check_token_ids(tokens: torch.Tensor, vocab_size: int, data) -> None:
     """Refuse token ids outside ``[0, vocab_size)`` in a batch as it is read (the embedding would
     index out of range, or silently train padded rows). Costs one min/max per micro-batch on the
-    CPU copy, never a scan of the whole ``.bin``.
+    CPU copy; whole ``.bin`` files up to 256 MiB were checked at start
+    (:mod:`megatron.data.token_range`), which names the file.
 
     Args:
         data: the run's :class:`~megatron.config.DataConfig` (named in the message).
@@ -95,15 +115,10 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, data) -> None:
     if low >= 0 and high < vocab_size:
         return
     bad = high if high >= vocab_size else low
-    paths = data.data_path or data.train_data_path or data.valid_data_path
-    paths = " ".join(map(str, paths)) if isinstance(paths, (list, tuple)) else paths
     raise ValueError(
-        f"token id {bad} in a batch read from --data-path {paths} is outside the vocabulary "
-        f"[0, {vocab_size}) of --tokenizer-type {data.tokenizer_type}"
-        + (f" --vocab-size {data.vocab_size}" if data.vocab_size else "")
-        + (f" --tokenizer-model {data.tokenizer_model}" if data.tokenizer_model else "")
-        + ": the data was tokenized with another tokenizer; pass that tokenizer's flags, or "
-          "re-run tools/preprocess_data.py with this one")
+        f"token id {bad} in a batch read from {data_flags(data)} is outside the vocabulary "
+        f"[0, {vocab_size}) of {tokenizer_flags(data)}: the data was tokenized with another "
+        "tokenizer; pass that tokenizer's flags, or re-run tools/preprocess_data.py with this one")
 
 
 def get_batch(data_iterator, data, eod, device, vocab_size=None, cp=None):
@@ -204,6 +219,7 @@ def configure(argv=None):
     """
     from megatron.checkpoint_io import CheckpointError
     from megatron.config import build_config
+    from megatron.data.token_range import check_token_ranges
     from megatron.tokenizer import build_tokenizer
 
     args = arguments.parse_args(argv)
@@ -214,6 +230,10 @@ def configure(argv=None):
                       else int(os.environ.get("WORLD_SIZE", "1")))
         arguments.validate_args(args, world_size)
         tokenizer = build_tokenizer(args)
+        check_token_ranges(tokenizer.vocab_size, tokenizer_flags(args), data_path=args.data_path,
+                           split=args.split, train_data_path=args.train_data_path,
+                           valid_data_path=args.valid_data_path,
+                           test_data_path=args.test_data_path)
     except UsageError:
         raise
     except (ValueError, FileNotFoundError, CheckpointError) as exc:  # the flags' files

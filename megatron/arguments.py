@@ -122,7 +122,9 @@ CHECKPOINT_MODEL_ARGS = (
 
 def load_args_from_checkpoint(args) -> list[str]:
     """``--use-checkpoint-args``: set the model-shape arguments from the checkpoint at
-    ``args.load`` (before validation, so no process group is needed).
+    ``args.load`` (before validation, so no process group is needed), ``--seq-length`` when
+    the run gives none, and the checkpoint's tokenizer when the run names none
+    (:func:`_tokenizer_from_checkpoint`).
 
     Returns:
         the names of the arguments that were set.
@@ -154,8 +156,43 @@ def load_args_from_checkpoint(args) -> list[str]:
         saved = read_saved_args(shards[0])
     changed = []
     for name in CHECKPOINT_MODEL_ARGS:
+        if name in TOKENIZER_ARGS or (name == "seq_length"
+                                      and getattr(args, "seq_length", None) is not None):
+            continue  # the run's own choice (Megatron-LM sets seq_length only when not given)
         if name in saved and hasattr(args, name) and name not in layout:
             setattr(args, name, saved[name])
+            changed.append(name)
+    return changed + _tokenizer_from_checkpoint(args, saved)
+
+
+# The tokenizer flags --use-checkpoint-args takes from a checkpoint when the run gives none.
+TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "tokenizer_name_or_path", "vocab_file",
+                  "merge_file", "vocab_size")
+
+
+def _tokenizer_from_checkpoint(args, saved: dict) -> list[str]:
+    """The checkpoint's tokenizer, unless the run names one: a tokenizer flag given on the
+    command line is never overridden (not even by another flag of the checkpoint's tokenizer),
+    as Megatron-LM's ``_set_arg`` leaves given values alone. A HuggingFace tokenizer recorded as
+    ``tokenizer_model`` (the converter's and Megatron-LLaMA's way) becomes
+    ``--tokenizer-name-or-path``. Returns the names set."""
+    if any(getattr(args, name, None) is not None for name in TOKENIZER_ARGS):
+        return []
+    values = {name: saved.get(name) for name in TOKENIZER_ARGS}
+    from megatron.tokenizer.tokenizer import TOKENIZER_TYPES
+
+    if values["tokenizer_type"] not in TOKENIZER_TYPES:
+        return []
+    if values["tokenizer_type"] in ("HuggingFaceTokenizer", "PretrainedFromHF"):
+        values["tokenizer_name_or_path"] = (values["tokenizer_name_or_path"]
+                                            or values["tokenizer_model"])
+        values["tokenizer_model"] = None
+    if values["tokenizer_type"] != "NullTokenizer":
+        values["vocab_size"] = None  # the tokenizer's own; --vocab-size is NullTokenizer's
+    changed = []
+    for name, value in values.items():
+        if value is not None:
+            setattr(args, name, value)
             changed.append(name)
     return changed
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import save_folder
-from megatron.checkpoint_io import CheckpointError
+from megatron.checkpoint_io import CheckpointError, CheckpointUsageError, save_to_file
 from megatron.core.optimizer.lr_scheduler import ScheduleMismatchError
 from megatron.usage_error import UsageError
 
@@ -37,10 +37,16 @@ def read_metadata(tracker_filename: str) -> tuple[int, bool]:
     """Parse the tracker file: ``(iteration, release)``.
 
     Raises:
-        CheckpointError: if the file holds neither an integer nor ``release``.
+        CheckpointError: if the file holds neither an integer nor ``release`` (bytes that are
+            not text included), naming the file.
     """
-    with open(tracker_filename, encoding="utf-8") as f:
-        text = f.read().strip()
+    with open(tracker_filename, "rb") as f:
+        raw = f.read(4096)
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker_filename} must hold an iteration number or 'release', "
+                              f"found bytes that are not text ({raw[:16]!r}...)") from None
     if text == "release":
         return 0, True
     try:
@@ -95,12 +101,25 @@ def load_scheduler_state(scheduler, state: dict, load_dir: str) -> None:
 
 
 def write_atomic(obj, path: str) -> None:
-    """``torch.save`` to ``path.tmp``, flushed and fsynced, then renamed over ``path``."""
+    """``torch.save`` to ``path.tmp``, flushed and fsynced, then renamed over ``path``.
+
+    Raises:
+        OSError: a write failed (a full disk, a file-size limit: ``[Errno 28] No space left on
+            device: 'PATH'``, :func:`megatron.checkpoint_io.save_to_file`); ``path.tmp`` is
+            removed.
+    """
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            save_to_file(obj, f, path)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        try:  # the partial file holds space the user is about to free
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     os.replace(tmp, path)
 
 
@@ -109,6 +128,28 @@ def all_ranks_ok(ok: bool, device) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def agree_on_load_error(error, device, what: str) -> None:
+    """Collective over the world after each rank tried its part of a checkpoint load: a
+    :class:`CheckpointError` (a missing, damaged, refused or misfitting file; a layout or model
+    that does not fit) or :class:`UsageError` on any rank becomes the one agreed usage line
+    (:func:`megatron.usage_error.agree_on_usage_error`: the lowest rank that found one prints,
+    every rank raises); any other error on any rank stops every rank (this rank's own error, a
+    crash with its traceback, or a :class:`CheckpointError` naming ``what``).
+
+    Args:
+        error: this rank's exception, or None.
+        what: the checkpoint, for the other ranks' message (its folder).
+    """
+    from megatron.usage_error import agree_on_usage_error
+
+    usage = error if isinstance(error, UsageError) else (
+        CheckpointUsageError(str(error)) if isinstance(error, CheckpointError) else None)
+    agree_on_usage_error(usage, device, kind=CheckpointUsageError)
+    if not all_ranks_ok(error is None, device):
+        raise error or CheckpointError(f"loading the checkpoint {what} failed on another rank "
+                                       "(see its error)")
 
 
 def prepare_staging(save_dir: str, staging: str) -> None:

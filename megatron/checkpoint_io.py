@@ -27,20 +27,67 @@ import os
 import pickle
 import re
 import struct
+import warnings
 import zipfile
 import zlib
 
 import torch
+
+from megatron.usage_error import UsageError
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial, corrupt or does not fit the model."""
 
 
+class CheckpointUsageError(UsageError, CheckpointError):
+    """A :class:`CheckpointError` met while loading, as the user gets it: a usage error (one line,
+    printed once for the job, status 2; :mod:`megatron.usage_error`) that callers catching
+    ``CheckpointError`` still catch."""
+
+
 class UnreadableFileError(CheckpointError):
     """A file cannot be used as saved: missing, truncated, damaged (CRC mismatch) or refused
     (it pickles objects other than tensors and plain data). The caller may name an older,
     complete checkpoint to fall back on."""
+
+
+class _WriteErrorRecorder:
+    """A file object's proxy keeping the ``OSError`` of a failed write (everything else passes
+    through)."""
+
+    def __init__(self, file):
+        self._file, self.error = file, None
+
+    def write(self, data):
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+def save_to_file(obj, file, path: str, save=None) -> None:
+    """``torch.save(obj, file)`` (or ``save(obj, proxy)``) into the open binary ``file`` of
+    ``path``, a failed write raised as the ``OSError`` it was.
+
+    ``torch.save`` reports a Python file object's failed write (a full disk, a file-size limit)
+    as ``RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos ...``, which
+    names neither the file nor the cause.
+
+    Raises:
+        OSError: the write's errno and reason, with ``path`` as the filename.
+    """
+    recorder = _WriteErrorRecorder(file)
+    try:
+        (save or torch.save)(obj, recorder)
+    except RuntimeError:
+        if recorder.error is None:
+            raise
+        raise OSError(recorder.error.errno, recorder.error.strerror, path) from None
 
 
 _LOCAL_HEADER = b"PK\x03\x04"
@@ -219,7 +266,10 @@ def load_torch_file(path: str, *, what: str = "file", mmap: bool = False, extra_
     if verify and is_zip:
         verify_checksums(path, what)
     try:
-        with torch.serialization.safe_globals(list(extra_globals)):
+        with torch.serialization.safe_globals(list(extra_globals)), warnings.catch_warnings():
+            # A bare pickle (not torch.save's) makes torch warn about its protocol before the
+            # refusal below says what the file is: one line for the user, not two.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and is_zip)
     except pickle.UnpicklingError as exc:
         allowed = {_global_name(g) for g in extra_globals}

@@ -41,17 +41,19 @@ import shutil
 import torch.distributed as dist
 
 from megatron import checkpointing_torch_dist as torch_dist
-from megatron.checkpoint_folder import (TRACKER_FILENAME, all_ranks_ok, complete_checkpoints,
+from megatron.checkpoint_folder import (TRACKER_FILENAME, agree_on_load_error, all_ranks_ok,
+                                        complete_checkpoints,
                                         get_checkpoint_dir, get_checkpoint_tracker_filename,
                                         load_scheduler_state, prepare_staging, publish,
                                         read_metadata, write_atomic)
-from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
+from megatron.checkpoint_io import (CheckpointError, CheckpointUsageError, UnreadableFileError,
+                                    load_torch_file)
 from megatron.config.saved_args import check_resume_precision, plain
 from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.process_groups import layout_groups
 from megatron.model import unwrap_model
 from megatron.rng_state import get_rng_state, set_rng_state
-from megatron.usage_error import UsageError, agree_on_usage_error
+from megatron.usage_error import UsageError
 
 CHECKPOINT_VERSION = 3.0
 
@@ -282,6 +284,25 @@ def check_state_dict_shapes(model_state: dict, ckpt_state: dict, path: str) -> N
 
 def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_collection, *,
                     run_flags: dict, group=None) -> dict:
+    """:func:`_load_checkpoint`, every :class:`CheckpointError` a usage error: one line by the
+    lowest rank that found it (agreed where only some ranks find it, else found by every rank
+    alike: rank 0 prints), status 2 on every rank (:mod:`megatron.usage_error`).
+
+    Raises:
+        UsageError: the checkpoint cannot be loaded as asked (missing, damaged, refused, saved at
+            another layout, a model that does not fit, a resume the flags do not allow).
+    """
+    try:
+        return _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config,
+                                pg_collection, run_flags=run_flags, group=group)
+    except UsageError:
+        raise
+    except CheckpointError as exc:  # raised on every rank alike (the others were agreed on)
+        raise CheckpointUsageError(str(exc)) from None
+
+
+def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_collection, *,
+                     run_flags: dict, group=None) -> dict:
     """Load ``config.load`` into the model (and optimizer, scheduler, RNG unless told otherwise),
     whichever format it has: legacy (at the layout it was saved with) or ``torch_dist`` (at any
     layout; :mod:`megatron.checkpointing_torch_dist`, over the checkpoints' gloo ``group``, made
@@ -328,6 +349,8 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
                                 pg_collection, group, run_flags)
     path = checkpoint_name_of(load_dir, iteration, pg_collection, release)
     device = next(unwrap_model(model_chunks[0]).parameters()).device
+    for chunk in model_chunks:  # ZeRO-3: gather the sharded parameters (every rank, before any
+        as_model_chunk(chunk).finish_param_sync()  # can fail); loading reshards them
     error = None
     try:
         result = _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
@@ -337,14 +360,9 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
             load_dir, get_checkpoint_dir(load_dir, iteration, release)))
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = exc
-    # Every rank learns of a failure on any rank, instead of waiting for it in the next collective;
-    # a usage error (a resume the flags do not allow) is said once, by the lowest rank that found it.
-    agree_on_usage_error(error if isinstance(error, UsageError) else None, device)
-    if not all_ranks_ok(error is None, device):
-        raise error or CheckpointError(
-            f"loading the checkpoint {get_checkpoint_dir(load_dir, iteration, release)} failed on "
-            f"another rank (see its error)."
-            f"{last_complete_hint(load_dir, os.path.dirname(os.path.dirname(path)))}")
+    # Every rank learns of a failure on any rank, instead of waiting for it in the next
+    # collective; a checkpoint the run cannot use is said once, by the lowest rank that found it.
+    agree_on_load_error(error, device, get_checkpoint_dir(load_dir, iteration, release))
     if dist.get_rank() == 0:
         print(f" loaded checkpoint from {load_dir} at iteration "
               f"{'release' if release else iteration}", flush=True)
@@ -353,18 +371,20 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_col
 
 def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config, pg_collection,
                      group, run_flags=None) -> dict:
+    def explain(message: str) -> str:
+        return message.rstrip(".") + "." + last_complete_hint(config.load, folder)
+
     made = group is None
     if made:
         group = torch_dist.checkpoint_group()
     try:
         return torch_dist.load_checkpoint(folder, model_chunks, optimizer, opt_param_scheduler,
                                           config, torch_dist.Layout.of(pg_collection, optimizer),
-                                          group, run_flags=run_flags)
-    except torch_dist.CheckpointMismatchError:
-        raise  # the flags' to fix: another checkpoint of this run would not fit either
-    except CheckpointError as exc:
-        raise CheckpointError(str(exc).rstrip(".") + "."
-                              + last_complete_hint(config.load, folder)) from None
+                                          group, run_flags=run_flags, explain=explain)
+    except (torch_dist.CheckpointMismatchError, UsageError):
+        raise  # the flags' to fix (no other checkpoint would fit either), or agreed and said
+    except CheckpointError as exc:  # raised by every rank alike (DCP's read gathers failures)
+        raise CheckpointError(explain(str(exc))) from None
     finally:
         if made:
             dist.destroy_process_group(group)
@@ -375,12 +395,16 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
     the per-DP-rank shards at this run's DP size or takes a plain optimizer's state whole; the
     plain optimizer takes a distributed optimizer's shards reassembled."""
     distributed = optimizer.kind == "distributed"
-    if saved.get("distributed_optimizer") and not distributed:
-        from megatron.core.optimizer.distrib_optimizer_checkpoint import shards_to_plain
-        saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
-    optimizer.load_state_dict(saved)
-    if distributed:
-        optimizer.load_parameter_state(shard_paths if saved.get("distributed_optimizer") else [])
+    try:
+        if saved.get("distributed_optimizer") and not distributed:
+            from megatron.core.optimizer.distrib_optimizer_checkpoint import shards_to_plain
+            saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
+        optimizer.load_state_dict(saved)
+        if distributed:
+            optimizer.load_parameter_state(shard_paths if saved.get("distributed_optimizer")
+                                           else [])
+    except ValueError as exc:  # shards missing or not covering this run's parameters
+        raise CheckpointError(str(exc)) from None
 
 
 def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
@@ -397,11 +421,61 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
         state = foreign_checkpoints.state_for_load(probe, path, run, pg_collection.tp.size,
                                                    pg_collection.pp.size)
     if state is None:
+        folder = os.path.dirname(os.path.dirname(path))
+        check_saved_layout(folder, config.load, pg_collection.tp.size, pg_collection.pp.size,
+                           weights_only=config.finetune or os.path.basename(folder) == "release")
         return _torch_load(path)
     if dist.get_rank() == 0:
         for note in state["notes"]:
             print(f" {note}", flush=True)
     return state
+
+
+def saved_layout(folder: str) -> tuple[int, int] | None:
+    """``(TP, PP)`` of the legacy checkpoint ``folder`` from its shard folders' names
+    (``mp_rank_TT`` or ``mp_rank_TT_PPP``), or None when it holds none."""
+    import re
+
+    tp = pp = 0
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        match = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)
+        if match and os.path.isdir(os.path.join(folder, name)):
+            tp = max(tp, int(match.group(1)) + 1)
+            pp = max(pp, int(match.group(2) or 0) + 1)
+    return (tp, pp) if tp else None
+
+
+def layout_fix(load_dir: str, tp: int, pp: int, weights_only: bool = False) -> str:
+    """How to load the legacy checkpoint at ``load_dir`` at TP x PP: the converter command
+    (for a resume with the optimizer state, iteration and schedule carried; for
+    ``weights_only``, a release of the weights) and the format that reshards itself."""
+    out = f"{load_dir.rstrip('/')}_tp{tp}pp{pp}"
+    then = ("then --load {out} --finetune" if weights_only else
+            " --include-optimizer, then resume with --load {out} --no-load-rng").format(out=out)
+    return (f"re-cut it with python tools/checkpoint/convert.py --loader megatron --saver megatron "
+            f"--load-dir {load_dir} --save-dir {out} --target-tensor-parallel-size {tp} "
+            f"--target-pipeline-parallel-size {pp}{', ' if weights_only else ''}{then}; save "
+            "with --ckpt-format torch_dist to resume at any layout later (it reshards when loaded)")
+
+
+def check_saved_layout(folder: str, load_dir: str, tp: int, pp: int,
+                       weights_only: bool = False) -> None:
+    """Refuse to load the legacy (``--ckpt-format torch``) checkpoint ``folder`` at a
+    tensor/pipeline-parallel layout other than the one it was saved at (its shards are cut for
+    that layout; every rank finds this alike, from the folder's listing).
+
+    Raises:
+        CheckpointError: naming both layouts and the fix (:func:`layout_fix`).
+    """
+    saved = saved_layout(folder)
+    if saved is None or saved == (tp, pp):
+        return
+    raise CheckpointError(
+        f"--load {load_dir}: the checkpoint {folder} was saved with --ckpt-format torch at "
+        f"--tensor-model-parallel-size {saved[0]} --pipeline-model-parallel-size {saved[1]}, but "
+        f"this run has --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}, and "
+        f"a torch checkpoint loads only at its own layout: run at TP={saved[0]} x PP={saved[1]}, "
+        f"or {layout_fix(load_dir, tp, pp, weights_only)}")
 
 
 def read_saved_args(path: str) -> dict:
@@ -435,8 +509,6 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "with the virtual pipeline flags it was saved with, or re-cut it with "
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
-        # ZeRO-3: gather the sharded parameters (every rank loads); loading reshards them.
-        as_model_chunk(chunk).finish_param_sync()
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 

@@ -530,7 +530,7 @@ def _vocabulary_notes(boxes, shapes: dict, common: dict, folder: str) -> list:
 
 
 def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, layout: Layout,
-                    group, run_flags: Optional[dict] = None) -> dict:
+                    group, run_flags: Optional[dict] = None, explain=None) -> dict:
     """Load the torch_dist checkpoint ``folder`` at this run's layout. Collective over the world.
 
     ``--finetune`` loads the weights only (iteration 0); ``--no-load-optim`` / ``--no-load-rng``
@@ -543,6 +543,8 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
     Args:
         run_flags: this run's plain flags; with them an optimizer state saved in another
             precision is refused (:func:`megatron.config.saved_args.check_resume_precision`).
+        explain: ``str -> str``, the message of a damaged or missing file with what to fall back
+            on (not for a :class:`CheckpointMismatchError`, which is the flags' to fix).
 
     Raises:
         CheckpointError: on every rank, naming the file or tensor, if any rank cannot load.
@@ -559,10 +561,10 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
         prepared = _prepare(folder, model_chunks, optimizer, layout, with_optimizer)
     except (CheckpointError, dcp.CheckpointFormatError, ValueError) as exc:
         error = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
-    # Before DCP's collectives, so that no rank waits in them for one that failed.
-    if not checkpoint_folder.all_ranks_ok(error is None, device):
-        raise error or CheckpointError(
-            f"loading the checkpoint {folder} failed on another rank (see its error)")
+    if explain is not None and error is not None and not isinstance(error, CheckpointMismatchError):
+        error = CheckpointError(explain(str(error)))
+    # Before DCP's collectives, so that no rank waits in them for one that failed; said once.
+    checkpoint_folder.agree_on_load_error(error, device, folder)
     common, metadata, boxes, finish, notes = prepared
     # Every rank finds these alike; agreed (one rank prints, a barrier, then all leave) so that
     # torchrun does not stop rank 0 before its line is out when another rank exits first.

@@ -69,17 +69,21 @@ def prints_here(error: UsageError, rank: Optional[int] = None) -> bool:
     return rank == (0 if error.reporter is None else error.reporter)
 
 
-def agree_on_usage_error(error: Optional[UsageError], device, group=None) -> None:
+def agree_on_usage_error(error: Optional[UsageError], device, group=None,
+                         kind: type = UsageError) -> None:
     """Collective over ``group`` (the world when None): when any rank passes an error, every rank
     raises. One all-reduce (MIN) of an int64 elects the lowest rank with an error as the reporter.
 
     Args:
         error: this rank's usage error, or None.
         device: where the collective's tensor lives (the backend's device).
+        kind: the class of the errors raised (a subclass of :class:`UsageError` taking the same
+            arguments, e.g. one that is also a ``CheckpointError``, so callers that catch that
+            class keep working).
 
     Raises:
-        UsageError: on the reporter, its own error (``reporter`` set to its rank); on every other
-            rank a silent one naming the reporter.
+        UsageError: (of class ``kind``) on the reporter, its own error (``reporter`` set to its
+            rank); on every other rank a silent one naming the reporter.
     """
     import torch
     import torch.distributed as dist
@@ -93,14 +97,14 @@ def agree_on_usage_error(error: Optional[UsageError], device, group=None) -> Non
         return
     global_reporter = dist.get_global_rank(group, reporter) if group is not None else reporter
     if error is not None and rank == reporter:
-        agreed = UsageError(str(error), reporter=global_reporter)
+        agreed = kind(str(error), reporter=global_reporter)
         if _COMMAND:
             # Said now, before the others leave: torchrun stops the remaining workers as soon as
             # one has exited, which could be before this rank has unwound to run_command.
             _say(_COMMAND, agreed)
     else:
-        agreed = UsageError(f"rank {global_reporter} found a usage error (see its line)",
-                            reporter=global_reporter, silent=True)
+        agreed = kind(f"rank {global_reporter} found a usage error (see its line)",
+                      reporter=global_reporter, silent=True)
     dist.barrier(group=group)  # every rank is here: the line is out before any rank exits
     raise agreed from error
 
@@ -123,7 +127,8 @@ def run_command(prog: str, main: Callable, argv=None,
         prog: the command's name as users type it (``pretrain_llama.py``).
         main: the command's function of ``argv``.
         usage_errors: the exception classes that are the user's to fix (a tool adds the errors of
-            its inputs, e.g. a malformed dataset).
+            its inputs, e.g. a malformed dataset); one that is not a :class:`UsageError` is taken
+            as found by every rank alike (rank 0 prints it).
 
     Returns:
         0 after ``main`` returned, 2 after a usage error.
@@ -133,7 +138,10 @@ def run_command(prog: str, main: Callable, argv=None,
     try:
         main(argv)
     except usage_errors as exc:
-        if not isinstance(exc, UsageError) or prints_here(exc):
+        # Another class of ``usage_errors`` is one every rank finds alike (the flags, the files
+        # they name, read before any collective): rank 0 says it, as for a UsageError of no
+        # reporter. A load's errors found by some ranks only arrive agreed, as UsageErrors.
+        if prints_here(exc if isinstance(exc, UsageError) else UsageError(str(exc))):
             _say(prog, exc)
         return USAGE_EXIT_STATUS
     finally:

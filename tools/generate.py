@@ -79,7 +79,7 @@ def layout_error(saved: dict, load: str, world_size: int):
     pp = saved.get("pipeline_model_parallel_size", 1) or 1
     if world_size % (tp * pp) == 0:
         return None
-    return (f"tools/generate.py: error: the checkpoint in --load {load} is cut for tensor-parallel "
+    return (f"the checkpoint in --load {load} is cut for tensor-parallel "
             f"size {tp} x pipeline-parallel size {pp} and needs {tp * pp} processes (or a "
             f"multiple); this run has {world_size}. Launch it with torchrun: torchrun "
             f"--nproc-per-node {tp * pp} tools/generate.py --load {load} ..., or reshard it for "
@@ -101,9 +101,9 @@ def main(argv=None) -> list:
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     error = layout_error(saved, args.load, world)
-    if error:
-        print(error, file=sys.stderr, flush=True)
-        raise SystemExit(2)
+    if error:  # found by every rank alike: rank 0 says it, every rank exits 2
+        from megatron.usage_error import UsageError
+        raise UsageError(error)
     tokenizer = tokenizer_of(args, saved)
     device = select_device(args.distributed_backend)
     created = initialize_distributed(args.distributed_backend)

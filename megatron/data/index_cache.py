@@ -32,6 +32,7 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 
 logger = logging.getLogger(__name__)
+_WARNED: set = set()  # cache folders whose failed write was reported (once per process)
 
 
 def describe(fields: dict) -> str:
@@ -89,13 +90,29 @@ class IndexCache:
             logger.warning("%s: unreadable cached index (%s); rebuilding", self.cache_dir, err)
             return None
 
-    def save(self, arrays: Dict[str, np.ndarray]) -> None:
+    def save(self, arrays: Dict[str, np.ndarray]) -> bool:
         """Write the set atomically; the description goes last and marks it complete.
 
-        Raises:
-            OSError: the folder cannot be created or written; the message names it and the
-                ``--data-cache-path`` flag that moves the cache elsewhere.
+        A cache that cannot be written (a full disk, a read-only folder) never stops the run: the
+        arrays were built in memory and are used from there; one warning per folder and process
+        names it and the ``--data-cache-path`` flag, and the next run builds them again.
+
+        Returns:
+            True when the set was written.
         """
+        try:
+            self._save(arrays)
+            return True
+        except OSError as err:
+            if self.cache_dir not in _WARNED:
+                _WARNED.add(self.cache_dir)
+                logger.warning("cannot write the dataset index cache in %s (%s); the indices are "
+                               "used from memory and built again by the next run: pass "
+                               "--data-cache-path with a writable folder with free space",
+                               self.cache_dir, err)
+            return False
+
+    def _save(self, arrays: Dict[str, np.ndarray]) -> None:
         try:
             os.makedirs(self.cache_dir, exist_ok=True)
             for name in self.names:

@@ -188,9 +188,46 @@ class MMapIndexedDataset:
         self._bin_size = os.path.getsize(bin_path)
         self.num_tokens = _check_layout(bin_path, idx_path, self._bin_size, self.sizes, self.pointers,
                                         self.dtype)
+        self._bin_inode = os.stat(bin_path).st_ino
         # np.memmap refuses empty files; an empty dataset needs no map.
         self._bin = (np.memmap(bin_path, dtype=np.uint8, mode="r") if self._bin_size
                      else np.zeros(0, dtype=np.uint8))
+
+    def check_not_truncated(self, end: int) -> None:
+        """Refuse to read up to byte ``end`` of the ``.bin`` when the file no longer reaches it
+        (truncated in place while this job runs: touching the mapped pages past its new end
+        would kill the process with SIGBUS). One ``stat``; a file removed or replaced by another
+        one (a new inode) leaves the mapped old one intact and is not refused.
+
+        Raises:
+            IndexedDatasetError: naming the file, its size now and the size the index needs.
+        """
+        path = data_file_path(self.path_prefix)
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:  # removed: the mapped inode lives on until unmapped
+            return
+        if now.st_ino == self._bin_inode and now.st_size < end:
+            raise IndexedDatasetError(
+                f"{path}: truncated while this job runs: {now.st_size} bytes now, {self._bin_size} "
+                f"when opened, and {index_file_path(self.path_prefix)} needs {end}; restore the "
+                "file (or re-run tools/preprocess_data.py) and resume from the last checkpoint")
+
+    def token_range(self, limit_bytes: int) -> Optional[tuple]:
+        """``(lowest, highest)`` token id of the whole ``.bin``, read in blocks of 16 MiB, or
+        None when the file is larger than ``limit_bytes`` (too long to read at start) or
+        empty."""
+        if not self._bin_size or self._bin_size > limit_bytes:
+            return None
+        tokens = np.frombuffer(self._bin, dtype=self.dtype)
+        block = (16 << 20) // self.dtype.itemsize
+        low, high = None, None
+        for start in range(0, len(tokens), block):
+            part = tokens[start:start + block]
+            lo, hi = int(part.min()), int(part.max())
+            low = lo if low is None else min(low, lo)
+            high = hi if high is None else max(high, hi)
+        return low, high
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -206,6 +243,8 @@ class MMapIndexedDataset:
 
         Raises:
             IndexError: ``idx`` or the token range lies outside the dataset.
+            IndexedDatasetError: the ``.bin`` was truncated since it was opened
+                (:meth:`check_not_truncated`).
         """
         n = len(self)
         idx = int(idx)
@@ -220,6 +259,8 @@ class MMapIndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {idx} "
                              f"of {size} tokens in {self.path_prefix}")
         start = int(self.pointers[idx]) + offset * self.dtype.itemsize
+        if length:
+            self.check_not_truncated(start + length * self.dtype.itemsize)
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start) if length \
             else np.zeros(0, dtype=self.dtype)
 

@@ -59,7 +59,8 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         True if this call created the process group (the caller then destroys it).
 
     Raises:
-        ValueError: for an unknown backend, nccl without CUDA, or two ranks on one GPU.
+        ValueError: for an unknown backend, nccl without CUDA (a ``UsageError``), or two ranks
+            on one GPU.
         RuntimeError: ``MASTER_PORT`` is taken by another process (names it).
     """
     if dist.is_initialized():
@@ -69,8 +70,9 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"--distributed-backend {backend!r} is not supported; use nccl or gloo")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("--distributed-backend nccl needs CUDA, which this machine does not have; "
-                         "use --distributed-backend gloo")
+        from megatron.usage_error import UsageError  # every rank finds it alike: one line, exit 2
+        raise UsageError("--distributed-backend nccl needs CUDA, which this machine does not "
+                         "have; use --distributed-backend gloo")
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = timedelta(minutes=timeout_minutes)

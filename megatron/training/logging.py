@@ -221,20 +221,39 @@ class TensorBoardLogger:
     ``vs samples`` copies)."""
 
     def __init__(self, log_dir: str | None, queue_size: int = 1000, wandb_writer=None):
-        self.writer = None
+        self.writer, self.log_dir = None, log_dir
         self.wandb = wandb_writer
         if log_dir and is_last_rank():
             from torch.utils.tensorboard import SummaryWriter
 
-            os.makedirs(log_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
+            try:
+                os.makedirs(log_dir, exist_ok=True)
+                self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
+            except OSError as exc:
+                self._drop(exc)
+
+    def _drop(self, exc: BaseException) -> None:
+        """A full disk (or any failed write) under ``--tensorboard-dir`` never stops training:
+        one warning, and the events are dropped from here on."""
+        print(f" WARNING: --tensorboard-dir {self.log_dir}: {exc}; TensorBoard events are dropped "
+              "from here on (training goes on)", flush=True)
+        self.writer = None
+
+    def _guarded(self, call) -> None:
+        if self.writer is not None:
+            try:
+                call(self.writer)
+            except OSError as exc:  # tensorboard re-raises its writer thread's error here
+                self._drop(exc)
 
     def _write(self, scalars: dict, iteration: int, samples: int) -> None:
-        if self.writer is not None:
+        def add(writer):
             for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, iteration)
+                writer.add_scalar(tag, value, iteration)
                 if tag != "iteration-time":  # Megatron writes it against iterations only
-                    self.writer.add_scalar(f"{tag} vs samples", value, samples)
+                    writer.add_scalar(f"{tag} vs samples", value, samples)
+
+        self._guarded(add)
         if self.wandb is not None and scalars:
             self.wandb.log(scalars, iteration)
 
@@ -258,11 +277,9 @@ class TensorBoardLogger:
             scalars[f"{key} validation"] = value
             scalars[f"{key} validation ppl"] = math.exp(min(20.0, value))
         self._write(scalars, iteration, samples)
-        if self.writer is not None:
-            self.writer.flush()
+        self._guarded(lambda writer: writer.flush())
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self._guarded(lambda writer: writer.close())
         if self.wandb is not None:
             self.wandb.close()

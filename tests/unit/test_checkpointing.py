@@ -11,6 +11,7 @@ from megatron import checkpointing as ckpt
 from megatron.arguments import load_args_from_checkpoint
 from megatron.config import CheckpointConfig
 from megatron.config.saved_args import plain
+from megatron.usage_error import UsageError
 from tests.helpers.checkpoint import checkpoint_parts
 from tests.helpers.dist import run_distributed
 from tests.helpers.groups import current_groups
@@ -250,7 +251,7 @@ def _flipped_byte_load(folder, target):
     try:
         ckpt.load_checkpoint([ddp], opt, None, config, current_groups(), run_flags={})
     except ckpt.CheckpointError as exc:
-        return str(exc)
+        return str(exc), isinstance(exc, UsageError), getattr(exc, "silent", None)
     return None
 
 
@@ -260,7 +261,9 @@ def test_flipped_byte_is_named_with_the_last_complete_checkpoint(tmp_path, targe
     shard = str(tmp_path / "iter_0000002" / "mp_rank_00" / target)
     hint = (f"The last complete checkpoint is {tmp_path / 'iter_0000001'}: to resume from it, "
             f"write 1 into {tmp_path / ckpt.TRACKER_FILENAME}")
-    # both DP ranks read the damaged file (the model shard, or every optimizer shard to re-cut)
-    for message in errors:
-        assert message is not None and shard in message, errors
-        assert "fails its CRC-32 check" in message and hint in message, message
+    # both DP ranks read the damaged file (the model shard, or every optimizer shard to re-cut):
+    # the lowest, rank 0, says it for the job; rank 1 stops silently (both with a usage error)
+    (message, usage, silent), (other, other_usage, other_silent) = errors
+    assert shard in message and "fails its CRC-32 check" in message and hint in message, message
+    assert usage and not silent and other_usage and other_silent, errors
+    assert other == "rank 0 found a usage error (see its line)"

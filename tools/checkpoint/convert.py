@@ -136,6 +136,8 @@ def main(argv=None) -> str:
     if args.include_optimizer and (args.loader, args.saver) != ("megatron", "megatron"):
         parser.error("--include-optimizer needs --loader megatron --saver megatron (only our "
                      "training checkpoints hold an optimizer state we can re-split)")
+    if hasattr(saver, "check_target"):  # a --save-dir it cannot write: refused before reading
+        saver.check_target(args)
     meta, stream = loader.load_checkpoint(args)
     return saver.save_checkpoint(meta, stream, args)
 
@@ -148,7 +150,8 @@ def command(argv=None) -> int:
     from megatron.usage_error import UsageError, run_command
 
     return run_command("convert.py", lambda a: print(f"saved {main(a)}"), argv,
-                       usage_errors=(UsageError, ValueError, FileNotFoundError, CheckpointError))
+                       usage_errors=(UsageError, ValueError, FileNotFoundError, FileExistsError,
+                                     CheckpointError))
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def load_checkpoint(args):
     refuse_custom_code(folder, "--load-dir")  # the model's and its tokenizer files' configs
     with open(cfg_path, encoding="utf-8") as f:
         meta = meta_from_hf_config(json.load(f), cfg_path, getattr(args, "allow_unknown_hf_fields", False))
-    meta["tokenizer_dir"] = folder
+    meta["tokenizer_dir"] = os.path.abspath(folder)  # recorded: valid from any directory
     weights = HFWeights(folder)
     first = weights.get("model.embed_tokens.weight")
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[first.dtype]

@@ -25,7 +25,7 @@ import torch
 from megatron.checkpoint_io import load_torch_file
 from megatron.checkpointing import CHECKPOINT_VERSION, get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.tokenizer import vocab_size_with_padding
-from tools.checkpoint import optimizer_state
+from tools.checkpoint import model_flags, optimizer_state
 from tools.checkpoint.layout import DTYPES, check_layout, layer_to_partitions, pad_vocab, split
 
 
@@ -33,6 +33,28 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("megatron saver")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                        help="vocabulary padding multiple (per TP rank); default: the source's, else 128")
+
+
+def check_target(args) -> None:
+    """Refuse a ``--save-dir`` that already holds a checkpoint (its tracker file, a ``release/``
+    or an ``iter_*`` folder, stale or not), before anything is read or written: the converted
+    checkpoint could not be put in place, or would mix with the old one.
+
+    Raises:
+        FileExistsError: naming the folder and what it holds.
+    """
+    save = args.save_dir
+    if not os.path.isdir(save):
+        if os.path.exists(save):
+            raise FileExistsError(f"--save-dir {save} is a file, not a folder; choose an empty "
+                                  "folder")
+        return
+    held = sorted(n for n in os.listdir(save)
+                  if n == os.path.basename(get_checkpoint_tracker_filename(save)) or n == "release"
+                  or (n.startswith("iter_") and not n.endswith(".tmp")))
+    if held:
+        raise FileExistsError(f"--save-dir {save} already holds a checkpoint ({', '.join(held)}); "
+                              "choose an empty folder, or remove those first")
 
 
 def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divisible_by: int) -> dict:
@@ -53,6 +75,7 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "true_vocab_size": meta["true_vocab_size"],
         "tokenizer_type": meta.get("tokenizer_type") or ("PretrainedFromHF" if meta.get("tokenizer_dir") else None),
         "tokenizer_model": meta.get("tokenizer_model") or meta.get("tokenizer_dir"),
+        "tokenizer_name_or_path": meta.get("tokenizer_dir"),
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
@@ -73,13 +96,14 @@ def rope_scaling_flags(scaling) -> dict:
 
 def save_checkpoint(meta: dict, stream, args) -> str:
     """Consume the loader's stream; write ``args.save_dir/release`` (with ``--include-optimizer``:
-    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts).
+    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts),
+    then print the ``pretrain_llama.py`` flags it needs (:mod:`tools.checkpoint.model_flags`).
     Returns that folder.
 
     Raises:
         ValueError: the target layout does not divide the model, or (with the optimizer) changes
             the padded vocabulary (before anything is written).
-        FileExistsError: ``--save-dir`` already holds a checkpoint.
+        FileExistsError: ``--save-dir`` already holds a checkpoint (:func:`check_target`).
     """
     tp = args.target_tensor_parallel_size or 1
     pp = args.target_pipeline_parallel_size or 1
@@ -97,8 +121,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                          "(the padded rows are trained, so the model would change); pass "
                          "--make-vocab-size-divisible-by so that both layouts pad to the same size")
     save = args.save_dir
-    if os.path.exists(get_checkpoint_tracker_filename(save)):
-        raise FileExistsError(f"--save-dir {save} already holds a checkpoint; choose an empty folder")
+    check_target(args)
     name = "release" if optim is None else f"iter_{int(optim['iteration']):07d}"
     staging = os.path.join(save, name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -110,6 +133,17 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                                        "consumed_valid_samples", "opt_param_scheduler")}
     writer = _StageWriter(staging, tp, pp, ckpt_args, extra, optim,
                           mixed=dtype_name != "fp32")
+    try:
+        final = _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
+                       staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-written release.tmp left behind
+        raise
+    print(model_flags.describe(ckpt_args, save, final), flush=True)
+    return final
+
+
+def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging) -> str:
     per_stage = meta["num_layers"] // pp
 
     def cast(t):

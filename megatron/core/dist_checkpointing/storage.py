@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron.checkpoint_io import save_to_file
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 METADATA_FILE = ".metadata"
@@ -149,17 +150,30 @@ class _Writer(FileSystemWriter):
     1.1 B-parameter model's weights, whose q/k/v and gate/up boxes are views)."""
 
     def write_data(self, plan: SavePlan, planner) -> "torch.futures.Future":
-        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = self.fs.concat_path(self.path, name)
+        try:
+            return self._write_file(plan, planner, name, path)
+        except OSError as exc:  # a flush or fsync names no file: name it
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+    def _write_file(self, plan, planner, name, path) -> "torch.futures.Future":
+        from torch.distributed.checkpoint.filesystem import _write_item
+
         results = []
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+        with self.fs.create_stream(path, "wb") as stream:
             for item in plan.items:
                 data = planner.resolve_data(item).detach().cpu()
                 if data.untyped_storage().nbytes() != data.nbytes:
                     data = data.clone()  # torch.save writes a view's whole storage
-                results.append(_write_item(self.transforms, stream, data, item, name,
-                                           self.serialization_format))
+                # a failed write (full disk, file-size limit) as the OSError naming the file
+                save_to_file(data, stream, str(path),
+                             save=lambda d, f: results.append(_write_item(
+                                 self.transforms, f, d, item, name, self.serialization_format)))
                 del data
             if self.sync_files:
                 stream.flush()

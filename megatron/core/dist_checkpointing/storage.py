@@ -43,18 +43,14 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron.core.dist_checkpointing.errors import (METADATA_FILE, CheckpointFormatError,
+                                                     CheckpointWriteError)
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-METADATA_FILE = ".metadata"
+__all__ = ["METADATA_FILE", "CheckpointFormatError", "CheckpointWriteError", "check_fits", "load",
+           "read_metadata", "save", "tensor_shapes"]
+
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
-
-
-class CheckpointFormatError(RuntimeError):
-    """A distributed checkpoint is unreadable, refused, or does not hold what the model needs."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """Writing a distributed checkpoint failed on some rank (e.g. a full disk)."""
 
 
 def _first_failure(exc: CheckpointException) -> Tuple[int, BaseException]:

@@ -127,7 +127,7 @@ def looks_complete(folder: str) -> bool:
     """Every file of the checkpoint present: ``metadata.json``, ``common.pt``, DCP's
     ``.metadata`` (written last) and the data files it names, each long enough."""
     if not all(os.path.isfile(os.path.join(folder, f))
-               for f in (METADATA_JSON, COMMON_FILE, dcp.storage.METADATA_FILE)):
+               for f in (METADATA_JSON, COMMON_FILE, dcp.METADATA_FILE)):
         return False
     try:
         metadata = dcp.read_metadata(folder)

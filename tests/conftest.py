@@ -18,6 +18,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long tests (kill/restart, multi-node, demo); run with -m slow")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_worlds():
+    """The warm worlds of ``run_distributed`` live for the session and end with it."""
+    from tests.helpers.dist import shutdown_pool
+
+    yield
+    shutdown_pool()
+
+
 @pytest.fixture(scope="session")
 def shared_data():
     """Path of the shared reference data folder; skips the test where it is absent."""

@@ -38,12 +38,26 @@ the same global keys: a ``ParamSharding`` per parameter gives the boxes of a who
 of a flat range of it (:mod:`megatron.core.optimizer.sharded_state` shows both).
 """
 
+import importlib
+
+from megatron.core.dist_checkpointing.errors import (METADATA_FILE, CheckpointFormatError,
+                                                     CheckpointWriteError)
 from megatron.core.dist_checkpointing.mapping import (ParamSharding, Region, ShardedTensor,
                                                       balance_writers, balance_writers_by_group)
-from megatron.core.dist_checkpointing.storage import (CheckpointFormatError, CheckpointWriteError,
-                                                      check_fits, check_save_id, load,
-                                                      read_metadata, save, tensor_shapes)
+
+# :mod:`.storage` imports ``torch.distributed.checkpoint`` (with DTensor and sympy: about a second
+# per process), so it is imported on first use of one of its functions, not with the package.
+_STORAGE_NAMES = ("check_fits", "check_save_id", "load", "read_metadata", "save", "tensor_shapes")
+
+
+def __getattr__(name):
+    if name in _STORAGE_NAMES or name == "storage":
+        storage = importlib.import_module("megatron.core.dist_checkpointing.storage")
+        return storage if name == "storage" else getattr(storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ParamSharding", "Region", "ShardedTensor", "balance_writers",
-           "balance_writers_by_group", "CheckpointFormatError", "CheckpointWriteError", "check_fits",
-           "check_save_id", "load", "read_metadata", "save", "tensor_shapes"]
+           "balance_writers_by_group", "METADATA_FILE", "CheckpointFormatError",
+           "CheckpointWriteError", "check_fits", "check_save_id", "load", "read_metadata", "save",
+           "tensor_shapes"]

@@ -51,20 +51,16 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.checkpoint_io import save_to_file
+from megatron.core.dist_checkpointing.errors import (METADATA_FILE, CheckpointFormatError,
+                                                     CheckpointWriteError)
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-METADATA_FILE = ".metadata"
+__all__ = ["METADATA_FILE", "CheckpointFormatError", "CheckpointWriteError", "check_fits", "check_save_id", "load",
+           "read_metadata", "save", "save_ids", "tensor_shapes", "SAVE_ID_PREFIX"]
+
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
 SAVE_ID_PREFIX = "__save_id__/"
 _SAVE_ID_KEY = re.compile(r"__save_id__/(\d+)/([0-9a-f]{32})")
-
-
-class CheckpointFormatError(RuntimeError):
-    """A distributed checkpoint is unreadable, refused, or does not hold what the model needs."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """Writing a distributed checkpoint failed on some rank (e.g. a full disk)."""
 
 
 def _first_failure(exc: CheckpointException) -> Tuple[int, BaseException]:

@@ -88,7 +88,9 @@ def _argv(prefix, cache, *extra):
 @pytest.fixture(scope="module")
 def single(sft_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("sft_cache1"))
-    runs = [("packed", _argv(sft_prefix, cache, *PACKED)),
+    ckpt = str(tmp_path_factory.mktemp("sft_ckpt"))
+    runs = [("packed", _argv(sft_prefix, cache, *PACKED, "--save", ckpt, "--save-interval", str(ITERS))),
+            ("finetune", _argv(sft_prefix, cache, *PACKED, "--load", ckpt, "--finetune")),
             ("unpacked", _argv(sft_prefix, cache, *UNPACKED)),
             ("per micro-batch", _argv(sft_prefix, cache, *PACKED, "--no-calculate-per-token-loss"))]
     return run_distributed(1, run_sft, runs, timeout=600)[0]
@@ -104,6 +106,15 @@ def test_packed_equals_unpacked_one_process(single):
     # the per-token default is in effect, and --no-calculate-per-token-loss turns it off.
     assert single["per micro-batch"]["lm loss"][0] == packed["lm loss"][0]
     assert single["per micro-batch"]["grad norm"][0] != pytest.approx(packed["grad norm"][0], rel=1e-4)
+
+
+def test_finetune_loads_weights_only(single):
+    """--load CKPT --finetune: the trained weights, a fresh iteration count and schedule."""
+    packed, tuned = single["packed"], single["finetune"]
+    assert tuned["iteration"] == packed["iteration"] == list(range(1, ITERS + 1))
+    assert tuned["learning rate"] == packed["learning rate"]
+    # The same first batch, other weights: the loss is the trained model's.
+    assert tuned["lm loss"][0] != pytest.approx(packed["lm loss"][0], rel=1e-4)
 
 
 def test_flags(sft_prefix, tmp_path):

@@ -206,10 +206,12 @@ def train_valid_test_datasets_provider(config, train_val_test_num_samples, eod=N
         test_data_path=data.test_data_path)
 
 
-def configure(argv=None):
+def configure(argv=None, sections=()):
     """Parse and validate the flags once and build the tokenizer and the frozen configuration:
     everything that reads the command line, before any process group exists. Every rank does
-    the same and finds the same errors.
+    the same and finds the same errors. ``sections``: an entry script's own
+    :class:`~megatron.config.sections.ConfigSection` s (their flags parsed too, their values in
+    ``config.extra``).
 
     Returns:
         ``(config, tokenizer)``.
@@ -222,7 +224,12 @@ def configure(argv=None):
     from megatron.data.token_range import check_token_ranges
     from megatron.tokenizer import build_tokenizer
 
-    args = arguments.parse_args(argv)
+    def extra_args(parser):
+        for section in sections:
+            section.add_arguments(parser)
+        return parser
+
+    args = arguments.parse_args(argv, extra_args_provider=extra_args if sections else None)
     try:
         if args.use_checkpoint_args:
             arguments.load_args_from_checkpoint(args)
@@ -238,7 +245,7 @@ def configure(argv=None):
         raise
     except (ValueError, FileNotFoundError, CheckpointError) as exc:  # the flags' files
         raise UsageError(str(exc)) from exc
-    config = build_config(args, vocab_size=tokenizer.vocab_size)
+    config = build_config(args, vocab_size=tokenizer.vocab_size, sections=sections)
     if int(os.environ.get("RANK", "0")) == 0:
         from megatron.training.startup_report import print_arguments
         print_arguments(args, tokenizer.vocab_size, config.model.padded_vocab_size)

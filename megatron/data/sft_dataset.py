@@ -218,6 +218,16 @@ class SFTDataset:
     def __len__(self) -> int:
         return self.num_samples
 
+    def describe(self) -> str:
+        """One line for the startup report: conversations, their label positions, samples,
+        epochs and the share of sample positions that hold a conversation."""
+        epoch = self.report["samples_per_epoch"]
+        used = int(np.sum(self.positions, dtype=np.int64))
+        return (f"conversations: {len(self.documents)} | positions: {used} | samples: "
+                f"{self.num_samples} | epochs: {-(-self.num_samples // epoch)} | "
+                f"{'packed' if self.packed else 'one per sequence'}, "
+                f"{used / (epoch * self.seq_length):.1%} of positions filled")
+
     def _locate(self, idx: int) -> np.ndarray:
         """Positions into ``self.documents`` of sample ``idx``'s conversations, in order."""
         return self.sample_documents[self.sample_offsets[idx]:self.sample_offsets[idx + 1]]

@@ -237,10 +237,11 @@ def configure(argv=None, sections=()):
                       else int(os.environ.get("WORLD_SIZE", "1")))
         arguments.validate_args(args, world_size)
         tokenizer = build_tokenizer(args)
-        check_token_ranges(tokenizer.vocab_size, tokenizer_flags(args), data_path=args.data_path,
-                           split=args.split, train_data_path=args.train_data_path,
-                           valid_data_path=args.valid_data_path,
-                           test_data_path=args.test_data_path)
+        if not args.mock_data:  # --mock-data draws its ids below the vocabulary size itself
+            check_token_ranges(tokenizer.vocab_size, tokenizer_flags(args), data_path=args.data_path,
+                               split=args.split, train_data_path=args.train_data_path,
+                               valid_data_path=args.valid_data_path,
+                               test_data_path=args.test_data_path)
     except UsageError:
         raise
     except (ValueError, FileNotFoundError, CheckpointError) as exc:  # the flags' files

@@ -39,7 +39,9 @@ def _run_many_catching(runs, failing):
         else:
             out[name] = pretrain_llama.main(argv)
         dist.barrier()
-    return out if dist.get_rank() == dist.get_world_size() - 1 else None
+    if dist.get_rank() == dist.get_world_size() - 1:
+        return out
+    return {name: out[name] for name in failing}  # the other ranks: their messages only
 
 
 def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):
@@ -56,7 +58,8 @@ def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):
             ("other layout", plain + ["--load", ckpt]),
             ("plain half", plain + ["--save", plain_ckpt, "--save-interval", "5",
                                     "--exit-interval", "5"])]
-    out = run_distributed(2, _run_many_catching, runs, {"other layout"}, timeout=600)[1]
+    results = run_distributed(2, _run_many_catching, runs, {"other layout"}, timeout=600)
+    out = results[1]
     assert_close_history(out["pp2 v2"], out["pp2"], "PP=2 v=2 (tied) vs PP=2")
 
     first, second, whole = out["first half"], out["second half"], out["pp2 v2"]
@@ -72,7 +75,8 @@ def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):
     assert "word_embeddings_for_head.weight" in last["model1"]  # the tied copy, last chunk only
     assert "word_embeddings_for_head.weight" not in last["model0"]
 
-    message = out["other layout"]
+    # The lowest rank that found the mismatch prints the one line; the others exit with it.
+    message = results[0]["other layout"]
     assert message is not None and "has no 'model' entry" in message
     assert "--virtual-pipeline-model-parallel-size 2" in message and "convert.py" in message
 

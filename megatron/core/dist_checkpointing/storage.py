@@ -306,6 +306,14 @@ def _check_shapes(metadata: Metadata, directory: str, path: str) -> None:
             sizes[file] = os.path.getsize(file) if os.path.isfile(file) else None
         if not _nonnegative_ints((info.offset, info.length)) or (
                 sizes[file] is not None and info.offset + info.length > sizes[file]):
+            if _nonnegative_ints((info.offset, info.length)) and info.offset <= sizes[file]:
+                # The record starts inside the file: the file was cut short (a crash while
+                # copying, a full disk), the usual case, said as such.
+                raise CheckpointFormatError(
+                    f"{file} ends before the record of {index.fqn} (byte "
+                    f"{info.offset + info.length}): truncated. It has {sizes[file]} bytes; "
+                    f"{path} places the record at bytes {info.offset} + {info.length} (or the "
+                    "metadata belongs to other files)")
             raise CheckpointFormatError(
                 f"{path}: the record of {index.fqn} (bytes {info.offset!r} + {info.length!r}) "
                 f"does not lie inside {file} ({sizes[file]} bytes): the metadata is damaged or "

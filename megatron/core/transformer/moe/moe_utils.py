@@ -116,6 +116,6 @@ def updated_expert_bias(expert_bias: torch.Tensor, counts: torch.Tensor,
 
 def set_aux_loss_scale(model: torch.nn.Module, scale: float) -> None:
     """Set the gradient every MoE layer of ``model`` injects for its losses (see the module)."""
-    for module in model.modules():
-        if hasattr(module, "aux_loss_scale"):
-            module.aux_loss_scale.fill_(scale)
+    for name, buffer in model.named_buffers():
+        if name.rsplit(".", 1)[-1] == "aux_loss_scale":  # each MoE layer's own buffer
+            buffer.fill_(scale)

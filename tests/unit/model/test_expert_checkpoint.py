@@ -31,8 +31,9 @@ CFG = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, moe_router_topk=2,
 EXPERT_KEYS = ("experts.weight1", "experts.weight2")
 
 
-def _build(ep: int, distributed: bool):
-    groups = ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+def _build(ep: int, distributed: bool, groups=None):
+    if groups is None:
+        groups = ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     layer = MoELayer(CFG, hidden_size=H, seed=5, layer_number=1,
                      ep_group=groups.ep.group if ep > 1 else None)
     for p in layer.experts.parameters():
@@ -178,3 +179,78 @@ def test_every_expert_is_saved_from_the_rank_holding_it(tmp_path, ep):
     for key in ("optimizer.state.exp_avg.experts.weight1", "optimizer.state.exp_avg_sq."
                 "experts.weight2"):
         assert {e for k, e in set().union(*map(set, held)) if k == key} == set(range(E))
+
+
+# The legacy format (--ckpt-format torch): one mp_rank_TT[_PPP]_EEE file per EP rank ---------------
+
+def _legacy(save_dir, ep, distributed):
+    """Train, save (legacy), keep training one step; a fresh model loads the checkpoint and takes
+    the same step. Returns this rank's held experts at the save, the files' expert weights, the
+    loaded model's, and both runs' weights after the step."""
+    from megatron.checkpointing import (CheckpointError, checkpoint_name_of, load_checkpoint,
+                                        save_checkpoint)
+    from megatron.config.checkpoint import CheckpointConfig
+
+    groups, layer, ddp, opt = _build(ep, distributed)
+    _train(groups, ddp, opt)
+    config = CheckpointConfig(save=save_dir, load=save_dir)
+    try:
+        save_checkpoint(3, [ddp], opt, None, config, groups, run_flags={},
+                        consumed_train_samples=0, consumed_valid_samples=0)
+    except CheckpointError as exc:
+        return "refused", str(exc)
+    held = _held(layer, opt, groups)
+    path = checkpoint_name_of(save_dir, 3, groups)
+    in_file = torch.load(path, weights_only=True)["model"]
+    _train(groups, ddp, opt, steps=1)
+    after = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    groups, layer, ddp, opt = _build(ep, distributed, groups)
+    load_checkpoint([ddp], opt, None, config, groups, run_flags={})
+    loaded = _held(layer, opt, groups)
+    _train(groups, ddp, opt, steps=1)
+    resumed = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    return os.path.relpath(path, save_dir), held, in_file, loaded, after, resumed
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_legacy_files_hold_each_ep_ranks_experts_and_resume_bitwise(tmp_path, ep):
+    out = run_distributed(ep, _legacy, str(tmp_path / "ckpt"), ep, False)
+    names = [o[0] for o in out]
+    # Megatron-LM's get_checkpoint_name: mp_rank_TT[_PPP], then _EEE at EP > 1 (PP = 1 here)
+    assert names == [os.path.join("iter_0000003", f"mp_rank_00_{r:03d}", "model_optim_rng.pt")
+                     for r in range(ep)]
+    for rank, (_, held, in_file, loaded, after, resumed) in enumerate(out):
+        local = E // ep
+        for name in ("weight1", "weight2"):
+            for i in range(local):  # the file holds this EP rank's experts, in local order
+                key = (f"model.experts.{name}", rank * local + i)
+                assert torch.equal(in_file[f"experts.{name}"][i], held[key])
+        assert held.keys() == loaded.keys() and any("exp_avg" in k for k, _ in held)
+        for key in held:  # weights and Adam moments as saved
+            assert torch.equal(held[key], loaded[key]), key
+        for n in after:  # the step after the load is the uninterrupted run's
+            assert torch.equal(after[n], resumed[n]), n
+    experts = torch.cat([o[2]["experts.weight1"] for o in out])
+    assert len({experts[e].double().sum().item() for e in range(E)}) == E
+
+
+def test_legacy_distributed_optimizer_at_ep2_is_refused_in_one_line(tmp_path):
+    out = run_distributed(2, _legacy, str(tmp_path / "ckpt"), 2, True)
+    for kind, message in out:
+        assert kind == "refused" and "\n" not in message
+        assert "--expert-model-parallel-size 2" in message and "torch_dist" in message
+
+
+def test_legacy_folder_names_read_with_the_expert_rank(tmp_path):
+    """Megatron-LM's mp_rank_TT_XXX is a pipeline rank at EP = 1 and an expert rank at PP = 1 and
+    EP > 1; mp_rank_TT_PPP_EEE is both."""
+    from megatron.checkpointing import saved_layout
+
+    for names, ep_run, want in ((["mp_rank_00_000", "mp_rank_00_001"], False, (1, 2)),
+                                (["mp_rank_00_000", "mp_rank_00_001"], True, (1, 1)),
+                                (["mp_rank_01_001_003", "mp_rank_00_000_000"], True, (2, 2)),
+                                (["mp_rank_01_001_003", "mp_rank_00_000_000"], False, (2, 2))):
+        folder = tmp_path / f"{len(names)}{ep_run}{names[0]}"
+        for name in names:
+            (folder / name).mkdir(parents=True)
+        assert saved_layout(str(folder), ep_run) == want, (names, ep_run)

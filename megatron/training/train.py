@@ -532,7 +532,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
             model, optimizer, scheduler = builders.setup_model_and_optimizer(
                 config, model_provider, groups, device,
                 weights_from_checkpoint=checkpointing.weights_will_be_loaded(config.checkpoint))
-        report.print_parameters(model, groups)
+        report.print_parameters(model, groups, getattr(config, "moe", None))
         if config.training.compile:
             print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "
                          "compiled per rank (torch.compile)")

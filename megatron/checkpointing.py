@@ -423,7 +423,8 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
     if state is None:
         folder = os.path.dirname(os.path.dirname(path))
         check_saved_layout(folder, config.load, pg_collection.tp.size, pg_collection.pp.size,
-                           weights_only=config.finetune or os.path.basename(folder) == "release")
+                           weights_only=config.finetune or os.path.basename(folder) == "release",
+                           expert_parallel=pg_collection.ep.size > 1)
         return _torch_load(path)
     if dist.get_rank() == 0:
         for note in state["notes"]:
@@ -431,17 +432,24 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
     return state
 
 
-def saved_layout(folder: str) -> tuple[int, int] | None:
+def saved_layout(folder: str, expert_parallel: bool = False) -> tuple[int, int] | None:
     """``(TP, PP)`` of the legacy checkpoint ``folder`` from its shard folders' names
-    (``mp_rank_TT`` or ``mp_rank_TT_PPP``), or None when it holds none."""
+    (Megatron-LM's ``mp_rank_TT[_PPP][_EEE]``), or None when it holds none.
+
+    ``mp_rank_TT_XXX`` is ambiguous in Megatron-LM's naming (a pipeline rank, or an expert rank
+    at PP = 1): it is read as the expert rank when ``expert_parallel`` (this run has EP > 1),
+    else as the pipeline rank; two groups are always ``_PPP_EEE``."""
     import re
 
     tp = pp = 0
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        match = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)
+        match = re.fullmatch(r"mp_rank_(\d{2})((?:_\d{3}){0,2})", name)
         if match and os.path.isdir(os.path.join(folder, name)):
+            ranks = [int(x) for x in match.group(2).split("_")[1:]]
+            if len(ranks) == 2 or expert_parallel:
+                ranks = ranks[:-1]
             tp = max(tp, int(match.group(1)) + 1)
-            pp = max(pp, int(match.group(2) or 0) + 1)
+            pp = max(pp, (ranks[0] if ranks else 0) + 1)
     return (tp, pp) if tp else None
 
 
@@ -459,7 +467,7 @@ def layout_fix(load_dir: str, tp: int, pp: int, weights_only: bool = False) -> s
 
 
 def check_saved_layout(folder: str, load_dir: str, tp: int, pp: int,
-                       weights_only: bool = False) -> None:
+                       weights_only: bool = False, expert_parallel: bool = False) -> None:
     """Refuse to load the legacy (``--ckpt-format torch``) checkpoint ``folder`` at a
     tensor/pipeline-parallel layout other than the one it was saved at (its shards are cut for
     that layout; every rank finds this alike, from the folder's listing).
@@ -467,7 +475,7 @@ def check_saved_layout(folder: str, load_dir: str, tp: int, pp: int,
     Raises:
         CheckpointError: naming both layouts and the fix (:func:`layout_fix`).
     """
-    saved = saved_layout(folder)
+    saved = saved_layout(folder, expert_parallel)
     if saved is None or saved == (tp, pp):
         return
     raise CheckpointError(

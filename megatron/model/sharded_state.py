@@ -17,6 +17,14 @@ are the module names of a TP = PP = 1 model, with global 0-based layer indices::
     final_layernorm.weight                          [h]
     output_layer.weight                             [v, h]   (untied embeddings)
 
+A mixture-of-experts layer (:class:`~megatron.core.transformer.moe.moe_layer.MoELayer`) saves
+its grouped experts on a global expert axis: the local ``weight1 [E_local, 2f, h]`` and
+``weight2 [E_local, h, f]`` of EP rank r are the box at offset ``r * E_local`` (the module's
+``first_expert``) along dim 0 of the global ``layers.{n}.mlp.experts.weight1 [E, 2f, h]`` /
+``weight2 [E, h, f]``, so expert e is row e whatever EP rank holds it and a checkpoint loads at
+any EP size dividing E. The router's ``weight [E, h]``, its ``expert_bias [E]`` buffer (state of
+the aux-loss-free balancing) and the shared expert are dense tensors.
+
 Every sharding takes this rank's :class:`~megatron.core.process_groups.ProcessGroupCollection`:
 a dense parameter is partitioned over ``tp`` and replicated over ``dp_cp``; an expert parameter
 (:func:`~megatron.core.distributed.expert_params.is_expert_param`) over ``expt_tp`` and
@@ -34,7 +42,7 @@ global tensor as the first stage's ``word_embeddings`` and is written by the fir
 from __future__ import annotations
 
 import re
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
@@ -61,19 +69,41 @@ def _global_name(model, local: str) -> str:
 
 def _grid(p, pg_collection: ProcessGroupCollection):
     """``(tensor-parallel group, replica group)`` of a parameter: the dense grid's ``tp`` and
-    ``dp_cp``, or the expert grid's ``expt_tp`` and ``expt_dp``.
-
-    Raises:
-        ValueError: an expert parameter at EP > 1 (each EP rank's experts need global keys of
-            their own, which the layers holding experts give; not built yet).
-    """
+    ``dp_cp``, or the expert grid's ``expt_tp`` and ``expt_dp``."""
     if not is_expert_param(p):
         return pg_collection.tp, pg_collection.dp_cp
-    if pg_collection.ep.size > 1:
-        raise ValueError(f"distributed checkpoints of expert parameters at "
-                         f"--expert-model-parallel-size {pg_collection.ep.size} are not "
-                         "supported yet (experts need global keys per expert); save with EP 1")
     return pg_collection.expt_tp, pg_collection.expt_dp
+
+
+def _expert_axes(model, pg_collection: ProcessGroupCollection) -> Dict[str, Tuple[int, int]]:
+    """``{local parameter name: (E, first global expert)}`` of every grouped-experts weight
+    (the parameters of modules with ``num_local_experts``, dim 0 the local experts; expert i of
+    EP rank r is global expert ``r * E_local + i``, checked against the module's
+    ``first_expert`` where it keeps one).
+
+    Raises:
+        ValueError: a grouped expert weight at EP > 1 not marked as an expert parameter (its
+            replicas would be taken over ``dp_cp``, which holds other experts), or a module whose
+            ``first_expert`` is not ``ep_rank * E_local``.
+    """
+    ep = pg_collection.ep
+    out = {}
+    for prefix, module in model.named_modules():
+        local = getattr(module, "num_local_experts", None)
+        if local is None:
+            continue
+        first = getattr(module, "first_expert", ep.rank * local)
+        if first != ep.rank * local:
+            raise ValueError(f"{prefix}: first expert {first} on EP rank {ep.rank} of "
+                             f"{ep.size} with {local} local experts (expected {ep.rank * local})")
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            if ep.size > 1 and not is_expert_param(p):
+                raise ValueError(f"{full}: grouped expert weights at "
+                                 f"--expert-model-parallel-size {ep.size} must be marked as "
+                                 "expert parameters (mark_expert)")
+            out[full] = (local * ep.size, first)
+    return out
 
 
 def param_shardings(chunk, pg_collection: ProcessGroupCollection) -> Dict[str, ParamSharding]:
@@ -92,11 +122,18 @@ def param_shardings(chunk, pg_collection: ProcessGroupCollection) -> Dict[str, P
         if blocks is not None:
             for name, rows in blocks().items():
                 fused[f"{prefix}.{name}" if prefix else name] = (prefix, rows)
+    experts = _expert_axes(model, pg_collection)
     out = {}
     for local, p in model.named_parameters():
         key = _global_name(model, local)
         tp, replicas = _grid(p, pg_collection)
         tp_rank, tp_size = tp.rank, tp.size
+        if local in experts:  # not partitioned over expert-TP: expert-TP rank 0 writes
+            total, first = experts[local]
+            out[local] = ParamSharding.expert_axis(
+                key, p.shape, total, first, replica_id=1 if tp_rank else 0,
+                replica_group=replicas.ranks)
+            continue
         if local in fused:
             prefix, rows = fused[local]
             gprefix = _global_name(model, prefix + ".x")[:-1]
@@ -126,14 +163,36 @@ def model_shardings(model_chunks, pg_collection: ProcessGroupCollection
     return out
 
 
+# Buffers that are model state (saved and loaded with the weights): the router's expert bias.
+_STATE_BUFFERS = ("expert_bias",)
+
+
+def buffer_shardings(chunk, pg_collection: ProcessGroupCollection) -> Dict[str, ParamSharding]:
+    """``{local buffer name: ParamSharding}`` of the state buffers (:data:`_STATE_BUFFERS`): whole
+    tensors equal on every rank of a stage (the expert bias is updated from counts reduced over the
+    whole batch), written by TP rank 0 of one ``dp_cp`` replica."""
+    model = unwrap_model(chunk)
+    tp = pg_collection.tp
+    return {local: ParamSharding.partition(
+                _global_name(model, local), b.shape, None, tp.rank, tp.size,
+                replica_id=1 if tp.rank else 0, replica_group=pg_collection.dp_cp.ranks)
+            for local, b in model.named_buffers()
+            if b is not None and local.rsplit(".", 1)[-1] in _STATE_BUFFERS}
+
+
 def model_sharded_tensors(model_chunks, pg_collection: ProcessGroupCollection,
                           prefix: str = "model."):
-    """The boxes of every chunk's weights (views of the parameters: a load writes in place)."""
+    """The boxes of every chunk's weights and state buffers (views of them: a load writes in
+    place)."""
     boxes = []
     for chunk in model_chunks:
-        named = dict(unwrap_model(chunk).named_parameters())
+        model = unwrap_model(chunk)
+        named = dict(model.named_parameters())
         for local, sharding in param_shardings(chunk, pg_collection).items():
             boxes += sharding.boxes(named[local].data, prefix)
+        buffers = dict(model.named_buffers())
+        for local, sharding in buffer_shardings(chunk, pg_collection).items():
+            boxes += sharding.boxes(buffers[local].data, prefix)
     return boxes
 
 

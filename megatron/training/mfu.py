@@ -1,7 +1,8 @@
 """Model FLOP utilisation (MFU) of the log line: the peak it is measured against.
 
 MFU = model FLOPs per iteration (:func:`megatron.model.flops.num_floating_point_operations`,
-Megatron-LM's formula) / iteration time / number of devices / peak FLOP/s of one device
+Megatron-LM's formula; for a mixture-of-experts model the active FLOPs: the top-k experts a token
+is routed to and the shared expert, not all E) / iteration time / number of devices / peak FLOP/s of one device
 (Chowdhery et al. 2022, "PaLM", appendix B). The peak is given (``--peak-tflops``, e.g. the
 datasheet's dense bf16 number) or measured at start-up (``--measure-peak``) as the best rate of a
 square matrix product in the training dtype on this process's device and threads.

@@ -134,35 +134,72 @@ def format_memory(model_config, *, tp: int, pp: int, dp: int, cp: int, bf16: boo
             f"at their peak {gib(est.gradients)} | optimizer state {gib(opt)}")
 
 
-def count_parameters(model_chunks) -> tuple[int, int]:
-    """``(parameters, tied copies)`` of this rank's model chunks: every element of every
-    parameter (Megatron-LM's count), and those of the last stage's copy of the word embeddings
-    (``word_embeddings_for_head``, tied weights with PP > 1), which the model's total counts once."""
-    total = copies = 0
+def count_parameters(model_chunks) -> tuple[int, int, int]:
+    """``(parameters, tied copies, expert parameters)`` of this rank's model chunks: every element
+    of every parameter (Megatron-LM's count), those of the last stage's copy of the word embeddings
+    (``word_embeddings_for_head``, tied weights with PP > 1), which the model's total counts once,
+    and those of its grouped experts (modules with ``num_local_experts``: this EP rank's
+    ``E_local`` experts)."""
+    total = copies = experts = 0
     for chunk in model_chunks:
         module = unwrap_model(chunk)
         total += sum(p.nelement() for p in module.parameters())
         head = getattr(module, "word_embeddings_for_head", None)
         if head is not None:
             copies += sum(p.nelement() for p in head.parameters())
-    return total, copies
+        experts += sum(p.nelement() for m in module.modules()
+                       if getattr(m, "num_local_experts", None) is not None
+                       for p in m.parameters(recurse=False))
+    return total, copies, experts
 
 
-def format_parameter_counts(rows: Iterable[tuple]) -> List[str]:
-    """Megatron-LM's per-(tensor, pipeline)-rank parameter lines, then the total.
+def format_parameter_counts(rows: Iterable[tuple], moe=None) -> List[str]:
+    """Megatron-LM's per-(tensor, pipeline)-rank parameter lines, then the total; for a
+    mixture-of-experts model (``moe``: its :class:`~megatron.config.moe.MoEConfig`) per
+    (tensor, pipeline, expert) rank, with the experts' share, and the active parameters.
+
+    Active parameters (what one token passes through): the dense ones plus top-k / E of the
+    expert ones, ``dense + k / E * experts`` (per rank: its dense parameters plus k / E of the
+    experts of its whole pipeline stage, every EP rank's).
 
     Args:
-        rows: ``(tp_rank, pp_rank, parameters, tied_copies)`` of every rank; duplicates of one
-            (tp_rank, pp_rank) (its data- and context-parallel replicas) are counted once.
+        rows: ``(tp_rank, pp_rank, parameters, tied_copies[, ep_rank, expert_parameters])`` of
+            every rank; duplicates of one (tp_rank, pp_rank[, ep_rank]) (its data- and
+            context-parallel replicas) are counted once.
     """
+    rows = [tuple(r) + (0, 0)[len(r) - 4:] for r in rows]
     unique = {}
-    for tp_rank, pp_rank, count, copies in rows:
-        unique.setdefault((tp_rank, pp_rank), (count, copies))
-    lines = [f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}"
-             for (t, p), (n, _) in sorted(unique.items())]
-    total = sum(n - c for n, c in unique.values())
-    scaled = f"{total / 1e9:.3f} B" if total >= 1e9 else f"{total / 1e6:.3f} M"
-    lines.append(f" > total number of parameters: {total} ({scaled})")
+    for tp_rank, pp_rank, count, copies, ep_rank, experts in rows:
+        unique.setdefault((tp_rank, pp_rank, ep_rank), (count, copies, experts))
+
+    def scaled(n):
+        return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.3f} M"
+
+    if moe is None or not moe.num_experts:
+        lines = [f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): "
+                 f"{n}" for (t, p, _), (n, _, _) in sorted(unique.items())]
+        total = sum(n - c for n, c, _ in unique.values())
+        lines.append(f" > total number of parameters: {total} ({scaled(total)})")
+        return lines
+    share = moe.moe_router_topk / moe.num_experts
+    # experts of a stage: every EP rank's once (the same on every tensor rank: not split)
+    stage_experts = {}
+    for (t, p, e), (_, _, x) in unique.items():
+        stage_experts.setdefault(p, {}).setdefault(e, x)
+    lines = []
+    for (t, p, e), (n, _, x) in sorted(unique.items()):
+        active = n - x + round(share * sum(stage_experts[p].values()))
+        lines.append(f" > number of parameters on (tensor, pipeline, expert) model parallel rank "
+                     f"({t}, {p}, {e}): {n} (experts {x}; active {active})")
+    dense_of = {}  # the dense parameters are the same on every EP rank of (t, p)
+    for (t, p, _), (n, c, x) in unique.items():
+        dense_of.setdefault((t, p), n - c - x)
+    dense = sum(dense_of.values())
+    experts = sum(sum(per_ep.values()) for per_ep in stage_experts.values())
+    total, active = dense + experts, dense + round(share * experts)
+    lines.append(f" > total number of parameters: {total} ({scaled(total)}; experts {experts})")
+    lines.append(f" > active parameters per token: {active} ({scaled(active)}; top-"
+                 f"{moe.moe_router_topk} of {moe.num_experts} experts)")
     return lines
 
 
@@ -261,15 +298,15 @@ class StartupReport:
         print("\n".join(lines), flush=True)
 
     @staticmethod
-    def print_parameters(model_chunks, groups) -> None:
-        count, copies = count_parameters(model_chunks)
-        row = (groups.tp.rank, groups.pp.rank, count, copies)
+    def print_parameters(model_chunks, groups, moe=None) -> None:
+        count, copies, experts = count_parameters(model_chunks)
+        row = (groups.tp.rank, groups.pp.rank, count, copies, groups.ep.rank, experts)
         rows = [row]
         if groups.world_size > 1:
             rows = [None] * groups.world_size
             dist.all_gather_object(rows, row)
         if groups.rank == 0:
-            print("\n".join(format_parameter_counts(rows)), flush=True)
+            print("\n".join(format_parameter_counts(rows, moe)), flush=True)
 
     def print_datasets(self, groups) -> None:
         if groups.rank == 0 and self.datasets is not None:

@@ -108,8 +108,10 @@ def nonfinite_loss_flag(loss_dicts: list):
 
 def num_floating_point_operations(config, batch_size: int) -> float:
     """Model FLOPs of one iteration (forward + backward) of a run's configuration:
-    :func:`megatron.model.flops.num_floating_point_operations` (Megatron-LM's formula)."""
-    return model_flops(config.model, batch_size, config.data.seq_length)
+    :func:`megatron.model.flops.num_floating_point_operations` (Megatron-LM's formula; active
+    FLOPs of a mixture-of-experts model)."""
+    return model_flops(config.model, batch_size, config.data.seq_length,
+                       getattr(config, "moe", None))
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *,
@@ -530,7 +532,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
             model, optimizer, scheduler = builders.setup_model_and_optimizer(
                 config, model_provider, groups, device,
                 weights_from_checkpoint=checkpointing.weights_will_be_loaded(config.checkpoint))
-        report.print_parameters(model, groups)
+        report.print_parameters(model, groups, getattr(config, "moe", None))
         if config.training.compile:
             print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "
                          "compiled per rank (torch.compile)")

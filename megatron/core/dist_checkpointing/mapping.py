@@ -165,6 +165,21 @@ class ParamSharding:
             at += rows
         return cls(tuple(local_shape), tuple(regions), replica_group=tuple(replica_group))
 
+    @classmethod
+    def expert_axis(cls, key: str, local_shape: Sequence[int], num_experts: int,
+                    first_expert: int, *, replica_id: int = 0,
+                    replica_group: Tuple[int, ...] = ()) -> "ParamSharding":
+        """Grouped expert weights ``[E_local, ...]`` whose dim 0 is experts ``first_expert ..
+        first_expert + E_local - 1`` of the global ``[num_experts, ...]`` (Megatron-Core's
+        global expert index; the box of one expert-parallel rank)."""
+        local_shape = tuple(local_shape)
+        if first_expert < 0 or first_expert + local_shape[0] > num_experts:
+            raise ValueError(f"{key}: experts {first_expert}..{first_expert + local_shape[0] - 1}"
+                             f" outside the {num_experts} experts")
+        region = Region(key, 0, local_shape[0], (num_experts, *local_shape[1:]),
+                        (first_expert,) + (0,) * (len(local_shape) - 1))
+        return cls(local_shape, (region,), replica_id, False, tuple(replica_group))
+
     @property
     def row_numel(self) -> int:
         """Elements per local row (1 for a 1-D tensor)."""
@@ -183,53 +198,64 @@ class ParamSharding:
     def flat_boxes(self, start: int, stop: int, flat: torch.Tensor,
                    prefix: str) -> List[ShardedTensor]:
         """The boxes of elements ``[start, stop)`` of the flattened parameter, whose values are the
-        1-D ``flat`` (``stop - start`` elements; every box is a view of it).
+        1-D ``flat`` (``stop - start`` elements; every box is a view of it). In each region, per
+        dimension at most a partial leading block, whole blocks and a partial trailing block
+        (a 2-D range: a partial first row, whole rows, a partial last row; a 3-D range of grouped
+        experts ``[E_local, r, c]`` adds whole experts between).
 
         Raises:
-            ValueError: for a parameter of more than two dimensions, or a range outside it.
+            ValueError: for a range outside the parameter.
         """
-        if len(self.local_shape) > 2:
-            raise ValueError(f"flat ranges of a {len(self.local_shape)}-D parameter are not "
-                             "expressible as boxes")
         width = self.row_numel
         if not 0 <= start <= stop <= self.local_shape[0] * width or flat.numel() != stop - start:
             raise ValueError(f"elements [{start}, {stop}) with {flat.numel()} values for a "
                              f"parameter of shape {self.local_shape}")
         out = []
         for r in self.regions:
+            shape = (r.stop - r.start,) + self.local_shape[1:]
             lo, hi = max(start, r.start * width), min(stop, r.stop * width)
-            for row, col, rows, cols in _row_boxes(lo - r.start * width, hi - r.start * width,
-                                                   width):
-                first = (r.start + row) * width + col - start
-                values = flat[first:first + rows * cols]
-                if len(self.local_shape) == 1:
-                    box, offset = values, (r.global_offset[0] + row,)
-                else:
-                    box = values.view(rows, cols)
-                    offset = (r.global_offset[0] + row, r.global_offset[1] + col)
-                out.append(ShardedTensor(prefix + r.key, box, r.global_shape, offset,
+            for offset, size in _nd_boxes(lo - r.start * width, hi - r.start * width, shape):
+                first = r.start * width + sum(o * s for o, s in zip(offset, _strides(shape))) \
+                    - start
+                values = flat[first:first + math.prod(size)].view(size)
+                at = tuple(g + o for g, o in zip(r.global_offset, offset))
+                out.append(ShardedTensor(prefix + r.key, values, r.global_shape, at,
                                          self.replica_id, self.resizable))
         return out
 
 
-def _row_boxes(lo: int, hi: int, width: int) -> Iterable[Tuple[int, int, int, int]]:
-    """``(row, col, rows, cols)`` boxes covering flat elements ``[lo, hi)`` of a tensor with
-    ``width`` elements per row: a partial first row, whole rows, a partial last row (1-D tensors:
-    ``width`` 1, one box of ``hi - lo`` rows)."""
-    if width == 1:
-        if hi > lo:
-            yield lo, 0, hi - lo, 1
+def _strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """Row-major element strides of ``shape``."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))
+
+
+def _nd_boxes(lo: int, hi: int, shape: Sequence[int]
+              ) -> Iterable[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """``(offset, size)`` boxes covering flat elements ``[lo, hi)`` of a row-major tensor of
+    ``shape``, in order: along dim 0 a partial first slice (recursively boxed), whole slices,
+    a partial last slice."""
+    if hi <= lo:
         return
+    if len(shape) == 1:
+        yield (lo,), (hi - lo,)
+        return
+    rest = tuple(shape[1:])
+    width = math.prod(rest)
     at = lo
     while at < hi:
         row, col = divmod(at, width)
         if col or hi - at < width:
-            cols = min(width - col, hi - at)
-            yield row, col, 1, cols
-            at += cols
+            end = min((row + 1) * width, hi)
+            for offset, size in _nd_boxes(col, end - row * width, rest):
+                yield (row, *offset), (1, *size)
+            at = end
         else:
             rows = (hi - at) // width
-            yield row, 0, rows, width
+            yield (row,) + (0,) * len(rest), (rows, *rest)
             at += rows * width
 
 

@@ -104,8 +104,33 @@ def test_bad_boxes_and_ranges_are_refused():
     sharding = ParamSharding.partition("w", (4, 3), 0, 0, 1)
     with pytest.raises(ValueError, match=r"elements \[5, 20\)"):
         sharding.flat_boxes(5, 20, torch.zeros(15), "")
-    with pytest.raises(ValueError, match=r"3-D parameter"):
-        ParamSharding.partition("x", (2, 2, 2), None, 0, 1).flat_boxes(0, 2, torch.zeros(2), "")
+    with pytest.raises(ValueError, match=r"experts 2..3 outside the 3 experts"):
+        ParamSharding.expert_axis("x", (2, 2, 2), 3, 2)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_grouped_expert_flat_ranges_rebuild_the_global_expert_axis(ep):
+    """Grouped experts ``[E_local, r, c]`` of EP rank q are experts ``q E_local ..`` of the global
+    ``[E, r, c]``: every flat range of every rank (the distributed optimizer's pieces) is at most
+    five boxes whose values are the global tensor's, and the ranks' whole boxes rebuild it."""
+    experts, rows, cols = 4, 3, 5
+    full = torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(3))
+    local_n = experts // ep
+    whole = []
+    for q in range(ep):
+        local = full[q * local_n:(q + 1) * local_n]
+        sharding = ParamSharding.expert_axis("w", local.shape, experts, q * local_n)
+        whole += sharding.boxes(local, "p.")
+        flat_all = local.reshape(-1)
+        for start, stop in itertools.combinations(range(0, flat_all.numel() + 1, 2), 2):
+            boxes = sharding.flat_boxes(start, stop, flat_all[start:stop].clone(), "p.")
+            assert len(boxes) <= 5 and sum(b.data.numel() for b in boxes) == stop - start
+            for b in boxes:
+                index = tuple(slice(o, o + m) for o, m in zip(b.global_offset, b.data.shape))
+                assert b.global_shape == (experts, rows, cols)
+                assert torch.equal(b.data, full[index]), (q, start, stop, b)
+    got = _assemble(whole, {"p.w": (experts, rows, cols)})
+    assert torch.equal(got["p.w"], full)
 
 
 def test_resizable_rows_are_clipped():

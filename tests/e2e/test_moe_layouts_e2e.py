@@ -135,6 +135,11 @@ def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_f
     for name, _ in runs:
         want = single["capacity" if "capacity" in name or name == "ep4 cp2 dp2" else "dropless"]
         assert_close_history(got[name], want, f"MoE {name}")
+        # the logged router losses and routing counts are the one process's too
+        for key in ("load_balancing_loss", "z_loss"):
+            np.testing.assert_allclose(got[name][key], want[key], rtol=1e-6, err_msg=name)
+        for key in ("tokens per expert min", "tokens per expert max", "dropped tokens"):
+            assert got[name][key] == want[key], (name, key)
 
 
 @pytest.mark.slow

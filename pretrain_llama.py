@@ -40,8 +40,9 @@ def model_provider(config, pg_collection, device, *, pre_process=True, post_proc
     if config.moe.is_moe:
         from megatron.core.transformer.moe.moe_utils import set_aux_loss_scale
         # The router losses' gradient, like the lm loss's, divided by the micro-batches of the
-        # iteration (the schedule divides each micro-batch's loss by their number).
-        set_aux_loss_scale(model, 1.0 / config.training.num_microbatches)
+        # iteration (the schedule divides each micro-batch's loss by their number) and times CP:
+        # each CP rank's part covers its share of the tokens and DDP averages over DP x CP.
+        set_aux_loss_scale(model, pg_collection.cp.size / config.training.num_microbatches)
     return model
 
 

@@ -271,31 +271,41 @@ def _validate_groups(args, experts, topk):
 
 
 def validate_moe(args, defaults: dict) -> None:
-    """:func:`validate_moe_flags`, then what training does not yet run with experts: the layer is
-    wired into ``LlamaModel`` on one expert-parallel and one tensor-parallel rank (PP, DP and
-    virtual stages work); the rest waits for the expert process groups, the per-iteration bias
-    update and the loss logging."""
+    """:func:`validate_moe_flags`, then the layouts training runs with experts: EP (folded over
+    DP, CP x DP and TP), TP with sequence parallelism and expert-TP 1, CP, PP (with virtual
+    stages), the distributed optimizer (each proven equal to one process in
+    tests/e2e/test_moe_layouts_e2e.py); the rest is refused until it is proven."""
     validate_moe_flags(args, defaults)
     if args.num_experts is None:
         return
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if args.num_experts % ep:
+        raise UsageError(f"--num-experts ({args.num_experts}) must be divisible by "
+                         f"--expert-model-parallel-size ({ep}): each EP rank holds E / EP experts")
+    if etp not in (None, 1) or (etp is None and tp > 1):
+        raise UsageError(f"--num-experts with --expert-tensor-parallel-size {etp or tp} (default: "
+                         "TP) is not supported yet: experts are whole on each rank; add "
+                         "--expert-tensor-parallel-size 1")
+    if tp > 1 and not args.sequence_parallel:
+        raise UsageError(f"--num-experts with --tensor-model-parallel-size {tp} needs "
+                         "--sequence-parallel (as in Megatron-Core: each TP rank routes its own "
+                         "share of the tokens); add --sequence-parallel")
     refused = [
-        (args.tensor_model_parallel_size > 1,
-         f"--tensor-model-parallel-size {args.tensor_model_parallel_size}"),
-        (args.context_parallel_size > 1, f"--context-parallel-size {args.context_parallel_size}"),
-        (getattr(args, "expert_model_parallel_size", 1) not in (None, 1),
-         f"--expert-model-parallel-size {getattr(args, 'expert_model_parallel_size', 1)}"),
+        (tp > 1 and cp > 1, f"--tensor-model-parallel-size {tp} and --context-parallel-size {cp}"
+                            " together"),
+        (cp > 1 and args.moe_token_drop_policy == "position",
+         f"--moe-token-drop-policy position at --context-parallel-size {cp}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss"),
         (args.rampup_batch_size is not None, "--rampup-batch-size"),
         (args.recompute_granularity is not None or args.recompute_activations,
          "--recompute-granularity / --recompute-activations"),
-        (args.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
         (args.moe_router_load_balancing_type == "global_aux_loss",
          "--moe-router-load-balancing-type global_aux_loss"),
         (getattr(args, "use_megatron_fsdp", False), "--use-megatron-fsdp"),
     ]
     for bad, flag in refused:
         if bad:
-            raise UsageError(f"--num-experts with {flag} is not supported yet: the MoE layer is "
-                             "wired into training on one tensor-, context- and expert-parallel "
-                             "rank (pipeline and data parallelism work; docs/moe.md); remove "
-                             f"{flag.split(' /')[0].split(' ')[0]}")
+            raise UsageError(f"--num-experts with {flag} is not supported yet (docs/moe.md "
+                             f"lists the proven layouts): remove {flag.split(' /')[0].split(' ')[0]}")

@@ -16,7 +16,7 @@ from megatron.model.attention import SelfAttention
 from megatron.model.attention_mask import AttentionMask
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.model.mlp_factory import attach_aux_loss, build_mlp, mlp_kind
-from megatron.core.transformer.moe import MoELayer, is_moe_layer
+from megatron.core.transformer.moe import MoELayer, is_moe_layer, moe_token_group
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 
@@ -46,9 +46,10 @@ class TransformerLayer(torch.nn.Module):
         pg_collection: the process groups of the attention and MLP blocks.
         device: device of the parameters.
         moe_config: the MoE section; the layers ``--moe-layer-freq`` names get a
-            :class:`~megatron.core.transformer.moe.MoELayer` as their MLP (one expert-parallel
-            rank, one tensor-parallel rank: validation refuses the rest until the expert groups
-            are wired). None: a dense model.
+            :class:`~megatron.core.transformer.moe.MoELayer` as their MLP, its experts spread
+            over ``pg_collection.ep`` and its capacity and losses taken over the micro-batch's
+            token set (:func:`~megatron.core.transformer.moe.moe_token_group`). None: a dense
+            model.
     """
 
     def __init__(self, config: ModelConfig, layer_number: int, *, pg_collection, device=None,
@@ -68,10 +69,13 @@ class TransformerLayer(torch.nn.Module):
         # through MoEAuxLossAutoScaler, so it returns the plain [s, b, h] output).
         if moe_config is not None and is_moe_layer(moe_config, layer_number):
             self.mlp_kind = "moe"
+            ep = pg_collection.ep
             self.mlp = MoELayer(moe_config, hidden_size=config.hidden_size, seed=config.seed,
                                 layer_number=layer_number, init_method_std=config.init_method_std,
                                 num_layers=config.num_layers, params_dtype=config.params_dtype,
-                                device=device)
+                                device=device, ep_group=ep.group if ep.size > 1 else None,
+                                token_group=moe_token_group(pg_collection,
+                                                            self.sequence_parallel))
         else:
             self.mlp_kind = mlp_kind(config, layer_number)
             self.mlp = build_mlp(config, layer_number, pg_collection=pg_collection, device=device,

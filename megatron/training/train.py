@@ -33,6 +33,8 @@ from megatron.training.logging import (IterationProgress, TensorBoardLogger,
 from megatron.training.compile import compile_transformer_layers
 from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
 from megatron.training.microbatches import build_num_microbatches_calculator
+from megatron.training.moe_bias import update_expert_biases
+from megatron.training.moe_logging import moe_iteration_metrics, reset_moe_metrics
 from megatron.training.resilience import ExitConditions, collective_guard
 from megatron.training.startup_report import StartupReport
 from megatron.training.wandb_writer import open_wandb
@@ -233,6 +235,8 @@ class _Trainer:
             self.progress.start(st.iteration + 1, self.microbatches.get())
             start = time.perf_counter()
             at_floor = loss_scale_at_floor(self.optimizer)
+            if self.config.moe.is_moe:
+                reset_moe_metrics(self.model)  # validation forwards are not this iteration's
             with collective_guard(f"the train step of iteration {st.iteration + 1}", self.timeout):
                 losses, skipped, grad_norm, _ = train_step(
                     self.forward_step_func, self.train_it, self.model, self.optimizer,
@@ -242,6 +246,16 @@ class _Trainer:
                     before_optimizer_step=self.saver.wait_for_staging if self.saver else None)
             elapsed = time.perf_counter() - start
             self.progress.finish(elapsed)
+            if self.config.moe.moe_router_enable_expert_bias:
+                update_expert_biases(self.model, self.config.moe, self.config.model.num_layers,
+                                     self.groups, self.device)
+            if self.config.moe.is_moe:
+                moe = moe_iteration_metrics(self.model, self.config.moe,
+                                            self.config.model.num_layers, self.groups, self.device)
+                if losses:  # the last stage's: logged with the lm loss
+                    losses.update(moe)
+                for key, value in moe.items():
+                    self.state.history.setdefault(key, []).append(value)
             st.iteration += 1
             st.consumed_train_samples += batch
             self.finalize_save(blocking=False)

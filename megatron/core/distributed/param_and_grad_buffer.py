@@ -191,6 +191,9 @@ class Bucket:
         """
         self.params_with_grad = set()
         if self.data_parallel_world_size == 1:
+            # An expert buffer whose expert-DP is 1 still scales by 1 / DP (EP folded over DP).
+            if self.gradient_scaling_factor != 1.0:
+                self.grad_data.mul_(self.gradient_scaling_factor)
             self.grad_shard.add_(self.grad_data)
             self.free_grads()
             return
@@ -262,6 +265,9 @@ class Bucket:
             return
         self.launched = True
         if self.data_parallel_world_size == 1:
+            # An expert buffer whose expert-DP is 1 still scales by 1 / DP (EP folded over DP).
+            if self.gradient_scaling_factor != 1.0:
+                self.grad_data.mul_(self.gradient_scaling_factor)
             return
         op = dist.ReduceOp.SUM
         if self.use_avg_op:

@@ -4,6 +4,7 @@
 whole micro-batch), ``moe_utils.py`` (load-balancing and z losses, their backward),
 ``moe_layer.py`` (``MoELayer``)."""
 
-from megatron.core.transformer.moe.moe_layer import MoELayer, collect_aux_losses, is_moe_layer
+from megatron.core.transformer.moe.moe_layer import (MoELayer, collect_aux_losses, is_moe_layer,
+                                                     moe_token_group)
 
-__all__ = ["MoELayer", "collect_aux_losses", "is_moe_layer"]
+__all__ = ["MoELayer", "collect_aux_losses", "is_moe_layer", "moe_token_group"]

@@ -35,6 +35,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron.config.moe import MoEConfig
+from megatron.core.distributed.expert_params import mark_expert
 from megatron.core.process_groups import group_size
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.capacity import whole_set_keep_mask
@@ -88,6 +89,8 @@ class MoELayer(torch.nn.Module):
                                                 layer_number, "mlp.router"))
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, first_expert=ep_rank * local,
                                   grouped_gemm=config.moe_grouped_gemm, **init)
+        for p in self.experts.parameters():  # reduced over expert-DP, the optimizer's expert part
+            mark_expert(p)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(
@@ -107,6 +110,10 @@ class MoELayer(torch.nn.Module):
         self.loss_sums: Dict[str, torch.Tensor] = {}
         self.num_forwards = 0
         self.last_losses: Dict[str, torch.Tensor] = {}
+        # Training forwards since the last read (moe_iteration_metrics): this rank's kept
+        # choices per expert ``[E]`` int64 and dropped choices; None until the first forward.
+        self.routed_counts: Optional[torch.Tensor] = None
+        self.dropped_count: Optional[torch.Tensor] = None
 
     def _loss_parts(self, logits, indices, seq_shape):
         """``{name: (part with graph, whole value detached)}`` of the enabled losses."""
@@ -183,7 +190,35 @@ class MoELayer(torch.nn.Module):
         self.num_forwards += 1
         self.tokens_per_expert = tokens_per_expert.detach()
         self.dropped_choices = int((~keep).sum())
+        if self.training:
+            routed = moe_utils.tokens_per_expert(indices[keep], cfg.num_experts)
+            dropped = (~keep).sum()
+            if self.routed_counts is None:
+                self.routed_counts, self.dropped_count = routed, dropped
+            else:
+                self.routed_counts, self.dropped_count = (self.routed_counts + routed,
+                                                          self.dropped_count + dropped)
         return out.view(s, b, h)
+
+
+def moe_token_group(pg_collection, sequence_parallel: bool):
+    """The ranks that split one micro-batch's tokens inside a MoE layer (the layer's
+    ``token_group``): the tensor-parallel group under sequence parallelism, the context-parallel
+    group under CP, None when this rank holds every token of its micro-batch.
+
+    Raises:
+        ValueError: TP > 1 without sequence parallelism (each TP rank would send the same tokens
+            to the experts, Megatron-Core requires SP too) or TP and CP both > 1 (their joint
+            group is not built).
+    """
+    tp, cp = pg_collection.tp, pg_collection.cp
+    if tp.size > 1 and not sequence_parallel:
+        raise ValueError("a MoE layer at TP > 1 needs sequence parallelism")
+    if tp.size > 1 and cp.size > 1:
+        raise ValueError("a MoE layer at TP > 1 and CP > 1 is not supported")
+    if tp.size > 1:
+        return tp.group
+    return cp.group if cp.size > 1 else None
 
 
 def is_moe_layer(config: MoEConfig, layer_number: int) -> bool:

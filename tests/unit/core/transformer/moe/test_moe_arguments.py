@@ -99,12 +99,12 @@ def test_ranges(files, flag, value):
 
 
 @pytest.mark.parametrize("extra, flag", [
-    ("--tensor-model-parallel-size 2", "--tensor-model-parallel-size 2"),
-    ("--context-parallel-size 2", "--context-parallel-size 2"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
+     "--context-parallel-size 2", "--tensor-model-parallel-size 2 and --context-parallel-size 2 together"),
+    ("--context-parallel-size 2 --moe-expert-capacity-factor 1 --moe-token-drop-policy position",
+     "--moe-token-drop-policy position at --context-parallel-size 2"),
     ("--calculate-per-token-loss", "--calculate-per-token-loss"),
     ("--recompute-activations", "--recompute-granularity / --recompute-activations"),
-    ("--moe-router-score-function sigmoid --moe-router-enable-expert-bias",
-     "--moe-router-enable-expert-bias"),
     ("--moe-router-load-balancing-type global_aux_loss",
      "--moe-router-load-balancing-type global_aux_loss"),
 ])
@@ -112,6 +112,30 @@ def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, f
     with pytest.raises(UsageError, match=f"--num-experts with {flag} is not supported yet") as e:
         check(base_argv(files) + ["--num-experts", "4"] + extra.split())
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("--tensor-model-parallel-size 2 --sequence-parallel", "--expert-tensor-parallel-size 2"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 2",
+     "--expert-tensor-parallel-size 2"),
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", "needs --sequence-parallel"),
+    ("--expert-model-parallel-size 4 --num-experts 6", "must be divisible by"),
+])
+def test_expert_layouts_not_built_are_one_line(files, extra, match):
+    with pytest.raises(UsageError, match=match) as e:
+        check(base_argv(files) + ["--num-experts", "4"] + extra.split())
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra", [
+    "--expert-model-parallel-size 4",
+    "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+    "--expert-tensor-parallel-size 1",
+    "--expert-model-parallel-size 4 --context-parallel-size 2 --attention-dropout 0",
+])
+def test_expert_layouts_proven_pass(files, extra):
+    args = check(base_argv(files) + ["--num-experts", "4"] + extra.split())
+    assert args.expert_tensor_parallel_size == 1
 
 
 def test_build_config_moe_section(files):

@@ -77,9 +77,9 @@ def _grid(p, pg_collection: ProcessGroupCollection):
 
 def _expert_axes(model, pg_collection: ProcessGroupCollection) -> Dict[str, Tuple[int, int]]:
     """``{local parameter name: (E, first global expert)}`` of every grouped-experts weight
-    (the parameters of modules with ``num_local_experts``, dim 0 the local experts; expert i of
-    EP rank r is global expert ``r * E_local + i``, checked against the module's
-    ``first_expert`` where it keeps one).
+    (the parameters of :class:`~megatron.core.transformer.moe.experts.GroupedMLP` modules, dim 0
+    the local experts; expert i of EP rank r is global expert ``r * E_local + i``, checked
+    against the module's ``first_expert``).
 
     Raises:
         ValueError: a grouped expert weight at EP > 1 not marked as an expert parameter (its
@@ -88,11 +88,12 @@ def _expert_axes(model, pg_collection: ProcessGroupCollection) -> Dict[str, Tupl
     """
     ep = pg_collection.ep
     out = {}
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
     for prefix, module in model.named_modules():
-        local = getattr(module, "num_local_experts", None)
-        if local is None:
+        if not isinstance(module, GroupedMLP):
             continue
-        first = getattr(module, "first_expert", ep.rank * local)
+        local, first = module.num_local_experts, module.first_expert
         if first != ep.rank * local:
             raise ValueError(f"{prefix}: first expert {first} on EP rank {ep.rank} of "
                              f"{ep.size} with {local} local experts (expected {ep.rank * local})")

@@ -63,6 +63,7 @@ class GroupedMLP(torch.nn.Module):
                  device=None):
         super().__init__()
         self.num_local_experts = num_local_experts
+        self.first_expert = first_expert
         self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype, hidden_size,
                                                                     ffn_hidden_size)
         w1 = torch.empty(num_local_experts, 2 * ffn_hidden_size, hidden_size)

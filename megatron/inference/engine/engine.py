@@ -77,7 +77,8 @@ class Engine:
                                    max_batch_size=max_batch_size,
                                    max_tokens_per_step=max_tokens_per_step,
                                    prefill_chunk=prefill_chunk, static=static)
-        self.vocab_size = vocab_size or model.config.true_vocab_size
+        self.vocab_size = (vocab_size or model.config.true_vocab_size
+                           or model.config.padded_vocab_size)
         self.eod = eod
         self.detokenize = detokenize
         self.packed = packed

@@ -22,7 +22,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers"],
+        "test": ["pytest", "pytest-timeout", "transformers", "fastapi", "uvicorn", "openai"],
         "wandb": ["wandb"],
+        "serve": ["fastapi", "uvicorn"],  # tools/serve.py
     },
 )

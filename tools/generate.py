@@ -72,17 +72,30 @@ def tokenizer_of(args, saved: dict):
         vocab_size=vocab_size))
 
 
-def layout_error(saved: dict, load: str, world_size: int):
+def eod_of(tokenizer):
+    """The tokenizer's end-of-document id, or None where it has none."""
+    eod = getattr(tokenizer, "_eod", None)
+    if eod is None:
+        try:
+            eod = tokenizer.eod
+        except (ValueError, AttributeError, NotImplementedError):
+            eod = None
+    return eod
+
+
+def layout_error(saved: dict, load: str, world_size: int, tool: str = "tools/generate.py",
+                 exact: bool = False):
     """The message when ``world_size`` processes cannot run the checkpoint's TP x PP layout
-    (they must be a multiple of it), else None."""
+    (they must be a multiple of it, or equal to it when ``exact``), else None."""
     tp = saved.get("tensor_model_parallel_size", 1) or 1
     pp = saved.get("pipeline_model_parallel_size", 1) or 1
-    if world_size % (tp * pp) == 0:
+    if world_size % (tp * pp) == 0 and not (exact and world_size != tp * pp):
         return None
     return (f"the checkpoint in --load {load} is cut for tensor-parallel "
-            f"size {tp} x pipeline-parallel size {pp} and needs {tp * pp} processes (or a "
-            f"multiple); this run has {world_size}. Launch it with torchrun: torchrun "
-            f"--nproc-per-node {tp * pp} tools/generate.py --load {load} ..., or reshard it for "
+            f"size {tp} x pipeline-parallel size {pp} and needs {tp * pp} processes"
+            f"{'' if exact else ' (or a multiple)'}; this run has {world_size}. Launch it with "
+            f"torchrun: torchrun "
+            f"--nproc-per-node {tp * pp} {tool} --load {load} ..., or reshard it for "
             f"one process first: python tools/checkpoint/convert.py --loader megatron --saver "
             f"megatron --load-dir {load} --save-dir {load.rstrip('/')}_tp1pp1 "
             "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1")
@@ -112,12 +125,7 @@ def main(argv=None) -> list:
                                               saved.get("pipeline_model_parallel_size", 1))
         model, saved = load_model_for_inference(args.load, groups, device=device)
         prompts = [tokenizer.tokenize(text) for text in args.prompt]
-        eod = getattr(tokenizer, "_eod", None)
-        if eod is None:
-            try:
-                eod = tokenizer.eod
-            except (ValueError, AttributeError, NotImplementedError):
-                eod = None
+        eod = eod_of(tokenizer)
         out = generate(model, prompts, args.max_new_tokens, greedy=args.greedy,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        vocab_size=saved.get("true_vocab_size") or tokenizer.vocab_size,

@@ -159,6 +159,9 @@ class SelfAttention(torch.nn.Module):
         k = apply_rotary_pos_emb(k.view(s, b, g, d), cos, sin)
         # A copy: kept by SDPA for backward, a view would keep the whole QKV output alive.
         v = v.contiguous().view(s, b, g, d)
+        if inference_params is not None and hasattr(inference_params, "attend"):
+            # A paged KV cache (megatron.inference.engine) attends per request over its blocks.
+            return inference_params.attend(self.layer_number, q, k, v).reshape(s, b, n * d)
         if inference_params is not None:
             k, v = inference_params.append_kv(self.layer_number, k, v)
             cache_mask = inference_params.attention_mask(s, q.device)

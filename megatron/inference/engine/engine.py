@@ -1,0 +1,234 @@
+"""The inference engine: continuous batching over a paged KV cache, at any TP x PP layout.
+
+Model-parallel rank 0 schedules (:class:`~megatron.inference.engine.scheduler.Scheduler`) and
+broadcasts each step's plan over the model-parallel group; every rank runs the plan's forward;
+the last stage samples each request with its own generator and shares the tokens and
+log-probabilities back (tensor-parallel rank 0 of the last stage, then the pipeline group).
+
+Batch invariance: a request's pieces (prefill chunks, then one token per step) and its
+attention (over its own blocks, :class:`~megatron.inference.engine.paged_kv_cache.PagedStep`)
+do not depend on the other requests. With ``packed=False`` (the default) each request's piece
+runs as its own forward, so every operation sees the same shapes and its tokens and
+log-probabilities are bitwise those of the request run alone. With ``packed=True`` one forward
+carries all pieces of the step: faster, but CPU/GPU matrix products choose their blocking by the
+row count, so log-probabilities agree to fp32 rounding only (and greedy tokens except at
+near-ties).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.inference.engine.block_allocator import BlockAllocator
+from megatron.inference.engine.paged_kv_cache import PagedKVCache, PagedStep, Segment
+from megatron.inference.engine.sampling_params import SamplingParams
+from megatron.inference.engine.scheduler import PlanEntry, Request, Scheduler
+from megatron.inference.forward import forward_logits
+from megatron.inference.generation import _share_from_last_stage, sample
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token a step produced for request ``rid`` (``finish_reason`` set on its last one)."""
+
+    rid: int
+    token: int
+    logprob: float
+    finish_reason: Optional[str]
+
+
+class Engine:
+    """Continuous-batching generation for one model replica (data-parallel size 1).
+
+    Args:
+        model: this rank's stage (``LlamaModel``), in eval mode.
+        pg_collection: this rank's process groups.
+        num_blocks / block_size: the KV cache (see ``block_allocator.bytes_per_block`` for the
+            bytes a block takes).
+        max_batch_size, max_tokens_per_step, prefill_chunk: the scheduler's limits.
+        vocab_size: the true vocabulary (padding ids are never sampled); default the model's.
+        eod: end-of-document id (ends a request whose ``stop_at_eod``), or None.
+        detokenize: ids -> text, for stop strings (scheduling rank only).
+        packed: one forward per step for all requests (see the module docstring).
+        static: request-level batching (admit only into an empty batch) for comparison.
+
+    Raises:
+        ValueError: data-parallel size > 1, or bad limits.
+    """
+
+    def __init__(self, model, pg_collection, *, num_blocks: int, block_size: int = 16,
+                 max_batch_size: int = 8, max_tokens_per_step: int = 256,
+                 prefill_chunk: int = 64, vocab_size: Optional[int] = None,
+                 eod: Optional[int] = None, detokenize: Optional[Callable] = None,
+                 packed: bool = False, static: bool = False, device=None):
+        if pg_collection.dp.size > 1:
+            raise ValueError("the engine serves one model replica: launch TP x PP processes "
+                             f"(data-parallel size {pg_collection.dp.size} given)")
+        self.model = model
+        self.groups = pg_collection
+        self.cache = PagedKVCache(num_blocks, block_size)
+        self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size,
+                                   max_batch_size=max_batch_size,
+                                   max_tokens_per_step=max_tokens_per_step,
+                                   prefill_chunk=prefill_chunk, static=static)
+        self.vocab_size = (vocab_size or model.config.true_vocab_size
+                           or model.config.padded_vocab_size)
+        self.eod = eod
+        self.detokenize = detokenize
+        self.packed = packed
+        self.device = device
+        self.requests: Dict[int, Request] = {}
+        self._ids = itertools.count()
+        self._generators: Dict[int, torch.Generator] = {}
+        self._to_free: List[int] = []
+
+    # -- the scheduling rank ---------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.groups.model.rank <= 0
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Queue a request; returns its id (scheduling rank only).
+
+        Raises:
+            ValueError: an empty prompt, ids outside the vocabulary, prompt + max_tokens beyond
+                ``max_position_embeddings`` or beyond the whole KV cache.
+        """
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        limit = self.model.config.max_position_embeddings
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's context of {limit} positions")
+        request = Request(next(self._ids), prompt, params)
+        error = self.scheduler.capacity_error(request)
+        if error:
+            raise ValueError(error)
+        self.requests[request.rid] = request
+        self.scheduler.waiting.append(request)
+        return request.rid
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> List[TokenEvent]:
+        """One iteration: schedule, run, sample, retire finished requests (scheduling rank;
+        the other ranks run :meth:`follow` meanwhile)."""
+        entries = self.scheduler.plan()
+        plan = {"free": self._to_free, "entries": entries}
+        self._to_free = []
+        self._broadcast(plan)
+        sampled = self._execute(plan)
+        events = []
+        for entry, (token, logprob) in zip([e for e in entries if e.sample is not None], sampled):
+            request = self.requests[entry.rid]
+            request.computed += len(entry.tokens)
+            events.append(self._accept(request, token, logprob))
+        for entry in entries:
+            if entry.sample is None:
+                self.requests[entry.rid].computed += len(entry.tokens)
+        return events
+
+    def _accept(self, request: Request, token: int, logprob: float) -> TokenEvent:
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        request.output.append(token)
+        request.logprobs.append(logprob)
+        params = request.params
+        reason = None
+        if params.stop_at_eod and self.eod is not None and token == self.eod:
+            reason = "stop"
+        elif params.stop and self.detokenize is not None:
+            text = self.detokenize(request.output)
+            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+            if cut >= 0:
+                request.text, reason = text[:cut], "stop"
+        if reason is None and len(request.output) >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            request.finish_reason = reason
+            self.scheduler.finish(request)
+            self._to_free.append(request.rid)
+        return TokenEvent(request.rid, token, logprob, reason)
+
+    def shutdown(self) -> None:
+        """Tell the following ranks to return from :meth:`follow`."""
+        self._broadcast(None)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> List[Request]:
+        """Run ``prompts`` (one :class:`SamplingParams` each, or one for all) to completion
+        (scheduling rank); returns their finished requests in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        rids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        while any(self.requests[r].finish_reason is None for r in rids):
+            self.step()
+        return [self.requests[r] for r in rids]
+
+    # -- every rank ------------------------------------------------------------------------
+    def follow(self) -> bool:
+        """Run the scheduling rank's next step; False once it shut down (other ranks)."""
+        plan = self._broadcast(None, receive=True)
+        if plan is None:
+            return False
+        self._execute(plan)
+        return True
+
+    def _broadcast(self, plan, receive: bool = False):
+        model = self.groups.model
+        if model.size <= 1:
+            return plan
+        box = [plan]
+        dist.broadcast_object_list(box, src=model.ranks[0], group=model.group)
+        return box[0]
+
+    def _execute(self, plan) -> List[tuple]:
+        """Run the plan's forwards; returns ``[(token, logprob)]`` of its sampling entries."""
+        for rid in plan["free"]:
+            self._generators.pop(rid, None)
+        entries: List[PlanEntry] = plan["entries"]
+        if not entries:
+            return []
+        groups = [entries] if self.packed else [[e] for e in entries]
+        rows = []  # last-row logits [v] of each sampling entry, in order
+        for group in groups:
+            logits = self._forward(group)
+            offset = 0
+            for entry in group:
+                offset += len(entry.tokens)
+                if entry.sample is not None and logits is not None:
+                    rows.append(logits[0, offset - 1])
+        samplers = [e for e in entries if e.sample is not None]
+        out = torch.zeros(len(samplers), 2, dtype=torch.float64, device=self.device)
+        for i, (entry, row) in enumerate(zip(samplers, rows)):
+            p = entry.sample
+            if entry.rid not in self._generators:
+                self._generators[entry.rid] = torch.Generator(device=row.device).manual_seed(p.seed)
+            token = sample(row[None], greedy=p.greedy, temperature=p.temperature, top_k=p.top_k,
+                           top_p=p.top_p, vocab_size=self.vocab_size,
+                           generator=self._generators[entry.rid])
+            logprob = torch.log_softmax(row[:self.vocab_size].float(), dim=-1)[token]
+            out[i, 0], out[i, 1] = token.double(), logprob.double()
+        out = _share_from_last_stage(out, self.groups)
+        return [(int(t), float(lp)) for t, lp in out.tolist()]
+
+    def _forward(self, group: List[PlanEntry]):
+        segments, offset = [], 0
+        for entry in group:
+            segments.append(Segment(offset, len(entry.tokens), entry.position, entry.blocks))
+            offset += len(entry.tokens)
+        tokens = torch.tensor([[t for e in group for t in e.tokens]], dtype=torch.long,
+                              device=self.device)
+        positions = torch.tensor([[e.position + i for e in group for i in range(len(e.tokens))]],
+                                 dtype=torch.long, device=self.device)
+        return forward_logits(self.model, tokens, positions, PagedStep(self.cache, segments),
+                              pg_collection=self.groups)

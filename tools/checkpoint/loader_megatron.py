@@ -124,7 +124,8 @@ def _check_moe_args(saved: dict) -> None:
                          ("moe_router_score_function", "softmax"),
                          ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
                          ("moe_router_enable_expert_bias", False),
-                         ("moe_apply_probs_on_input", False)):
+                         ("moe_apply_probs_on_input", False),
+                         ("moe_expert_capacity_factor", None)):
         value = saved.get(key, default)
         if value not in (default, None) and not (default is False and value is False):
             raise CheckpointError(f"--{key.replace('_', '-')} {value!r} in the checkpoint's args is "

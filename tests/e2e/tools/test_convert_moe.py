@@ -264,9 +264,28 @@ def test_first_training_loss_equals_transformers(mixtral, tmp_path, pp):
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + ["--load", str(tmp_path / "ours"), "--data-path", prefix,
                           "--data-cache-path", str(tmp_path / "cache"),
-                          "--pipeline-model-parallel-size", str(pp)]
+                          "--pipeline-model-parallel-size", str(pp), "--save", str(tmp_path / "run")]
     history = run_distributed(pp, _train, argv, timeout=300)[-1]  # the last stage logs the loss
     tokens, labels = doc[None], torch.cat([doc[1:], doc[:1]])
     with torch.no_grad():
         hf_loss = torch.nn.functional.cross_entropy(model(tokens).logits[0], labels).item()
     assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
+    # The training checkpoint (its full args; lr 0 kept the weights) exports back bitwise.
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "run",
+            "--save-dir", tmp_path / "back")
+    original, exported = _safetensors(folder), _safetensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("moe_layer_freq", [1, 0]), ("expert_model_parallel_size", 2),
+    ("moe_shared_expert_intermediate_size", 32), ("moe_router_score_function", "sigmoid"),
+    ("moe_router_enable_expert_bias", True), ("moe_expert_capacity_factor", 1.0)])
+def test_megatron_moe_settings_mixtral_lacks_are_refused(key, value):
+    from megatron.checkpointing import CheckpointError
+    from tools.checkpoint.loader_megatron import _check_moe_args
+
+    _check_moe_args({"num_experts": E, "moe_layer_freq": [1, 1]})  # Mixtral's settings pass
+    with pytest.raises(CheckpointError, match=key.replace("_", "-")):
+        _check_moe_args({"num_experts": E, key: value})

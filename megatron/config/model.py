@@ -67,6 +67,10 @@ class ModelConfig:
     add_bias_linear: bool = False
     """``--disable-bias-linear`` turns it off: biases on linear layers (False for LLaMA). Flag
     default on."""
+    qk_layernorm: bool = False
+    """``--qk-layernorm``: RMSNorm of each query and key head over its ``kv_channels`` before
+    RoPE (Qwen3 / Qwen3-MoE's ``q_norm`` / ``k_norm``; Megatron-Core's ``q_layernorm`` /
+    ``k_layernorm``). Default off."""
     params_dtype: torch.dtype = torch.float32
     """Derived from ``--bf16`` / ``--fp16``: dtype of the model parameters (fp32 otherwise)."""
     tensor_model_parallel_size: int = 1

@@ -93,6 +93,10 @@ def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int) -> List[Dict[st
               "self_attention.query_key_value.weight": qkv[r],
               "self_attention.dense.weight": dense[r],
               "post_attention_layernorm.weight": layer["post_norm"]} for r in range(tp)]
+    if "q_norm" in layer:  # --qk-layernorm: [d], the same on every rank
+        for p in parts:
+            p.update({"self_attention.q_layernorm.weight": layer["q_norm"],
+                      "self_attention.k_layernorm.weight": layer["k_norm"]})
     if "router" in layer:  # a MoE layer: experts replicated over tensor ranks
         from tools.checkpoint.moe_layout import to_ours
         moe = to_ours(layer)
@@ -111,6 +115,9 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
     layer = {"input_norm": parts[0]["input_layernorm.weight"], "q": q, "k": k, "v": v,
              "o": torch.cat([p["self_attention.dense.weight"] for p in parts], 1),
              "post_norm": parts[0]["post_attention_layernorm.weight"]}
+    if meta.get("qk_layernorm"):
+        layer.update(q_norm=parts[0]["self_attention.q_layernorm.weight"],
+                     k_norm=parts[0]["self_attention.k_layernorm.weight"])
     if meta.get("num_experts"):
         from tools.checkpoint.moe_layout import from_ours
         layer.update(from_ours(parts, meta))

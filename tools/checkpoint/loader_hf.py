@@ -42,11 +42,16 @@ _REQUIRED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False, None), "m
 _MIXTRAL = {"num_local_experts", "num_experts_per_tok", "output_router_logits",
             "router_aux_loss_coef", "router_jitter_noise", "sliding_window"}
 _MIXTRAL_REQUIRED = {"router_jitter_noise": (0.0, 0, None), "sliding_window": (None,)}
+# Qwen3-MoE (Qwen3MoeForCausalLM): per-head q/k RMSNorm, routed experts on every layer
+_QWEN3_MOE = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
+              "router_aux_loss_coef", "sliding_window", "use_sliding_window", "max_window_layers"}
+_QWEN3_MOE_REQUIRED = {"decoder_sparse_step": (1, None), "mlp_only_layers": ([], None),
+                       "use_sliding_window": (False, None)}
 # model types named and refused, with what is missing (one line each)
 REFUSED_MODEL_TYPES = {
     "qwen2_moe": "Qwen2-MoE needs q/k/v biases (--add-qkv-bias) and the gated shared expert "
                  "in the converter, not implemented yet",
-    "qwen3_moe": "Qwen3-MoE needs the per-head q/k RMSNorm (--qk-layernorm), not implemented yet",
     "olmoe": "OLMoE needs q/k RMSNorm over the full projection width, not implemented yet",
     "deepseek_v3": "DeepSeek-V3's multi-latent attention (MLA) is not supported",
     "gpt_oss": "GPT-OSS's MXFP4 expert weights (and its attention sinks) are not supported",
@@ -92,10 +97,12 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     model_type = cfg.get("model_type", "llama")
     if model_type in REFUSED_MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
-    if model_type not in ("llama", "mixtral"):
-        raise ValueError(f"{path}: model_type {model_type!r} is not 'llama' or 'mixtral'")
-    moe = model_type == "mixtral"
-    required = dict(_REQUIRED_VALUES, **(_MIXTRAL_REQUIRED if moe else {}))
+    if model_type not in ("llama", "mixtral", "qwen3_moe"):
+        raise ValueError(f"{path}: model_type {model_type!r} is not 'llama', 'mixtral' or "
+                         "'qwen3_moe'")
+    moe = model_type != "llama"
+    required = dict(_REQUIRED_VALUES, **{"mixtral": _MIXTRAL_REQUIRED, "qwen3_moe":
+                                         _QWEN3_MOE_REQUIRED}.get(model_type, {}))
     for key, allowed in required.items():
         if cfg.get(key, allowed[0]) not in allowed:
             raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (only {allowed[0]!r}); "
@@ -103,7 +110,8 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     if cfg.get("attention_dropout", 0.0):
         raise ValueError(f"{path}: attention_dropout={cfg['attention_dropout']} is not converted; "
                          "set it to 0 and pass --attention-dropout when training")
-    known = _HARMLESS | _IMPLEMENTED | (_MIXTRAL if moe else set())
+    known = _HARMLESS | _IMPLEMENTED | {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE}.get(
+        model_type, set())
     unknown = sorted(k for k in cfg if k not in known)
     if unknown and not allow_unknown:
         raise ValueError(f"{path}: fields {unknown} are not implemented by this converter; "
@@ -121,7 +129,14 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
         "hf_token_ids": {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
     }
-    if moe:  # Mixtral's router: softmax of the k top logits (docs/moe.md, routing recipes)
+    if model_type == "qwen3_moe":  # norm_topk_prob False: softmax over all E (docs/moe.md)
+        meta.update(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                    moe_router_topk=cfg["num_experts_per_tok"],
+                    moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                    moe_router_pre_softmax=not cfg.get("norm_topk_prob", False),
+                    moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.0),
+                    hf_architecture="qwen3_moe", qk_layernorm=True)
+    elif moe:  # Mixtral's router: softmax of the k top logits (docs/moe.md, routing recipes)
         meta.update(num_experts=cfg["num_local_experts"], moe_router_topk=cfg["num_experts_per_tok"],
                     moe_ffn_hidden_size=cfg["intermediate_size"], moe_router_pre_softmax=False,
                     moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.0), hf_architecture="mixtral")
@@ -194,8 +209,9 @@ def load_checkpoint(args):
 
 
 def _router_name(keys, i: int) -> str:
-    """The router weight of MoE layer ``i``: ``block_sparse_moe.gate.weight`` (the Hub's files)
-    or ``mlp.gate.weight`` (transformers 5's in-memory name), exactly one of them."""
+    """The router weight of MoE layer ``i``: Mixtral's ``block_sparse_moe.gate.weight`` (the
+    Hub's files) or ``mlp.gate.weight`` (transformers 5's in-memory name; Qwen3-MoE's), exactly
+    one of them."""
     found = [n for n in (f"model.layers.{i}.block_sparse_moe.gate.weight",
                          f"model.layers.{i}.mlp.gate.weight") if n in keys]
     if len(found) != 1:
@@ -209,6 +225,8 @@ def _stream(weights: HFWeights, meta: dict):
     names = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
              "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
              "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight"}
+    if meta.get("qk_layernorm"):
+        names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
     if moe_layout.is_moe(meta):
         keys = weights.keys()
         index = moe_layout.hf_expert_index(keys)

@@ -94,7 +94,7 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-        "tokenizer_type", "tokenizer_model", "hf_token_ids", *MOE_ARGS)}
+        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", *MOE_ARGS)}
     if meta["num_experts"]:
         _check_moe_args(saved)
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]

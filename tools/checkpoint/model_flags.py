@@ -60,6 +60,8 @@ def pretrain_flags(saved: dict) -> list[str]:
                   saved["rope_scaling_original_max_position_embeddings"]]
     if saved.get("untie_embeddings_and_output_weights"):
         flags.append("--untie-embeddings-and-output-weights")
+    if saved.get("qk_layernorm"):
+        flags.append("--qk-layernorm")
     flags += moe_flags(saved)
     flags += ["--hidden-dropout", "0", "--attention-dropout", "0",
               "--make-vocab-size-divisible-by", saved["make_vocab_size_divisible_by"],

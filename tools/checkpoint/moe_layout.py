@@ -26,9 +26,15 @@ from typing import Dict, List
 import torch
 
 MOE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
-# Hub per-expert names (Mixtral's w1 = gate, w3 = up, w2 = down)
-HF_EXPERT_PARTS = {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down"}
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# Hub per-expert names per architecture: the block's prefix and the parts (Mixtral's w1 = gate,
+# w3 = up, w2 = down; Qwen3-MoE's gate_proj / up_proj / down_proj)
+HF_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down"}),
+    "qwen3_moe": ("mlp", {"gate_proj": "experts_gate", "up_proj": "experts_up",
+                          "down_proj": "experts_down"}),
+}
+HF_EXPERT_PARTS = HF_EXPERT_NAMES["mixtral"][1]
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
 _HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -80,11 +86,12 @@ def read_hf_experts(index: Dict[int, dict], layer: int, meta: dict, get) -> Dict
             expert.
     """
     E, f, h = meta["num_experts"], meta["moe_ffn_hidden_size"], meta["hidden_size"]
+    block, part_names = HF_EXPERT_NAMES[meta.get("hf_architecture") or "mixtral"]
     entry = index.get(layer, {"per_expert": {}, "fused": {}})
     per, fused = entry["per_expert"], entry["fused"]
     where = f"layer {layer}"
     if per and fused:
-        raise ExpertError(f"{where}: experts stored twice, per expert (block_sparse_moe.experts.*) "
+        raise ExpertError(f"{where}: experts stored twice, per expert ({block}.experts.*) "
                           f"and fused (mlp.experts.{'/'.join(sorted(fused))}); expert 0 would be "
                           "read twice: keep one layout")
     if fused:
@@ -105,15 +112,15 @@ def read_hf_experts(index: Dict[int, dict], layer: int, meta: dict, get) -> Dict
                           f"{E} experts (indices 0..{E - 1})")
     parts = {k: [] for k in HF_EXPERT_PARTS.values()}
     for e in range(E):
-        for part, key in HF_EXPERT_PARTS.items():
+        for part, key in part_names.items():
             names = per.get(e, {}).get(part, [])
             if not names:
-                raise ExpertError(f"{where}, expert {e}: block_sparse_moe.experts.{e}.{part}.weight "
+                raise ExpertError(f"{where}, expert {e}: {block}.experts.{e}.{part}.weight "
                                   "is missing")
             if len(names) > 1:
                 raise ExpertError(f"{where}, expert {e}: {part} stored {len(names)} times")
             t = get(names[0])
-            want = (h, f) if part == "w2" else (f, h)
+            want = (h, f) if key == "experts_down" else (f, h)
             if tuple(t.shape) != want:
                 raise ExpertError(f"{where}, expert {e}: {names[0]} has shape {tuple(t.shape)}, "
                                   f"expected {want}")

@@ -87,9 +87,22 @@ def mixtral_config(meta: dict) -> dict:
         ValueError: MoE settings Mixtral cannot express (its router is the softmax of the k top
             logits; every expert and the dense width are one ``intermediate_size``).
     """
+    if meta.get("hf_architecture") == "qwen3_moe":
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "intermediate_size": meta["ffn_hidden_size"],
+                "moe_intermediate_size": meta["moe_ffn_hidden_size"],
+                "num_experts": meta["num_experts"], "num_local_experts": meta["num_experts"],
+                "num_experts_per_tok": meta["moe_router_topk"],
+                "norm_topk_prob": not meta.get("moe_router_pre_softmax"),
+                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "router_aux_loss_coef": meta.get("moe_aux_loss_coeff") or 0.0,
+                "output_router_logits": False, "use_sliding_window": False,
+                "sliding_window": None}
     if meta.get("moe_router_pre_softmax"):
         raise ValueError("--saver hf: --moe-router-pre-softmax (softmax over all experts, no "
                          "renormalisation) is not Mixtral's router; not exported")
+    if meta.get("qk_layernorm"):
+        raise ValueError("--saver hf: Mixtral has no q/k layernorm (--qk-layernorm); not exported")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "intermediate_size": meta["moe_ffn_hidden_size"],
             "num_local_experts": meta["num_experts"], "num_experts_per_tok": meta["moe_router_topk"],
@@ -97,14 +110,16 @@ def mixtral_config(meta: dict) -> dict:
             "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
 
 
-def moe_tensors(layer: int, payload: dict):
+def moe_tensors(layer: int, payload: dict, architecture: str = "mixtral"):
     """``(name, tensor)`` of a MoE layer's router and experts in the Hub's per-expert on-disk
-    layout (``block_sparse_moe.experts.{e}.w1 / w2 / w3.weight``, read by every transformers
+    layout (Mixtral's ``block_sparse_moe.experts.{e}.w1 / w2 / w3.weight``, Qwen3-MoE's
+    ``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight``, read by every transformers
     version's ``from_pretrained``)."""
-    prefix = f"model.layers.{layer}.block_sparse_moe"
+    block, parts = moe_layout.HF_EXPERT_NAMES[architecture]
+    prefix = f"model.layers.{layer}.{block}"
     yield f"{prefix}.gate.weight", payload["router"]
     for e in range(payload["experts_gate"].shape[0]):
-        for part, key in moe_layout.HF_EXPERT_PARTS.items():
+        for part, key in parts.items():
             yield f"{prefix}.experts.{e}.{part}.weight", payload[key][e]
 
 
@@ -208,8 +223,12 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             if moe_layout.is_moe(meta):
                 dense = {k: v for k, v in _HF_LAYER.items() if k not in ("gate", "up", "down")}
                 experts.layer(layer, payload, payload.get("expert_checksums"))
-                for name, tensor in moe_tensors(layer, payload):
+                for name, tensor in moe_tensors(layer, payload,
+                                                meta.get("hf_architecture") or "mixtral"):
                     writer.add(name, tensor.to(dtype))
+            if meta.get("qk_layernorm"):
+                dense = dict(dense, q_norm="self_attn.q_norm.weight",
+                             k_norm="self_attn.k_norm.weight")
             for key, name in dense.items():
                 writer.add(f"model.layers.{layer}.{name}", payload[key].to(dtype))
             layer += 1

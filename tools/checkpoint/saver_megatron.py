@@ -79,7 +79,7 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
-        **moe_args(meta),
+        "qk_layernorm": bool(meta.get("qk_layernorm")), **moe_args(meta),
     }
 
 

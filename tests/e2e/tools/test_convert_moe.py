@@ -65,6 +65,7 @@ def _logits_rank(tp, pp, load_dir, tokens):
     config = model_config_from_args(saved)
     moe = MoEConfig(num_experts=saved["num_experts"], moe_ffn_hidden_size=saved["moe_ffn_hidden_size"],
                     moe_router_topk=saved["moe_router_topk"],
+                    moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
                     moe_layer_freq=(1,) * saved["num_layers"])
     model = LlamaModel(config, pg_collection=groups, pre_process=groups.is_pipeline_first_stage(),
                        post_process=groups.is_pipeline_last_stage(),
@@ -227,7 +228,7 @@ def test_saver_gate_catches_an_altered_or_missing_expert(mixtral, tmp_path):
 
 @pytest.mark.parametrize("model_type,words", [
     ("deepseek_v3", "multi-latent attention"), ("gpt_oss", "MXFP4"), ("llama4", "Llama 4"),
-    ("qwen2_moe", "--add-qkv-bias"), ("qwen3_moe", "--qk-layernorm"), ("olmoe", "q/k RMSNorm")])
+    ("qwen2_moe", "--add-qkv-bias"), ("olmoe", "q/k RMSNorm")])
 def test_unsupported_moe_families_are_refused_in_one_line(model_type, words):
     with pytest.raises(ValueError, match=words) as info:
         loader_hf.meta_from_hf_config({"model_type": model_type})
@@ -289,3 +290,77 @@ def test_megatron_moe_settings_mixtral_lacks_are_refused(key, value):
     _check_moe_args({"num_experts": E, "moe_layer_freq": [1, 1]})  # Mixtral's settings pass
     with pytest.raises(CheckpointError, match=key.replace("_", "-")):
         _check_moe_args({"num_experts": E, key: value})
+
+
+def make_qwen3_moe(folder: str, norm_topk_prob: bool):
+    """A random fp32 Qwen3-MoE (per-head q/k RMSNorm, 4 experts of width 48, top-2), std-0.2
+    weights and random norm weights, saved with ``save_pretrained``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(2)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
+                            moe_intermediate_size=F, num_hidden_layers=2, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=8, num_experts=E,
+                            num_experts_per_tok=K, norm_topk_prob=norm_topk_prob,
+                            max_position_embeddings=128, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_logits_round_trip_and_first_loss(norm_topk_prob, tmp_path, capsys):
+    """Qwen3-MoE: logits equal transformers' at TP1 and PP2, the printed flags carry
+    --qk-layernorm (and --moe-router-pre-softmax for norm_topk_prob=False), the first loss
+    equals transformers', and HF -> ours (PP2) -> HF is bitwise."""
+    folder = str(tmp_path / "hf")
+    model = make_qwen3_moe(folder, norm_topk_prob)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    for pp in (1, 2):
+        out = tmp_path / f"pp{pp}"
+        convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir", out,
+                "--target-pipeline-parallel-size", pp)
+        printed = capsys.readouterr().out
+        assert "--qk-layernorm" in printed
+        assert ("--moe-router-pre-softmax" in printed) == (not norm_topk_prob)
+        logits = next(o for o in run_distributed(pp, _logits_rank, 1, pp, str(out), tokens)
+                      if o is not None)[..., :VOCAB]
+        assert expected.abs().max() > 1.0
+        assert (logits - expected).abs().max().item() <= 1e-4
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "pp2", "--save-dir",
+            tmp_path / "back")
+    original, exported = _safetensors(folder), _safetensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert reloaded.config.norm_topk_prob == norm_topk_prob
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, expected)
+    prefix = str(tmp_path / "data")
+    doc = one_document_dataset(prefix, SEQ, VOCAB)
+    argv = TRAIN_FLAGS + ["--load", str(tmp_path / "pp1"), "--data-path", prefix,
+                          "--data-cache-path", str(tmp_path / "cache"), "--qk-layernorm"]
+    argv += [] if norm_topk_prob else ["--moe-router-pre-softmax"]
+    history = run_distributed(1, _train, argv, timeout=300)[-1]
+    labels = torch.cat([doc[1:], doc[:1]])
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(model(doc[None]).logits[0], labels).item()
+    assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
+
+
+def test_qk_layernorm_is_refused_at_tp2_naming_the_flag():
+    from megatron.config import ModelConfig
+    from megatron.model.attention import SelfAttention
+
+    config = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
+                         num_query_groups=2, kv_channels=8, padded_vocab_size=256,
+                         max_position_embeddings=64, qk_layernorm=True, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="--qk-layernorm at --tensor-model-parallel-size 2"):
+        SelfAttention(config, 1, pg_collection=None)

@@ -20,6 +20,13 @@ transformers = pytest.importorskip("transformers")
 VOCAB, E, K, F = 256, 4, 2, 48
 
 
+def _randomize(model) -> None:
+    """Weights of std 0.2 (attention and routing far from uniform), norm weights 1 +- 0.1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
+
+
 def make_mixtral(folder: str, layers: int = 2):
     """A random fp32 Mixtral (8 heads in 2 groups, 4 experts of width 48, top-2) with weights of
     std 0.2 (so attention and routing are far from uniform), saved with ``save_pretrained``."""
@@ -32,9 +39,7 @@ def make_mixtral(folder: str, layers: int = 2):
                            max_position_embeddings=128, rms_norm_eps=1e-6,
                            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     model = MixtralForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
+    _randomize(model)
     model.save_pretrained(folder)
     return model
 
@@ -306,9 +311,7 @@ def make_qwen3_moe(folder: str, norm_topk_prob: bool):
                             tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
+    _randomize(model)
     model.save_pretrained(folder)
     return model
 

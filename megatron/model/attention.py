@@ -101,7 +101,8 @@ class SelfAttention(torch.nn.Module):
                   for r, name in zip(rows, ("query", "key", "value"))]
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, sum(rows), gather_output=False,
-            init_method=fused_init_method(blocks, tp), **common)
+            init_method=fused_init_method(blocks, tp),
+            **dict(common, bias=config.add_bias_linear or config.add_qkv_bias))
         self.dense = RowParallelLinear(
             config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
             init_method=normal_block_init(scaled_std(std, config.num_layers), seed, layer_number,

@@ -93,6 +93,9 @@ def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int) -> List[Dict[st
               "self_attention.query_key_value.weight": qkv[r],
               "self_attention.dense.weight": dense[r],
               "post_attention_layernorm.weight": layer["post_norm"]} for r in range(tp)]
+    if "q_bias" in layer:  # --add-qkv-bias: fused like the weight
+        for r, b in enumerate(fuse_qkv(layer["q_bias"], layer["k_bias"], layer["v_bias"], tp)):
+            parts[r]["self_attention.query_key_value.bias"] = b
     if "q_norm" in layer:  # --qk-layernorm: [d], the same on every rank
         for p in parts:
             p.update({"self_attention.q_layernorm.weight": layer["q_norm"],
@@ -115,6 +118,10 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
     layer = {"input_norm": parts[0]["input_layernorm.weight"], "q": q, "k": k, "v": v,
              "o": torch.cat([p["self_attention.dense.weight"] for p in parts], 1),
              "post_norm": parts[0]["post_attention_layernorm.weight"]}
+    if meta.get("add_qkv_bias"):
+        layer["q_bias"], layer["k_bias"], layer["v_bias"] = unfuse_qkv(
+            [p["self_attention.query_key_value.bias"] for p in parts], meta["num_attention_heads"],
+            meta["num_query_groups"], meta["kv_channels"])
     if meta.get("qk_layernorm"):
         layer.update(q_norm=parts[0]["self_attention.q_layernorm.weight"],
                      k_norm=parts[0]["self_attention.k_layernorm.weight"])

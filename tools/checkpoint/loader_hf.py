@@ -48,10 +48,10 @@ _QWEN3_MOE = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_in
               "router_aux_loss_coef", "sliding_window", "use_sliding_window", "max_window_layers"}
 _QWEN3_MOE_REQUIRED = {"decoder_sparse_step": (1, None), "mlp_only_layers": ([], None),
                        "use_sliding_window": (False, None)}
+_QWEN2_MOE = _QWEN3_MOE | {"shared_expert_intermediate_size", "qkv_bias", "layer_types"}
+_QWEN2_MOE_REQUIRED = dict(_QWEN3_MOE_REQUIRED, layer_types=(None, "full_attention"))
 # model types named and refused, with what is missing (one line each)
 REFUSED_MODEL_TYPES = {
-    "qwen2_moe": "Qwen2-MoE needs q/k/v biases (--add-qkv-bias) and the gated shared expert "
-                 "in the converter, not implemented yet",
     "olmoe": "OLMoE needs q/k RMSNorm over the full projection width, not implemented yet",
     "deepseek_v3": "DeepSeek-V3's multi-latent attention (MLA) is not supported",
     "gpt_oss": "GPT-OSS's MXFP4 expert weights (and its attention sinks) are not supported",
@@ -97,12 +97,17 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     model_type = cfg.get("model_type", "llama")
     if model_type in REFUSED_MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
-    if model_type not in ("llama", "mixtral", "qwen3_moe"):
-        raise ValueError(f"{path}: model_type {model_type!r} is not 'llama', 'mixtral' or "
-                         "'qwen3_moe'")
+    if model_type not in ("llama", "mixtral", "qwen2_moe", "qwen3_moe"):
+        raise ValueError(f"{path}: model_type {model_type!r} is not 'llama', 'mixtral', "
+                         "'qwen2_moe' or 'qwen3_moe'")
+    if model_type == "qwen2_moe" and any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise ValueError(f"{path}: layer_types {cfg['layer_types']!r}: sliding-window layers are "
+                         "not supported")
     moe = model_type != "llama"
     required = dict(_REQUIRED_VALUES, **{"mixtral": _MIXTRAL_REQUIRED, "qwen3_moe":
-                                         _QWEN3_MOE_REQUIRED}.get(model_type, {}))
+                                         _QWEN3_MOE_REQUIRED, "qwen2_moe": {
+                                             k: v for k, v in _QWEN2_MOE_REQUIRED.items()
+                                             if k != "layer_types"}}.get(model_type, {}))
     for key, allowed in required.items():
         if cfg.get(key, allowed[0]) not in allowed:
             raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (only {allowed[0]!r}); "
@@ -110,8 +115,8 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     if cfg.get("attention_dropout", 0.0):
         raise ValueError(f"{path}: attention_dropout={cfg['attention_dropout']} is not converted; "
                          "set it to 0 and pass --attention-dropout when training")
-    known = _HARMLESS | _IMPLEMENTED | {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE}.get(
-        model_type, set())
+    known = _HARMLESS | _IMPLEMENTED | {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE,
+                                        "qwen2_moe": _QWEN2_MOE}.get(model_type, set())
     unknown = sorted(k for k in cfg if k not in known)
     if unknown and not allow_unknown:
         raise ValueError(f"{path}: fields {unknown} are not implemented by this converter; "
@@ -129,14 +134,17 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
         "hf_token_ids": {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
     }
-    if model_type == "qwen3_moe":  # norm_topk_prob False: softmax over all E (docs/moe.md)
+    if model_type in ("qwen2_moe", "qwen3_moe"):  # norm_topk_prob False: softmax over all E
         meta.update(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
                     moe_router_topk=cfg["num_experts_per_tok"],
                     moe_ffn_hidden_size=cfg["moe_intermediate_size"],
                     moe_router_pre_softmax=not cfg.get("norm_topk_prob", False),
                     moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.0),
-                    hf_architecture="qwen3_moe", qk_layernorm=True)
-    elif moe:  # Mixtral's router: softmax of the k top logits (docs/moe.md, routing recipes)
+                    hf_architecture=model_type, qk_layernorm=model_type == "qwen3_moe")
+    if model_type == "qwen2_moe":  # q/k/v biases; a shared expert with a sigmoid gate
+        meta.update(add_qkv_bias=bool(cfg.get("qkv_bias", True)), moe_shared_expert_gate=True,
+                    moe_shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"])
+    if model_type == "mixtral":  # Mixtral's router: softmax of the k top logits (docs/moe.md, routing recipes)
         meta.update(num_experts=cfg["num_local_experts"], moe_router_topk=cfg["num_experts_per_tok"],
                     moe_ffn_hidden_size=cfg["intermediate_size"], moe_router_pre_softmax=False,
                     moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.0), hf_architecture="mixtral")
@@ -227,6 +235,11 @@ def _stream(weights: HFWeights, meta: dict):
              "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight"}
     if meta.get("qk_layernorm"):
         names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
+    if meta.get("add_qkv_bias"):
+        names.update(q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
+                     v_bias="self_attn.v_proj.bias")
+    if meta.get("moe_shared_expert_intermediate_size"):
+        names.update(moe_layout.HF_SHARED)
     if moe_layout.is_moe(meta):
         keys = weights.keys()
         index = moe_layout.hf_expert_index(keys)

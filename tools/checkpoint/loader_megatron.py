@@ -94,7 +94,7 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", *MOE_ARGS)}
+        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "add_qkv_bias", *MOE_ARGS)}
     if meta["num_experts"]:
         _check_moe_args(saved)
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]
@@ -120,7 +120,6 @@ def _check_moe_args(saved: dict) -> None:
         raise CheckpointError(f"--moe-layer-freq {freq!r}: only checkpoints with every layer MoE "
                               "are converted")
     for key, default in (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", 1),
-                         ("moe_shared_expert_intermediate_size", None),
                          ("moe_router_score_function", "softmax"),
                          ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
                          ("moe_router_enable_expert_bias", False),
@@ -129,7 +128,7 @@ def _check_moe_args(saved: dict) -> None:
         value = saved.get(key, default)
         if value not in (default, None) and not (default is False and value is False):
             raise CheckpointError(f"--{key.replace('_', '-')} {value!r} in the checkpoint's args is "
-                                  "not converted (Mixtral's router and experts at "
+                                  "not converted (the Mixtral / Qwen-MoE routers and experts at "
                                   "expert-parallel size 1 only)")
 
 

@@ -62,6 +62,8 @@ def pretrain_flags(saved: dict) -> list[str]:
         flags.append("--untie-embeddings-and-output-weights")
     if saved.get("qk_layernorm"):
         flags.append("--qk-layernorm")
+    if saved.get("add_qkv_bias"):
+        flags.append("--add-qkv-bias")
     flags += moe_flags(saved)
     flags += ["--hidden-dropout", "0", "--attention-dropout", "0",
               "--make-vocab-size-divisible-by", saved["make_vocab_size_divisible_by"],
@@ -81,6 +83,11 @@ def moe_flags(saved: dict) -> list:
              "--moe-router-topk", saved.get("moe_router_topk", 2)]
     if saved.get("moe_router_pre_softmax"):
         flags.append("--moe-router-pre-softmax")
+    if saved.get("moe_shared_expert_intermediate_size"):
+        flags += ["--moe-shared-expert-intermediate-size",
+                  saved["moe_shared_expert_intermediate_size"]]
+        if saved.get("moe_shared_expert_gate"):
+            flags.append("--moe-shared-expert-gate")
     if saved.get("moe_aux_loss_coeff"):
         flags += ["--moe-aux-loss-coeff", _number(saved["moe_aux_loss_coeff"])]
     return flags

@@ -33,6 +33,12 @@ HF_EXPERT_NAMES = {
     "qwen3_moe": ("mlp", {"gate_proj": "experts_gate", "up_proj": "experts_up",
                           "down_proj": "experts_down"}),
 }
+HF_EXPERT_NAMES["qwen2_moe"] = HF_EXPERT_NAMES["qwen3_moe"]
+# Qwen2-MoE's shared expert and its sigmoid gate: logical key -> HF name under the layer
+HF_SHARED = {"shared_gate": "mlp.shared_expert.gate_proj.weight",
+             "shared_up": "mlp.shared_expert.up_proj.weight",
+             "shared_down": "mlp.shared_expert.down_proj.weight",
+             "shared_expert_gate": "mlp.shared_expert_gate.weight"}
 HF_EXPERT_PARTS = HF_EXPERT_NAMES["mixtral"][1]
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
 _HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -180,9 +186,15 @@ class ExpertGate:
 
 def to_ours(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Our MoE MLP tensors (keys relative to the layer) from the logical ones."""
-    return {"mlp.router.weight": layer["router"],
-            "mlp.experts.weight1": torch.cat([layer["experts_gate"], layer["experts_up"]], 1),
-            "mlp.experts.weight2": layer["experts_down"]}
+    out = {"mlp.router.weight": layer["router"],
+           "mlp.experts.weight1": torch.cat([layer["experts_gate"], layer["experts_up"]], 1),
+           "mlp.experts.weight2": layer["experts_down"]}
+    if "shared_gate" in layer:  # the shared expert: linear_fc1 = [gate; up], the gate [1, h]
+        out.update({"mlp.shared_experts.linear_fc1": torch.cat([layer["shared_gate"],
+                                                                 layer["shared_up"]], 0),
+                    "mlp.shared_experts.linear_fc2": layer["shared_down"],
+                    "mlp.shared_experts.gate_weight": layer["shared_expert_gate"]})
+    return out
 
 
 def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "") -> Dict[str, torch.Tensor]:
@@ -192,6 +204,10 @@ def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "")
         ExpertError: a shard lacks the experts, or two tensor ranks hold different copies.
     """
     names = ("mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2")
+    shared = meta.get("moe_shared_expert_intermediate_size")
+    if shared:
+        names += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2",
+                  "mlp.shared_experts.gate_weight")
     for r, p in enumerate(parts):
         for name in names:
             if name not in p:
@@ -201,5 +217,11 @@ def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "")
                                   "(experts are replicated over tensor ranks here)")
     f = meta["moe_ffn_hidden_size"]
     w1 = parts[0]["mlp.experts.weight1"]
-    return {"router": parts[0]["mlp.router.weight"], "experts_gate": w1[:, :f],
-            "experts_up": w1[:, f:], "experts_down": parts[0]["mlp.experts.weight2"]}
+    out = {"router": parts[0]["mlp.router.weight"], "experts_gate": w1[:, :f],
+           "experts_up": w1[:, f:], "experts_down": parts[0]["mlp.experts.weight2"]}
+    if shared:
+        fc1 = parts[0]["mlp.shared_experts.linear_fc1"]
+        out.update(shared_gate=fc1[:shared], shared_up=fc1[shared:],
+                   shared_down=parts[0]["mlp.shared_experts.linear_fc2"],
+                   shared_expert_gate=parts[0]["mlp.shared_experts.gate_weight"])
+    return out

@@ -87,7 +87,26 @@ def mixtral_config(meta: dict) -> dict:
         ValueError: MoE settings Mixtral cannot express (its router is the softmax of the k top
             logits; every expert and the dense width are one ``intermediate_size``).
     """
-    if meta.get("hf_architecture") == "qwen3_moe":
+    arch = meta.get("hf_architecture")
+    shared = meta.get("moe_shared_expert_intermediate_size")
+    if arch == "qwen2_moe" or shared:
+        if not (shared and meta.get("moe_shared_expert_gate")) or meta.get("qk_layernorm"):
+            raise ValueError("--saver hf: a shared expert is exported as Qwen2-MoE, which needs "
+                             "--moe-shared-expert-gate and no --qk-layernorm")
+        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                "intermediate_size": meta["ffn_hidden_size"],
+                "moe_intermediate_size": meta["moe_ffn_hidden_size"],
+                "shared_expert_intermediate_size": shared, "qkv_bias": bool(meta.get("add_qkv_bias")),
+                "num_experts": meta["num_experts"],
+                "num_experts_per_tok": meta["moe_router_topk"],
+                "norm_topk_prob": not meta.get("moe_router_pre_softmax"),
+                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "router_aux_loss_coef": meta.get("moe_aux_loss_coeff") or 0.0,
+                "output_router_logits": False, "use_sliding_window": False}
+    if meta.get("add_qkv_bias"):
+        raise ValueError("--saver hf: q/k/v biases (--add-qkv-bias) without a shared expert: no "
+                         "exported architecture has them; not exported")
+    if arch == "qwen3_moe":
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "intermediate_size": meta["ffn_hidden_size"],
                 "moe_intermediate_size": meta["moe_ffn_hidden_size"],
@@ -226,6 +245,11 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                 for name, tensor in moe_tensors(layer, payload,
                                                 meta.get("hf_architecture") or "mixtral"):
                     writer.add(name, tensor.to(dtype))
+            if meta.get("add_qkv_bias"):
+                dense = dict(dense, q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
+                             v_bias="self_attn.v_proj.bias")
+            if meta.get("moe_shared_expert_intermediate_size"):
+                dense = dict(dense, **moe_layout.HF_SHARED)
             if meta.get("qk_layernorm"):
                 dense = dict(dense, q_norm="self_attn.q_norm.weight",
                              k_norm="self_attn.k_norm.weight")

@@ -79,12 +79,14 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
-        "qk_layernorm": bool(meta.get("qk_layernorm")), **moe_args(meta),
+        "qk_layernorm": bool(meta.get("qk_layernorm")),
+        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta),
     }
 
 
 MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
-            "moe_aux_loss_coeff", "hf_architecture")
+            "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+            "hf_architecture")
 
 
 def moe_args(meta: dict) -> dict:

@@ -71,6 +71,8 @@ def _logits_rank(tp, pp, load_dir, tokens):
     moe = MoEConfig(num_experts=saved["num_experts"], moe_ffn_hidden_size=saved["moe_ffn_hidden_size"],
                     moe_router_topk=saved["moe_router_topk"],
                     moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
+                    moe_shared_expert_intermediate_size=saved.get("moe_shared_expert_intermediate_size"),
+                    moe_shared_expert_gate=bool(saved.get("moe_shared_expert_gate")),
                     moe_layer_freq=(1,) * saved["num_layers"])
     model = LlamaModel(config, pg_collection=groups, pre_process=groups.is_pipeline_first_stage(),
                        post_process=groups.is_pipeline_last_stage(),
@@ -233,7 +235,7 @@ def test_saver_gate_catches_an_altered_or_missing_expert(mixtral, tmp_path):
 
 @pytest.mark.parametrize("model_type,words", [
     ("deepseek_v3", "multi-latent attention"), ("gpt_oss", "MXFP4"), ("llama4", "Llama 4"),
-    ("qwen2_moe", "--add-qkv-bias"), ("olmoe", "q/k RMSNorm")])
+    ("olmoe", "q/k RMSNorm")])
 def test_unsupported_moe_families_are_refused_in_one_line(model_type, words):
     with pytest.raises(ValueError, match=words) as info:
         loader_hf.meta_from_hf_config({"model_type": model_type})
@@ -286,7 +288,7 @@ def test_first_training_loss_equals_transformers(mixtral, tmp_path, pp):
 
 @pytest.mark.parametrize("key,value", [
     ("moe_layer_freq", [1, 0]), ("expert_model_parallel_size", 2),
-    ("moe_shared_expert_intermediate_size", 32), ("moe_router_score_function", "sigmoid"),
+    ("moe_apply_probs_on_input", True), ("moe_router_score_function", "sigmoid"),
     ("moe_router_enable_expert_bias", True), ("moe_expert_capacity_factor", 1.0)])
 def test_megatron_moe_settings_mixtral_lacks_are_refused(key, value):
     from megatron.checkpointing import CheckpointError
@@ -297,43 +299,63 @@ def test_megatron_moe_settings_mixtral_lacks_are_refused(key, value):
         _check_moe_args({"num_experts": E, key: value})
 
 
-def make_qwen3_moe(folder: str, norm_topk_prob: bool):
-    """A random fp32 Qwen3-MoE (per-head q/k RMSNorm, 4 experts of width 48, top-2), std-0.2
-    weights and random norm weights, saved with ``save_pretrained``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+SHARED = 40  # Qwen2-MoE's shared expert width
+
+
+def make_qwen_moe(folder: str, family: str, norm_topk_prob: bool):
+    """A random fp32 Qwen3-MoE (per-head q/k RMSNorm) or Qwen2-MoE (q/k/v biases, a shared expert
+    of width 40 with its sigmoid gate), 4 experts of width 48, top-2, std-0.2 weights and random
+    norm weights, saved with ``save_pretrained``; returns the model."""
+    from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(2)
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
+    config_class, model_class = ((Qwen3MoeConfig, Qwen3MoeForCausalLM) if family == "qwen3_moe"
+                                 else (Qwen2MoeConfig, Qwen2MoeForCausalLM))
+    extra = {} if family == "qwen3_moe" else {"shared_expert_intermediate_size": SHARED}
+    config = config_class(**extra, vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
                             moe_intermediate_size=F, num_hidden_layers=2, num_attention_heads=8,
                             num_key_value_heads=2, head_dim=8, num_experts=E,
                             num_experts_per_tok=K, norm_topk_prob=norm_topk_prob,
                             max_position_embeddings=128, rms_norm_eps=1e-6,
                             tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    model = Qwen3MoeForCausalLM(config).eval()
+    model = model_class(config).eval()
     _randomize(model)
     model.save_pretrained(folder)
     return model
 
 
+FAMILY_FLAGS = {"qwen3_moe": ["--qk-layernorm"],
+                "qwen2_moe": ["--add-qkv-bias", "--moe-shared-expert-intermediate-size", str(SHARED),
+                              "--moe-shared-expert-gate"]}
+
+FAMILY_PRINTED = {"qwen3_moe": ["--qk-layernorm"],
+                  "qwen2_moe": ["--add-qkv-bias", f"--moe-shared-expert-intermediate-size {SHARED} "
+                                "--moe-shared-expert-gate"]}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_qwen3_moe_logits_round_trip_and_first_loss(norm_topk_prob, tmp_path, capsys):
-    """Qwen3-MoE: logits equal transformers' at TP1 and PP2, the printed flags carry
-    --qk-layernorm (and --moe-router-pre-softmax for norm_topk_prob=False), the first loss
-    equals transformers', and HF -> ours (PP2) -> HF is bitwise."""
+def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_path, capsys):
+    """Qwen3-MoE and Qwen2-MoE: logits equal transformers' at TP1 and PP2 (Qwen2-MoE also TP2),
+    the printed flags carry the family's flags (and --moe-router-pre-softmax for
+    norm_topk_prob=False), the first loss equals transformers', and HF -> ours (PP2) -> HF is
+    bitwise."""
     folder = str(tmp_path / "hf")
-    model = make_qwen3_moe(folder, norm_topk_prob)
+    model = make_qwen_moe(folder, family, norm_topk_prob)
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(tokens).logits
-    for pp in (1, 2):
-        out = tmp_path / f"pp{pp}"
+    layouts = [(1, 1), (1, 2)] + ([(2, 1)] if family == "qwen2_moe" else [])
+    for tp, pp in layouts:
+        out = tmp_path / f"pp{pp}" if tp == 1 else tmp_path / "tp2"
         convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir", out,
-                "--target-pipeline-parallel-size", pp)
+                "--target-pipeline-parallel-size", pp, "--target-tensor-parallel-size", tp)
         printed = capsys.readouterr().out
-        assert "--qk-layernorm" in printed
+        assert all(f in printed for f in FAMILY_PRINTED[family]), printed
         assert ("--moe-router-pre-softmax" in printed) == (not norm_topk_prob)
-        logits = next(o for o in run_distributed(pp, _logits_rank, 1, pp, str(out), tokens)
+        logits = next(o for o in run_distributed(tp * pp, _logits_rank, tp, pp, str(out), tokens)
                       if o is not None)[..., :VOCAB]
         assert expected.abs().max() > 1.0
         assert (logits - expected).abs().max().item() <= 1e-4
@@ -342,14 +364,14 @@ def test_qwen3_moe_logits_round_trip_and_first_loss(norm_topk_prob, tmp_path, ca
     original, exported = _safetensors(folder), _safetensors(tmp_path / "back")
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
-    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    reloaded = type(model).from_pretrained(str(tmp_path / "back")).eval()
     assert reloaded.config.norm_topk_prob == norm_topk_prob
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, expected)
     prefix = str(tmp_path / "data")
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + ["--load", str(tmp_path / "pp1"), "--data-path", prefix,
-                          "--data-cache-path", str(tmp_path / "cache"), "--qk-layernorm"]
+                          "--data-cache-path", str(tmp_path / "cache")] + FAMILY_FLAGS[family]
     argv += [] if norm_topk_prob else ["--moe-router-pre-softmax"]
     history = run_distributed(1, _train, argv, timeout=300)[-1]
     labels = torch.cat([doc[1:], doc[:1]])

@@ -94,7 +94,7 @@ def test_mixtral_logits_equal_transformers(mixtral, tp, pp, tmp_path):
     logits = next(o for o in out if o is not None)[..., :VOCAB]
     assert expected.abs().max() > 1.0  # far from uniform: the comparison has teeth
     diff = (logits - expected).abs().max().item()
-    assert diff <= 1e-4, diff
+    assert diff <= 3e-5, diff  # measured 5.7e-6 (TP1, PP2), 6.6e-6 (TP2) of logits up to 7
 
 
 def test_mixtral_checkpoint_holds_every_expert_once(mixtral, tmp_path):
@@ -358,7 +358,7 @@ def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_p
         logits = next(o for o in run_distributed(tp * pp, _logits_rank, tp, pp, str(out), tokens)
                       if o is not None)[..., :VOCAB]
         assert expected.abs().max() > 1.0
-        assert (logits - expected).abs().max().item() <= 1e-4
+        assert (logits - expected).abs().max().item() <= 3e-5  # measured <= 5.3e-6
     convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "pp2", "--save-dir",
             tmp_path / "back")
     original, exported = _safetensors(folder), _safetensors(tmp_path / "back")

@@ -67,6 +67,13 @@ class ModelConfig:
     add_bias_linear: bool = False
     """``--disable-bias-linear`` turns it off: biases on linear layers (False for LLaMA). Flag
     default on."""
+    add_qkv_bias: bool = False
+    """``--add-qkv-bias``: a bias on the fused query/key/value projection only (Qwen2's and
+    Qwen2-MoE's q/k/v biases), whatever ``add_bias_linear``. Default off."""
+    qk_layernorm: bool = False
+    """``--qk-layernorm``: RMSNorm of each query and key head over its ``kv_channels`` before
+    RoPE (Qwen3 / Qwen3-MoE's ``q_norm`` / ``k_norm``; Megatron-Core's ``q_layernorm`` /
+    ``k_layernorm``). Default off."""
     params_dtype: torch.dtype = torch.float32
     """Derived from ``--bf16`` / ``--fp16``: dtype of the model parameters (fp32 otherwise)."""
     tensor_model_parallel_size: int = 1

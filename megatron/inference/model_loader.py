@@ -56,6 +56,7 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         norm_epsilon=saved.get("norm_epsilon", 1e-5), rotary_base=saved.get("rotary_base", 10000.0),
         rope_scaling=saved.get("rope_scaling"),
         untie_embeddings_and_output_weights=saved.get("untie_embeddings_and_output_weights", True),
+        qk_layernorm=bool(saved.get("qk_layernorm")), add_qkv_bias=bool(saved.get("add_qkv_bias")),
         params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
 
 

@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention_mask import AttentionMask, masked_attention
 from megatron.model.initialization import fused_init_method, normal_block_init, scaled_std
 from megatron.model.recompute import recompute_active, selective_modules
+from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import apply_rotary_pos_emb
 
 
@@ -80,6 +81,10 @@ class SelfAttention(torch.nn.Module):
         super().__init__()
         check_attention_config(config)
         tp = config.tensor_model_parallel_size
+        if config.qk_layernorm and tp > 1:  # each rank's heads give part of the norm's gradient
+            raise ValueError(f"--qk-layernorm at --tensor-model-parallel-size {tp}: the "
+                             "reduction of the q/k norm weights' gradients over the "
+                             "tensor-parallel group is not wired; use TP 1")
         d = config.kv_channels
         self.heads_per_partition = config.num_attention_heads // tp
         self.groups_per_partition = config.num_query_groups // tp
@@ -96,12 +101,17 @@ class SelfAttention(torch.nn.Module):
                   for r, name in zip(rows, ("query", "key", "value"))]
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, sum(rows), gather_output=False,
-            init_method=fused_init_method(blocks, tp), **common)
+            init_method=fused_init_method(blocks, tp),
+            **dict(common, bias=config.add_bias_linear or config.add_qkv_bias))
         self.dense = RowParallelLinear(
             config.num_attention_heads * d, config.hidden_size, input_is_parallel=True,
             init_method=normal_block_init(scaled_std(std, config.num_layers), seed, layer_number,
                                           "self_attention.dense"),
             **common)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            norm = dict(eps=config.norm_epsilon, params_dtype=config.params_dtype, device=device)
+            self.q_layernorm, self.k_layernorm = RMSNorm(d, **norm), RMSNorm(d, **norm)
         self.recompute_core_attn = "core_attn" in selective_modules(config)
         # Context parallelism: this rank holds 2 of the 2 CP chunks of each sequence
         # (megatron.core.context_parallel); attention communicates over the CP group.
@@ -155,8 +165,11 @@ class SelfAttention(torch.nn.Module):
         s, b = qkv.shape[:2]
         n, g, d = self.heads_per_partition, self.groups_per_partition, self.kv_channels
         q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
-        q = apply_rotary_pos_emb(q.view(s, b, n, d), cos, sin)
-        k = apply_rotary_pos_emb(k.view(s, b, g, d), cos, sin)
+        q, k = q.view(s, b, n, d), k.view(s, b, g, d)
+        if self.q_layernorm is not None:  # per head, before RoPE (Qwen3's q_norm / k_norm)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q = apply_rotary_pos_emb(q, cos, sin)
+        k = apply_rotary_pos_emb(k, cos, sin)
         # A copy: kept by SDPA for backward, a view would keep the whole QKV output alive.
         v = v.contiguous().view(s, b, g, d)
         if inference_params is not None and hasattr(inference_params, "attend"):

@@ -61,6 +61,17 @@ def one_document_dataset(prefix: str, seq: int, vocab: int) -> torch.Tensor:
     return doc
 
 
+def safetensors_tensors(folder) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``folder``, by name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
 def convert(*argv) -> str:
     from tools.checkpoint.convert import main
     return main([str(a) for a in argv])

@@ -88,26 +88,50 @@ def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int) -> List[Dict[st
     """Logical layer tensors -> one state dict per tensor-parallel rank, keys relative to the
     layer (``self_attention.query_key_value.weight``, ...), as in ``LlamaModel``."""
     qkv = fuse_qkv(layer["q"], layer["k"], layer["v"], tp)
-    gate_up = fuse_gate_up(layer["gate"], layer["up"], tp)
     dense = split(layer["o"], tp, 1)
+    parts = [{"input_layernorm.weight": layer["input_norm"],
+              "self_attention.query_key_value.weight": qkv[r],
+              "self_attention.dense.weight": dense[r],
+              "post_attention_layernorm.weight": layer["post_norm"]} for r in range(tp)]
+    if "q_bias" in layer:  # --add-qkv-bias: fused like the weight
+        for r, b in enumerate(fuse_qkv(layer["q_bias"], layer["k_bias"], layer["v_bias"], tp)):
+            parts[r]["self_attention.query_key_value.bias"] = b
+    if "q_norm" in layer:  # --qk-layernorm: [d], the same on every rank
+        for p in parts:
+            p.update({"self_attention.q_layernorm.weight": layer["q_norm"],
+                      "self_attention.k_layernorm.weight": layer["k_norm"]})
+    if "router" in layer:  # a MoE layer: experts replicated over tensor ranks
+        from tools.checkpoint.moe_layout import to_ours
+        moe = to_ours(layer)
+        return [dict(p, **moe) for p in parts]
+    gate_up = fuse_gate_up(layer["gate"], layer["up"], tp)
     down = split(layer["down"], tp, 1)
-    return [{"input_layernorm.weight": layer["input_norm"],
-             "self_attention.query_key_value.weight": qkv[r],
-             "self_attention.dense.weight": dense[r],
-             "post_attention_layernorm.weight": layer["post_norm"],
-             "mlp.dense_h_to_4h.weight": gate_up[r],
-             "mlp.dense_4h_to_h.weight": down[r]} for r in range(tp)]
+    for r, p in enumerate(parts):
+        p.update({"mlp.dense_h_to_4h.weight": gate_up[r], "mlp.dense_4h_to_h.weight": down[r]})
+    return parts
 
 
 def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dict[str, torch.Tensor]:
     """Inverse of :func:`layer_to_partitions` (``meta`` gives heads, groups, kv_channels, ffn)."""
     q, k, v = unfuse_qkv([p["self_attention.query_key_value.weight"] for p in parts],
                          meta["num_attention_heads"], meta["num_query_groups"], meta["kv_channels"])
+    layer = {"input_norm": parts[0]["input_layernorm.weight"], "q": q, "k": k, "v": v,
+             "o": torch.cat([p["self_attention.dense.weight"] for p in parts], 1),
+             "post_norm": parts[0]["post_attention_layernorm.weight"]}
+    if meta.get("add_qkv_bias"):
+        layer["q_bias"], layer["k_bias"], layer["v_bias"] = unfuse_qkv(
+            [p["self_attention.query_key_value.bias"] for p in parts], meta["num_attention_heads"],
+            meta["num_query_groups"], meta["kv_channels"])
+    if meta.get("qk_layernorm"):
+        layer.update(q_norm=parts[0]["self_attention.q_layernorm.weight"],
+                     k_norm=parts[0]["self_attention.k_layernorm.weight"])
+    if meta.get("num_experts"):
+        from tools.checkpoint.moe_layout import from_ours
+        layer.update(from_ours(parts, meta))
+        return layer
     gate, up = unfuse_gate_up([p["mlp.dense_h_to_4h.weight"] for p in parts], meta["ffn_hidden_size"])
-    return {"input_norm": parts[0]["input_layernorm.weight"], "q": q, "k": k, "v": v,
-            "o": torch.cat([p["self_attention.dense.weight"] for p in parts], 1),
-            "post_norm": parts[0]["post_attention_layernorm.weight"], "gate": gate, "up": up,
-            "down": torch.cat([p["mlp.dense_4h_to_h.weight"] for p in parts], 1)}
+    layer.update(gate=gate, up=up, down=torch.cat([p["mlp.dense_4h_to_h.weight"] for p in parts], 1))
+    return layer
 
 
 def check_layout(meta: dict, tp: int, pp: int) -> None:
@@ -122,7 +146,7 @@ def check_layout(meta: dict, tp: int, pp: int) -> None:
     if meta["num_query_groups"] % tp:
         problems.append(f"{meta['num_query_groups']} query groups (key/value heads; each "
                         "tensor-parallel rank must own whole groups, replication is not supported)")
-    if meta["ffn_hidden_size"] % tp:
+    if meta["ffn_hidden_size"] % tp and not meta.get("num_experts"):
         problems.append(f"ffn hidden size {meta['ffn_hidden_size']}")
     if problems:
         raise ValueError(f"--target-tensor-parallel-size {tp} does not divide: "

@@ -17,6 +17,7 @@ import torch
 
 from megatron.hf_folder import open_safetensors, refuse_custom_code, weight_map
 from megatron.model.rotary import check_rope_scaling
+from tools.checkpoint import moe_layout
 from tools.checkpoint.layout import DTYPES, find_file, load_torch_file
 
 # config.json fields that do not change the math (bookkeeping, generation defaults, dtypes).
@@ -37,6 +38,28 @@ _IMPLEMENTED = {
 }
 # implemented only at these values
 _REQUIRED_VALUES = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None)}
+# Mixtral (MixtralForCausalLM): routed experts; the router's training-only settings are harmless
+_MIXTRAL = {"num_local_experts", "num_experts_per_tok", "output_router_logits",
+            "router_aux_loss_coef", "router_jitter_noise", "sliding_window"}
+_MIXTRAL_REQUIRED = {"router_jitter_noise": (0.0, 0, None), "sliding_window": (None,)}
+# Qwen3-MoE (Qwen3MoeForCausalLM): per-head q/k RMSNorm, routed experts on every layer
+_QWEN3_MOE = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
+              "router_aux_loss_coef", "sliding_window", "use_sliding_window", "max_window_layers"}
+_QWEN3_MOE_REQUIRED = {"decoder_sparse_step": (1, None), "mlp_only_layers": ([], None),
+                       "use_sliding_window": (False, None)}
+_QWEN2_MOE = _QWEN3_MOE | {"shared_expert_intermediate_size", "qkv_bias", "layer_types"}
+_QWEN2_MOE_REQUIRED = dict(_QWEN3_MOE_REQUIRED, layer_types=(None, "full_attention"))
+# model types named and refused, with what is missing (one line each)
+REFUSED_MODEL_TYPES = {
+    "olmoe": "OLMoE needs q/k RMSNorm over the full projection width, not implemented yet",
+    "deepseek_v3": "DeepSeek-V3's multi-latent attention (MLA) is not supported",
+    "gpt_oss": "GPT-OSS's MXFP4 expert weights (and its attention sinks) are not supported",
+    "llama4": "Llama 4 is not supported until its own issue lands (interleaved chunked "
+              "attention, MoE on every other layer)",
+    "llama4_text": "Llama 4 is not supported until its own issue lands (interleaved chunked "
+                   "attention, MoE on every other layer)",
+}
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "generation_config.json")
 
@@ -71,23 +94,37 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
         ValueError: not a LLaMA, a field at a value we do not implement (``attention_bias``,
             ``mlp_bias``, another activation, another ``rope_scaling`` type), or unknown fields.
     """
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not 'llama'")
-    for key, allowed in _REQUIRED_VALUES.items():
+    model_type = cfg.get("model_type", "llama")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
+    if model_type not in ("llama", "mixtral", "qwen2_moe", "qwen3_moe"):
+        raise ValueError(f"{path}: model_type {model_type!r} is not 'llama', 'mixtral', "
+                         "'qwen2_moe' or 'qwen3_moe'")
+    if model_type == "qwen2_moe" and any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise ValueError(f"{path}: layer_types {cfg['layer_types']!r}: sliding-window layers are "
+                         "not supported")
+    moe = model_type != "llama"
+    required = dict(_REQUIRED_VALUES, **{"mixtral": _MIXTRAL_REQUIRED, "qwen3_moe":
+                                         _QWEN3_MOE_REQUIRED, "qwen2_moe": {
+                                             k: v for k, v in _QWEN2_MOE_REQUIRED.items()
+                                             if k != "layer_types"}}.get(model_type, {}))
+    for key, allowed in required.items():
         if cfg.get(key, allowed[0]) not in allowed:
             raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (only {allowed[0]!r}); "
                              "this model cannot be converted without changing its outputs")
     if cfg.get("attention_dropout", 0.0):
         raise ValueError(f"{path}: attention_dropout={cfg['attention_dropout']} is not converted; "
                          "set it to 0 and pass --attention-dropout when training")
-    unknown = sorted(k for k in cfg if k not in _HARMLESS | _IMPLEMENTED)
+    known = _HARMLESS | _IMPLEMENTED | {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE,
+                                        "qwen2_moe": _QWEN2_MOE}.get(model_type, set())
+    unknown = sorted(k for k in cfg if k not in known)
     if unknown and not allow_unknown:
         raise ValueError(f"{path}: fields {unknown} are not implemented by this converter; "
                          "remove them if they do not change the model, or pass "
                          "--allow-unknown-hf-fields to convert anyway")
     theta, scaling = _rope(cfg)
     heads = cfg["num_attention_heads"]
-    return {
+    meta = {
         "num_layers": cfg["num_hidden_layers"], "hidden_size": cfg["hidden_size"],
         "ffn_hidden_size": cfg["intermediate_size"], "num_attention_heads": heads,
         "num_query_groups": cfg.get("num_key_value_heads") or heads,
@@ -97,6 +134,21 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
         "hf_token_ids": {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
     }
+    if model_type in ("qwen2_moe", "qwen3_moe"):  # norm_topk_prob False: softmax over all E
+        meta.update(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                    moe_router_topk=cfg["num_experts_per_tok"],
+                    moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                    moe_router_pre_softmax=not cfg.get("norm_topk_prob", False),
+                    moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.0),
+                    hf_architecture=model_type, qk_layernorm=model_type == "qwen3_moe")
+    if model_type == "qwen2_moe":  # q/k/v biases; a shared expert with a sigmoid gate
+        meta.update(add_qkv_bias=bool(cfg.get("qkv_bias", True)), moe_shared_expert_gate=True,
+                    moe_shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"])
+    if model_type == "mixtral":  # Mixtral's router: softmax of the k top logits (docs/moe.md, routing recipes)
+        meta.update(num_experts=cfg["num_local_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+                    moe_ffn_hidden_size=cfg["intermediate_size"], moe_router_pre_softmax=False,
+                    moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.0), hf_architecture="mixtral")
+    return meta
 
 
 class HFWeights:
@@ -164,14 +216,50 @@ def load_checkpoint(args):
 
 
 
+def _router_name(keys, i: int) -> str:
+    """The router weight of MoE layer ``i``: Mixtral's ``block_sparse_moe.gate.weight`` (the
+    Hub's files) or ``mlp.gate.weight`` (transformers 5's in-memory name; Qwen3-MoE's), exactly
+    one of them."""
+    found = [n for n in (f"model.layers.{i}.block_sparse_moe.gate.weight",
+                         f"model.layers.{i}.mlp.gate.weight") if n in keys]
+    if len(found) != 1:
+        raise moe_layout.ExpertError(f"layer {i}: router weight {'missing' if not found else 'stored twice'}"
+                                     f" (block_sparse_moe.gate.weight / mlp.gate.weight)")
+    return found[0]
+
+
 def _stream(weights: HFWeights, meta: dict):
     yield "embeddings", {"word_embeddings": weights.get("model.embed_tokens.weight")}
     names = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
              "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-             "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight",
-             "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+             "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight"}
+    if meta.get("qk_layernorm"):
+        names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
+    if meta.get("add_qkv_bias"):
+        names.update(q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
+                     v_bias="self_attn.v_proj.bias")
+    if meta.get("moe_shared_expert_intermediate_size"):
+        names.update(moe_layout.HF_SHARED)
+    if moe_layout.is_moe(meta):
+        keys = weights.keys()
+        index = moe_layout.hf_expert_index(keys)
+        stray = sorted(i for i in index if i >= meta["num_layers"])
+        if stray:
+            raise moe_layout.ExpertError(f"experts of layer {stray[0]} present but config.json says "
+                                         f"{meta['num_layers']} layers")
+        gate = moe_layout.ExpertGate(meta, "hf loader")
+    else:
+        names.update(gate="mlp.gate_proj.weight", up="mlp.up_proj.weight",
+                     down="mlp.down_proj.weight")
     for i in range(meta["num_layers"]):
-        yield "layer", {k: weights.get(f"model.layers.{i}.{v}") for k, v in names.items()}
+        layer = {k: weights.get(f"model.layers.{i}.{v}") for k, v in names.items()}
+        if moe_layout.is_moe(meta):
+            layer.update(moe_layout.read_hf_experts(index, i, meta, weights.get),
+                         router=weights.get(_router_name(keys, i)))
+            layer["expert_checksums"] = gate.layer(i, layer)
+        yield "layer", layer
+    if moe_layout.is_moe(meta):
+        gate.finish()
     output = None
     if meta["untie_embeddings_and_output_weights"]:
         output = weights.get("lm_head.weight")

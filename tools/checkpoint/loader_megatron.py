@@ -25,7 +25,8 @@ from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_met
 from megatron.foreign_checkpoints import (MEGATRON_LM, describe, identify, megatron_lm,
                                           megatron_lm_args)
 from megatron.foreign_checkpoints.safe_pickle import load_raw
-from tools.checkpoint import optimizer_state
+from tools.checkpoint import moe_layout, optimizer_state
+from tools.checkpoint.saver_megatron import MOE_ARGS
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
 
 _SHARD = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_dp_(\d{3}))?$")
@@ -93,7 +94,10 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-        "tokenizer_type", "tokenizer_model", "hf_token_ids")}
+        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "add_qkv_bias", *MOE_ARGS)}
+    if meta["num_experts"]:
+        _check_moe_args(saved)
+        meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]
     meta["num_query_groups"] = meta["num_query_groups"] or meta["num_attention_heads"]
     if meta["rope_scaling"] is None and saved.get("use_rope_scaling"):  # a training checkpoint
         meta["rope_scaling"] = rope_scaling_from_args(argparse.Namespace(**saved))
@@ -103,6 +107,29 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
     meta["true_vocab_size"] = true_vocab_size or saved.get("true_vocab_size")
     meta["vocab_rows"] = padded_rows
     return meta
+
+
+def _check_moe_args(saved: dict) -> None:
+    """Refuse MoE settings these converters do not carry (before anything is written).
+
+    Raises:
+        CheckpointError: naming the recorded setting.
+    """
+    freq = saved.get("moe_layer_freq", 1)
+    if not (freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))):
+        raise CheckpointError(f"--moe-layer-freq {freq!r}: only checkpoints with every layer MoE "
+                              "are converted")
+    for key, default in (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", 1),
+                         ("moe_router_score_function", "softmax"),
+                         ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
+                         ("moe_router_enable_expert_bias", False),
+                         ("moe_apply_probs_on_input", False),
+                         ("moe_expert_capacity_factor", None)):
+        value = saved.get(key, default)
+        if value not in (default, None) and not (default is False and value is False):
+            raise CheckpointError(f"--{key.replace('_', '-')} {value!r} in the checkpoint's args is "
+                                  "not converted (the Mixtral / Qwen-MoE routers and experts at "
+                                  "expert-parallel size 1 only)")
 
 
 def load_checkpoint(args):
@@ -238,7 +265,10 @@ def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int |
         parts = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
         if not parts[0]:
             raise CheckpointError(f"pipeline stage {p} lacks layer {i} ({prefix}*)")
-        yield "layer", partitions_to_layer(parts, meta)
+        layer = partitions_to_layer(parts, meta)
+        if meta.get("num_experts"):
+            layer["expert_checksums"] = moe_layout.expert_checksums(layer)
+        yield "layer", layer
     if p == pp - 1:
         output = None
         if meta["untie_embeddings_and_output_weights"]:

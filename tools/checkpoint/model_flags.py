@@ -60,11 +60,37 @@ def pretrain_flags(saved: dict) -> list[str]:
                   saved["rope_scaling_original_max_position_embeddings"]]
     if saved.get("untie_embeddings_and_output_weights"):
         flags.append("--untie-embeddings-and-output-weights")
+    if saved.get("qk_layernorm"):
+        flags.append("--qk-layernorm")
+    if saved.get("add_qkv_bias"):
+        flags.append("--add-qkv-bias")
+    flags += moe_flags(saved)
     flags += ["--hidden-dropout", "0", "--attention-dropout", "0",
               "--make-vocab-size-divisible-by", saved["make_vocab_size_divisible_by"],
               "--tensor-model-parallel-size", saved.get("tensor_model_parallel_size", 1),
               "--pipeline-model-parallel-size", saved.get("pipeline_model_parallel_size", 1)]
     return [str(f) for f in flags + tokenizer_flags(saved)]
+
+
+def moe_flags(saved: dict) -> list:
+    """The MoE flags of a MoE checkpoint (Megatron-Core's names; [] for a dense one): experts,
+    their width, the router's k and its softmax placement (docs/moe.md, routing recipes), and
+    the load-balancing coefficient the source trained with."""
+    if not saved.get("num_experts"):
+        return []
+    flags = ["--num-experts", saved["num_experts"],
+             "--moe-ffn-hidden-size", saved.get("moe_ffn_hidden_size") or saved["ffn_hidden_size"],
+             "--moe-router-topk", saved.get("moe_router_topk", 2)]
+    if saved.get("moe_router_pre_softmax"):
+        flags.append("--moe-router-pre-softmax")
+    if saved.get("moe_shared_expert_intermediate_size"):
+        flags += ["--moe-shared-expert-intermediate-size",
+                  saved["moe_shared_expert_intermediate_size"]]
+        if saved.get("moe_shared_expert_gate"):
+            flags.append("--moe-shared-expert-gate")
+    if saved.get("moe_aux_loss_coeff"):
+        flags += ["--moe-aux-loss-coeff", _number(saved["moe_aux_loss_coeff"])]
+    return flags
 
 
 def describe(saved: dict, save_dir: str, folder: str) -> str:

@@ -18,6 +18,7 @@ import torch
 
 from megatron.checkpoint_io import load_torch_file
 from megatron.hf_folder import refuse_custom_code
+from tools.checkpoint import moe_layout
 from tools.checkpoint.layout import DTYPES
 from tools.checkpoint.loader_hf import TOKENIZER_FILES
 from tools.checkpoint.tokenizer_files import tokenizer_info
@@ -58,7 +59,7 @@ def hf_config(meta: dict, dtype: torch.dtype, tokenizer_dir: str | None = None) 
     rope = {"rope_type": "default"} if meta.get("rope_scaling") is None else dict(meta["rope_scaling"])
     ids = {k: v for k, v in tokenizer_info(tokenizer_dir).items() if k != "vocab_size"}
     ids.update({k: v for k, v in (meta.get("hf_token_ids") or {}).items() if v is not None})
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": meta["true_vocab_size"], "hidden_size": meta["hidden_size"],
         "intermediate_size": meta["ffn_hidden_size"], "num_hidden_layers": meta["num_layers"],
@@ -74,6 +75,71 @@ def hf_config(meta: dict, dtype: torch.dtype, tokenizer_dir: str | None = None) 
         "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
         "pad_token_id": ids.get("pad_token_id"),
     }
+    if moe_layout.is_moe(meta):
+        config.update(mixtral_config(meta))
+    return config
+
+
+def mixtral_config(meta: dict) -> dict:
+    """``MixtralConfig`` fields of a MoE checkpoint.
+
+    Raises:
+        ValueError: MoE settings Mixtral cannot express (its router is the softmax of the k top
+            logits; every expert and the dense width are one ``intermediate_size``).
+    """
+    arch = meta.get("hf_architecture")
+    shared = meta.get("moe_shared_expert_intermediate_size")
+    if arch == "qwen2_moe" or shared:
+        if not (shared and meta.get("moe_shared_expert_gate")) or meta.get("qk_layernorm"):
+            raise ValueError("--saver hf: a shared expert is exported as Qwen2-MoE, which needs "
+                             "--moe-shared-expert-gate and no --qk-layernorm")
+        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                "intermediate_size": meta["ffn_hidden_size"],
+                "moe_intermediate_size": meta["moe_ffn_hidden_size"],
+                "shared_expert_intermediate_size": shared, "qkv_bias": bool(meta.get("add_qkv_bias")),
+                "num_experts": meta["num_experts"],
+                "num_experts_per_tok": meta["moe_router_topk"],
+                "norm_topk_prob": not meta.get("moe_router_pre_softmax"),
+                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "router_aux_loss_coef": meta.get("moe_aux_loss_coeff") or 0.0,
+                "output_router_logits": False, "use_sliding_window": False}
+    if meta.get("add_qkv_bias"):
+        raise ValueError("--saver hf: q/k/v biases (--add-qkv-bias) without a shared expert: no "
+                         "exported architecture has them; not exported")
+    if arch == "qwen3_moe":
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "intermediate_size": meta["ffn_hidden_size"],
+                "moe_intermediate_size": meta["moe_ffn_hidden_size"],
+                "num_experts": meta["num_experts"], "num_local_experts": meta["num_experts"],
+                "num_experts_per_tok": meta["moe_router_topk"],
+                "norm_topk_prob": not meta.get("moe_router_pre_softmax"),
+                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "router_aux_loss_coef": meta.get("moe_aux_loss_coeff") or 0.0,
+                "output_router_logits": False, "use_sliding_window": False,
+                "sliding_window": None}
+    if meta.get("moe_router_pre_softmax"):
+        raise ValueError("--saver hf: --moe-router-pre-softmax (softmax over all experts, no "
+                         "renormalisation) is not Mixtral's router; not exported")
+    if meta.get("qk_layernorm"):
+        raise ValueError("--saver hf: Mixtral has no q/k layernorm (--qk-layernorm); not exported")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": meta["moe_ffn_hidden_size"],
+            "num_local_experts": meta["num_experts"], "num_experts_per_tok": meta["moe_router_topk"],
+            "router_aux_loss_coef": meta.get("moe_aux_loss_coeff") or 0.0,
+            "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
+
+
+def moe_tensors(layer: int, payload: dict, architecture: str = "mixtral"):
+    """``(name, tensor)`` of a MoE layer's router and experts in the Hub's per-expert on-disk
+    layout (Mixtral's ``block_sparse_moe.experts.{e}.w1 / w2 / w3.weight``, Qwen3-MoE's
+    ``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight``, read by every transformers
+    version's ``from_pretrained``)."""
+    block, parts = moe_layout.HF_EXPERT_NAMES[architecture]
+    prefix = f"model.layers.{layer}.{block}"
+    yield f"{prefix}.gate.weight", payload["router"]
+    for e in range(payload["experts_gate"].shape[0]):
+        for part, key in parts.items():
+            yield f"{prefix}.experts.{e}.{part}.weight", payload[key][e]
 
 
 class _ShardWriter:
@@ -164,12 +230,30 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     os.makedirs(folder, exist_ok=True)
     dtype = DTYPES[args.target_params_dtype or meta.get("params_dtype") or "fp32"]
     writer = _ShardWriter(folder, args.max_shard_size)
+    if moe_layout.is_moe(meta):
+        mixtral_config(meta)  # refused before anything is written
+        experts = moe_layout.ExpertGate(meta, "hf saver")
     layer = 0
     for kind, payload in stream:
         if kind == "embeddings":
             writer.add("model.embed_tokens.weight", payload["word_embeddings"].to(dtype))
         elif kind == "layer":
-            for key, name in _HF_LAYER.items():
+            dense = _HF_LAYER
+            if moe_layout.is_moe(meta):
+                dense = {k: v for k, v in _HF_LAYER.items() if k not in ("gate", "up", "down")}
+                experts.layer(layer, payload, payload.get("expert_checksums"))
+                for name, tensor in moe_tensors(layer, payload,
+                                                meta.get("hf_architecture") or "mixtral"):
+                    writer.add(name, tensor.to(dtype))
+            if meta.get("add_qkv_bias"):
+                dense = dict(dense, q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
+                             v_bias="self_attn.v_proj.bias")
+            if meta.get("moe_shared_expert_intermediate_size"):
+                dense = dict(dense, **moe_layout.HF_SHARED)
+            if meta.get("qk_layernorm"):
+                dense = dict(dense, q_norm="self_attn.q_norm.weight",
+                             k_norm="self_attn.k_norm.weight")
+            for key, name in dense.items():
                 writer.add(f"model.layers.{layer}.{name}", payload[key].to(dtype))
             layer += 1
         elif kind == "final":
@@ -178,6 +262,8 @@ def save_checkpoint(meta: dict, stream, args) -> str:
                 writer.add("lm_head.weight", payload["output_layer"].to(dtype))
         writer.spill()
         del payload  # else it lives on while the loader builds the next message
+    if moe_layout.is_moe(meta):
+        experts.finish()
     writer.finish()
     source = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
     _copy_tokenizer(source, folder)

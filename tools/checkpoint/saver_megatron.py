@@ -25,7 +25,7 @@ import torch
 from megatron.checkpoint_io import load_torch_file
 from megatron.checkpointing import CHECKPOINT_VERSION, get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.tokenizer import vocab_size_with_padding
-from tools.checkpoint import model_flags, optimizer_state
+from tools.checkpoint import model_flags, moe_layout, optimizer_state
 from tools.checkpoint.layout import DTYPES, check_layout, layer_to_partitions, pad_vocab, split
 
 
@@ -79,7 +79,24 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
+        "qk_layernorm": bool(meta.get("qk_layernorm")),
+        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta),
     }
+
+
+MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+            "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+            "hf_architecture")
+
+
+def moe_args(meta: dict) -> dict:
+    """The MoE entries of the recorded args (Megatron-Core's dests; none for a dense model).
+    Experts are not tensor-parallel in these shards: ``expert_tensor_parallel_size`` 1."""
+    if not meta.get("num_experts"):
+        return {}
+    out = {k: meta.get(k) for k in MOE_ARGS}
+    out.update(moe_layer_freq=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+    return out
 
 
 def rope_scaling_flags(scaling) -> dict:
@@ -166,7 +183,7 @@ def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
                 for r, piece in enumerate(vocab_parts(part["word_embeddings"], convert)):
                     to_rank(r, q, {"word_embeddings.weight": piece})
             elif kind == "layer":
-                tensors = {k: convert(v) for k, v in part.items() if k != "optimizer"}
+                tensors = {k: convert(v) for k, v in part.items() if isinstance(v, torch.Tensor)}
                 for r, piece in enumerate(layer_to_partitions(tensors, tp)):
                     to_rank(r, q, {f"layers.{writer.local}.{k}": v for k, v in piece.items()})
             else:  # final
@@ -180,9 +197,15 @@ def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
                         to_rank(r, q, {"word_embeddings_for_head.weight": piece})
 
     embedding = {}
+    experts = moe_layout.ExpertGate(meta, "megatron saver") if moe_layout.is_moe(meta) else None
+    layers = 0
     for kind, payload in stream:
         if kind not in ("embeddings", "layer", "final"):
             raise ValueError(f"unknown message {kind!r} from the loader")
+        if kind == "layer":
+            if experts is not None:  # before the cast: the checksums are of the source's bytes
+                experts.layer(layers, payload, payload.get("expert_checksums"))
+            layers += 1
         if kind == "embeddings" and not meta["untie_embeddings_and_output_weights"] and pp > 1:
             # tied: the last stage holds a copy (the same values, and the same Adam state, since
             # Megatron all-reduces the two copies' gradients)
@@ -197,6 +220,8 @@ def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
         elif kind == "final":
             writer.finish_stage()
         del payload  # else it lives on while the loader builds the next message
+    if experts is not None:
+        experts.finish()
     final = os.path.join(save, name)
     os.replace(staging, final)
     tracker = get_checkpoint_tracker_filename(save)

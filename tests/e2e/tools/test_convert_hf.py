@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.convert import (LLAMA3_SCALING, VOCAB, assert_logits_match, convert, make_hf,
-                                   megatron_logits, tokens_batch)
+                                   megatron_logits, safetensors_tensors, tokens_batch)
 from tools.checkpoint import loader_hf
 
 transformers = pytest.importorskip("transformers")
@@ -37,14 +37,7 @@ def test_hf_to_megatron_logits_equal_transformers(hf_dir, tp, pp, tmp_path):
     assert_logits_match(logits, expected)
 
 
-def _safetensors(folder):
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(folder, name)))
-    return tensors
+_safetensors = safetensors_tensors
 
 
 def test_round_trip_through_reshard_is_bitwise(hf_dir, tmp_path):

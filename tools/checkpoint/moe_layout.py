@@ -1,0 +1,227 @@
+"""Mixture-of-experts weights in the converters: logical names, the Hub's two expert layouts,
+our ``mlp.experts.weight1/2`` layout, and the expert gate (every expert of every layer read and
+written exactly once, checksummed on both sides).
+
+Logical MoE layer tensors (beside the attention and norm keys of
+:data:`tools.checkpoint.layout.LAYER_KEYS`, replacing ``gate``/``up``/``down``):
+
+- ``router`` ``[E, h]`` (HF ``block_sparse_moe.gate.weight`` / ``mlp.gate.weight``;
+  ours ``mlp.router.weight``);
+- ``experts_gate``, ``experts_up`` ``[E, f, h]`` and ``experts_down`` ``[E, h, f]`` (HF per
+  expert ``experts.{e}.w1 / w3 / w2.weight``; transformers 5's fused ``experts.gate_up_proj
+  [E, 2f, h]`` = ``[gate; up]`` per expert and ``experts.down_proj [E, h, f]``; ours
+  ``mlp.experts.weight1 [E, 2f, h]`` = ``[gate; up]`` and ``mlp.experts.weight2 [E, h, f]``).
+
+Experts are not tensor-parallel here (Megatron-Core's ``--expert-tensor-parallel-size 1``):
+every tensor rank's shard holds the whole ``weight1`` / ``weight2`` of its layers, and the
+loader refuses shards whose copies differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Dict, List
+
+import torch
+
+MOE_KEYS = ("router", "experts_gate", "experts_up", "experts_down")
+# Hub per-expert names per architecture: the block's prefix and the parts (Mixtral's w1 = gate,
+# w3 = up, w2 = down; Qwen3-MoE's gate_proj / up_proj / down_proj)
+HF_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down"}),
+    "qwen3_moe": ("mlp", {"gate_proj": "experts_gate", "up_proj": "experts_up",
+                          "down_proj": "experts_down"}),
+}
+HF_EXPERT_NAMES["qwen2_moe"] = HF_EXPERT_NAMES["qwen3_moe"]
+# Qwen2-MoE's shared expert and its sigmoid gate: logical key -> HF name under the layer
+HF_SHARED = {"shared_gate": "mlp.shared_expert.gate_proj.weight",
+             "shared_up": "mlp.shared_expert.up_proj.weight",
+             "shared_down": "mlp.shared_expert.down_proj.weight",
+             "shared_expert_gate": "mlp.shared_expert_gate.weight"}
+HF_EXPERT_PARTS = HF_EXPERT_NAMES["mixtral"][1]
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class ExpertError(ValueError):
+    """A missing, duplicated, misshapen or altered expert (names the layer and the expert)."""
+
+
+def checksum(t: torch.Tensor) -> str:
+    """blake2b (16 bytes, hex) of the tensor's bytes in its own dtype."""
+    data = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def expert_checksums(layer: Dict[str, torch.Tensor]) -> List[str]:
+    """One checksum per expert e over its ``gate[e]``, ``up[e]``, ``down[e]``."""
+    return [checksum(torch.cat([layer["experts_gate"][e].reshape(-1), layer["experts_up"][e].reshape(-1),
+                                layer["experts_down"][e].reshape(-1)]))
+            for e in range(layer["experts_gate"].shape[0])]
+
+
+def is_moe(meta: dict) -> bool:
+    return bool(meta.get("num_experts"))
+
+
+def hf_expert_index(names) -> Dict[int, dict]:
+    """``{layer: {"per_expert": {e: {part: [names]}}, "fused": {kind: [names]}}}`` of the expert
+    tensors among ``names`` (both of the Hub's layouts)."""
+    index: Dict[int, dict] = {}
+    for name in names:
+        m = _HF_EXPERT.match(name)
+        if m:
+            entry = index.setdefault(int(m.group(1)), {"per_expert": {}, "fused": {}})
+            entry["per_expert"].setdefault(int(m.group(2)), {}).setdefault(m.group(3), []).append(name)
+            continue
+        m = _HF_FUSED.match(name)
+        if m:
+            entry = index.setdefault(int(m.group(1)), {"per_expert": {}, "fused": {}})
+            entry["fused"].setdefault(m.group(2), []).append(name)
+    return index
+
+
+def read_hf_experts(index: Dict[int, dict], layer: int, meta: dict, get) -> Dict[str, torch.Tensor]:
+    """The logical ``experts_*`` tensors of ``layer`` read through ``get(name)``, from either
+    layout, each expert exactly once.
+
+    Raises:
+        ExpertError: an expert missing or present twice (in both layouts, or one part twice),
+            an expert index >= E, or a tensor of the wrong shape; the message names layer and
+            expert.
+    """
+    E, f, h = meta["num_experts"], meta["moe_ffn_hidden_size"], meta["hidden_size"]
+    block, part_names = HF_EXPERT_NAMES[meta.get("hf_architecture") or "mixtral"]
+    entry = index.get(layer, {"per_expert": {}, "fused": {}})
+    per, fused = entry["per_expert"], entry["fused"]
+    where = f"layer {layer}"
+    if per and fused:
+        raise ExpertError(f"{where}: experts stored twice, per expert ({block}.experts.*) "
+                          f"and fused (mlp.experts.{'/'.join(sorted(fused))}); expert 0 would be "
+                          "read twice: keep one layout")
+    if fused:
+        for kind in ("gate_up_proj", "down_proj"):
+            if kind not in fused:
+                raise ExpertError(f"{where}: fused experts lack mlp.experts.{kind} (all {E} experts' "
+                                  f"{'gate/up' if kind == 'gate_up_proj' else 'down'} weights missing)")
+        gate_up = get(fused["gate_up_proj"][0])
+        down = get(fused["down_proj"][0])
+        if tuple(gate_up.shape) != (E, 2 * f, h) or tuple(down.shape) != (E, h, f):
+            raise ExpertError(f"{where}: fused experts have shapes {tuple(gate_up.shape)} / "
+                              f"{tuple(down.shape)}, expected ({E}, {2 * f}, {h}) / ({E}, {h}, {f}) "
+                              f"for {E} experts (a missing or extra expert)")
+        return {"experts_gate": gate_up[:, :f], "experts_up": gate_up[:, f:], "experts_down": down}
+    extra = sorted(e for e in per if e >= E)
+    if extra:
+        raise ExpertError(f"{where}: expert {extra[0]} present but config.json says "
+                          f"{E} experts (indices 0..{E - 1})")
+    parts = {k: [] for k in HF_EXPERT_PARTS.values()}
+    for e in range(E):
+        for part, key in part_names.items():
+            names = per.get(e, {}).get(part, [])
+            if not names:
+                raise ExpertError(f"{where}, expert {e}: {block}.experts.{e}.{part}.weight "
+                                  "is missing")
+            if len(names) > 1:
+                raise ExpertError(f"{where}, expert {e}: {part} stored {len(names)} times")
+            t = get(names[0])
+            want = (h, f) if key == "experts_down" else (f, h)
+            if tuple(t.shape) != want:
+                raise ExpertError(f"{where}, expert {e}: {names[0]} has shape {tuple(t.shape)}, "
+                                  f"expected {want}")
+            parts[key].append(t)
+    return {k: torch.stack(v) for k, v in parts.items()}
+
+
+class ExpertGate:
+    """Counts what one side (loader or saver) handles: each ``(layer, expert)`` once, parameter
+    counts and checksums equal to those the loader recorded (``expert_checksums`` in the layer
+    payload). ``finish()`` checks every expert of every layer was seen.
+
+    Raises:
+        ExpertError: from :meth:`layer` (duplicate layer, wrong count or shape, checksum
+            mismatch) and :meth:`finish` (a layer never seen), naming layer and expert.
+    """
+
+    def __init__(self, meta: dict, side: str):
+        self.meta, self.side = meta, side
+        self.seen: Dict[int, List[str]] = {}
+        self.params = 0
+
+    def layer(self, index: int, tensors: Dict[str, torch.Tensor], expected=None) -> List[str]:
+        E, f, h = self.meta["num_experts"], self.meta["moe_ffn_hidden_size"], self.meta["hidden_size"]
+        if index in self.seen:
+            raise ExpertError(f"{self.side}: the experts of layer {index} were handled twice")
+        for key, shape in (("experts_gate", (E, f, h)), ("experts_up", (E, f, h)),
+                           ("experts_down", (E, h, f)), ("router", (E, h))):
+            t = tensors.get(key)
+            if t is None or tuple(t.shape) != shape:
+                got = "missing" if t is None else f"shape {tuple(t.shape)}"
+                raise ExpertError(f"{self.side}: layer {index} {key} is {got}, expected {shape} "
+                                  f"({E} experts)")
+        sums = expert_checksums(tensors)
+        if expected is not None:
+            for e, (a, b) in enumerate(zip(sums, expected)):
+                if a != b:
+                    raise ExpertError(f"{self.side}: layer {index}, expert {e}: its weights changed "
+                                      "between reading and writing (checksum mismatch)")
+        self.seen[index] = sums
+        self.params += E * 3 * f * h
+        return sums
+
+    def finish(self) -> int:
+        """The number of expert parameters handled; raises when a layer's experts are missing."""
+        n = self.meta["num_layers"]
+        missing = [i for i in range(n) if i not in self.seen]
+        if missing:
+            raise ExpertError(f"{self.side}: the experts of layer {missing[0]} were never handled "
+                              f"({len(missing)} of {n} layers missing)")
+        E, f, h = self.meta["num_experts"], self.meta["moe_ffn_hidden_size"], self.meta["hidden_size"]
+        if self.params != n * E * 3 * f * h:
+            raise ExpertError(f"{self.side}: {self.params} expert parameters handled, expected "
+                              f"{n * E * 3 * f * h}")
+        return self.params
+
+
+def to_ours(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Our MoE MLP tensors (keys relative to the layer) from the logical ones."""
+    out = {"mlp.router.weight": layer["router"],
+           "mlp.experts.weight1": torch.cat([layer["experts_gate"], layer["experts_up"]], 1),
+           "mlp.experts.weight2": layer["experts_down"]}
+    if "shared_gate" in layer:  # the shared expert: linear_fc1 = [gate; up], the gate [1, h]
+        out.update({"mlp.shared_experts.linear_fc1": torch.cat([layer["shared_gate"],
+                                                                 layer["shared_up"]], 0),
+                    "mlp.shared_experts.linear_fc2": layer["shared_down"],
+                    "mlp.shared_experts.gate_weight": layer["shared_expert_gate"]})
+    return out
+
+
+def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "") -> Dict[str, torch.Tensor]:
+    """The logical MoE tensors from the per-tensor-rank shards of one layer (replicated copies).
+
+    Raises:
+        ExpertError: a shard lacks the experts, or two tensor ranks hold different copies.
+    """
+    names = ("mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2")
+    shared = meta.get("moe_shared_expert_intermediate_size")
+    if shared:
+        names += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2",
+                  "mlp.shared_experts.gate_weight")
+    for r, p in enumerate(parts):
+        for name in names:
+            if name not in p:
+                raise ExpertError(f"{where}tensor rank {r} lacks {name}")
+            if r and not torch.equal(p[name], parts[0][name]):
+                raise ExpertError(f"{where}{name} differs between tensor ranks 0 and {r} "
+                                  "(experts are replicated over tensor ranks here)")
+    f = meta["moe_ffn_hidden_size"]
+    w1 = parts[0]["mlp.experts.weight1"]
+    out = {"router": parts[0]["mlp.router.weight"], "experts_gate": w1[:, :f],
+           "experts_up": w1[:, f:], "experts_down": parts[0]["mlp.experts.weight2"]}
+    if shared:
+        fc1 = parts[0]["mlp.shared_experts.linear_fc1"]
+        out.update(shared_gate=fc1[:shared], shared_up=fc1[shared:],
+                   shared_down=parts[0]["mlp.shared_experts.linear_fc2"],
+                   shared_expert_gate=parts[0]["mlp.shared_experts.gate_weight"])
+    return out

@@ -206,14 +206,20 @@ def moe_token_group(pg_collection, sequence_parallel: bool):
     ``token_group``): the tensor-parallel group under sequence parallelism, the context-parallel
     group under CP, None when this rank holds every token of its micro-batch.
 
+    At TP > 1 without sequence parallelism and EP = 1, every TP rank holds the whole token set
+    and every expert (expert-TP 1) and computes the layer whole: no token group (the converter's
+    TP checkpoints run so; training validation still asks for SP).
+
     Raises:
-        ValueError: TP > 1 without sequence parallelism (each TP rank would send the same tokens
-            to the experts, Megatron-Core requires SP too) or TP and CP both > 1 (their joint
-            group is not built).
+        ValueError: TP > 1 without sequence parallelism at EP > 1 (the TP ranks of an EP group
+            would send the same tokens to the experts; Megatron-Core requires SP too) or TP and CP
+            both > 1 (their joint group is not built).
     """
     tp, cp = pg_collection.tp, pg_collection.cp
     if tp.size > 1 and not sequence_parallel:
-        raise ValueError("a MoE layer at TP > 1 needs sequence parallelism")
+        if pg_collection.ep.size > 1:
+            raise ValueError("a MoE layer at TP > 1 and EP > 1 needs sequence parallelism")
+        return cp.group if cp.size > 1 else None
     if tp.size > 1 and cp.size > 1:
         raise ValueError("a MoE layer at TP > 1 and CP > 1 is not supported")
     if tp.size > 1:

@@ -143,3 +143,30 @@ def test_alltoall_bytes_equal_the_counted_dispatcher():
     for sent in run_distributed(2, _alltoall_rank):
         assert len(sent) == 4  # dispatch, combine, and their backwards
         assert sum(sent) == alltoall_bytes_per_iteration(S * B, 2, H, 4, ep=2)
+
+
+def test_ep_in_the_search_and_the_cost_terms():
+    from megatron.model.flops import num_floating_point_operations
+    from megatron.planner.cost import Hardware, Layout, enumerate_layouts, estimate
+
+    config = ModelConfig(**TINY)
+    hw = Hardware(num_gpus=8, gpu_memory=80 * 2 ** 30)
+    layouts = list(enumerate_layouts(config, hw, 16, 32, moe=MOE, etp=2))
+    assert {l.ep for l in layouts} == {1, 2, 4}
+    assert all((l.tp * l.cp * l.dp) % (l.ep * l.etp) == 0 and l.etp == 2 for l in layouts)
+    assert (1, 2, 4) == tuple(sorted({l.ep for l in layouts if l.tp * l.cp * l.dp == 8}))
+    two = Hardware(num_gpus=2, gpu_memory=80 * 2 ** 30)  # EP x expert-TP 2 fills the stage
+    assert {l.ep for l in enumerate_layouts(config, two, 16, 32, moe=MOE, etp=2)} == {1}
+    assert {l.ep for l in enumerate_layouts(config, hw, 16, 32)} == {1}  # dense: no EP
+
+    layout = Layout(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=2, recompute="none",
+                    sequence_parallel=False, use_distributed_optimizer=True, ep=4)
+    est = estimate(config, layout, hw, 32, moe=MOE)
+    tokens = 32 * 1 * 2  # s x b x m of one rank
+    moe_layers = 2  # --moe-layer-freq (1, 0, 1)
+    assert est.ep_comm_s == 4 * tokens * 2 * 32 * 2 * 3 / 4 * moe_layers / hw.intra_node_bandwidth
+    dense = estimate(config, layout, hw, 32)
+    active = num_floating_point_operations(config, 16, 32, MOE)
+    assert est.compute_s / dense.compute_s == pytest.approx(
+        active / num_floating_point_operations(config, 16, 32))
+    assert dense.ep_comm_s == 0.0

@@ -170,3 +170,30 @@ def test_ep_in_the_search_and_the_cost_terms():
     assert est.compute_s / dense.compute_s == pytest.approx(
         active / num_floating_point_operations(config, 16, 32))
     assert dense.ep_comm_s == 0.0
+
+
+def test_plan_cli_takes_the_moe_flags(capsys):
+    """tools/plan.py with Megatron-Core's MoE flags: its launch flags (EP included) validate
+    through pretrain_llama.py's parser at the planned world size; a pattern of the wrong length
+    is one line and exit 2."""
+    from megatron.arguments import parse_args, validate_args
+    from tools.plan import main
+
+    model = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "172",
+             "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "1000",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "48", "--moe-router-topk", "2",
+             "--moe-shared-expert-intermediate-size", "32", "--global-batch-size", "8",
+             "--seq-length", "64", "--num-gpus", "4", "--gpus-per-node", "4",
+             "--gpu-memory-gib", "1", "--reserved-gib", "0"]
+    assert main(model + ["--moe-layer-freq", "([1]*1+[0]*1)*2"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture of experts: 4 experts, top-2" in out and "EP all-to-all" in out
+    flags = out.split("launch flags of the best layout:")[1].replace("\\", " ").split()
+    flags = [f.strip("'") for f in flags]
+    assert "--expert-model-parallel-size" in flags and "--moe-layer-freq" in flags
+    args = validate_args(parse_args(flags + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                             "--vocab-size", "1000", "--lr", "1e-4", "--train-iters", "1"]), 4)
+    assert args.num_experts == 4 and args.moe_layer_freq == (1, 0, 1, 0)
+    assert main(model + ["--moe-layer-freq", "[1,0]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--moe-layer-freq" in err[0]

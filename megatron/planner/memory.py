@@ -24,14 +24,14 @@ t = tensor-parallel size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from megatron.config import ModelConfig
 from megatron.config.moe import MoEConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
 from megatron.model.flops import active_ffn_hidden_size
-from megatron.planner.moe import (expert_data_parallel_size, expert_memory, is_moe,
-                                  moe_dense_numels, stage_moe_layers)
+from megatron.planner.moe import (expert_data_parallel_size, is_moe, moe_dense_numels,
+                                  stage_expert_numels, stage_moe_layers)
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -162,6 +162,25 @@ def optimizer_state_bytes(numels: List[int], *, mixed_precision: bool, distribut
     if distributed:
         return per_element * grad_buffer_numel(numels, dp, bucket_size) // dp
     return per_element * sum(numels) + 4 * len(numels)
+
+
+def expert_memory(config: ModelConfig, moe: Optional[MoEConfig], *, pp: int, pp_rank: int, ep: int,
+                  etp: int, expert_dp: int, bf16: bool, use_distributed_optimizer: bool,
+                  bucket_size: Optional[int] = None) -> Tuple[int, int, int, int]:
+    """``(parameters, gradients, optimizer plain, optimizer distributed)`` bytes of stage
+    ``pp_rank``'s experts on one rank: parameters ``e Psi_E`` (the padded buffer with the
+    distributed optimizer), fp32 gradient buffer ``4 Psi_E_pad`` (buckets padded to a multiple
+    of expert-DP), AdamW state as :func:`optimizer_state_bytes` over
+    expert-DP."""
+    numels = stage_expert_numels(config, moe, pp, pp_rank, ep, etp)
+    if not numels:
+        return 0, 0, 0, 0
+    e = 2 if bf16 else 4
+    padded = sum(bucket_numels(numels, expert_dp, bucket_size))
+    params = e * (padded if use_distributed_optimizer else sum(numels))
+    return (params, 4 * padded, optimizer_state_bytes(numels, mixed_precision=bf16),
+            optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True, dp=expert_dp,
+                                  bucket_size=bucket_size))
 
 
 def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int,
@@ -340,7 +359,7 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
 
     A mixture-of-experts model (``moe``; ``ep`` = ``--expert-model-parallel-size``, ``etp`` =
     ``--expert-tensor-parallel-size``): the router and shared expert count as dense parameters,
-    the stage's routed experts are added as :func:`megatron.planner.moe.expert_memory` gives
+    the stage's routed experts are added as :func:`expert_memory` gives
     them (their own buffer over expert-DP = TP x CP x DP / (EP x expert-TP); the stage chosen
     by dense and expert elements together); only ``optim`` (ZeRO-1) or no sharding are modelled.
     Activations of an MoE layer are estimated as those of a dense layer whose ffn width is the

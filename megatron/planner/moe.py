@@ -19,7 +19,7 @@ against the alltoall dispatcher's counted splits.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from megatron.config import ModelConfig
 from megatron.config.moe import MoEConfig
@@ -103,24 +103,3 @@ def alltoall_bytes_per_iteration(tokens_per_rank: int, topk: int, hidden_size: i
     one forward (2 more exchanges), not counted here.
     """
     return 4.0 * tokens_per_rank * topk * hidden_size * dtype_bytes * (ep - 1) / ep * moe_layers_per_rank
-
-
-def expert_memory(config: ModelConfig, moe: Optional[MoEConfig], *, pp: int, pp_rank: int, ep: int,
-                  etp: int, expert_dp: int, bf16: bool, use_distributed_optimizer: bool,
-                  bucket_size: Optional[int] = None) -> Tuple[int, int, int, int]:
-    """``(parameters, gradients, optimizer plain, optimizer distributed)`` bytes of stage
-    ``pp_rank``'s experts on one rank: parameters ``e Psi_E`` (the padded buffer with the
-    distributed optimizer), fp32 gradient buffer ``4 Psi_E_pad`` (buckets padded to a multiple
-    of expert-DP), AdamW state as :func:`megatron.planner.memory.optimizer_state_bytes` over
-    expert-DP."""
-    from megatron.planner.memory import bucket_numels, optimizer_state_bytes
-
-    numels = stage_expert_numels(config, moe, pp, pp_rank, ep, etp)
-    if not numels:
-        return 0, 0, 0, 0
-    e = 2 if bf16 else 4
-    padded = sum(bucket_numels(numels, expert_dp, bucket_size))
-    params = e * (padded if use_distributed_optimizer else sum(numels))
-    return (params, 4 * padded, optimizer_state_bytes(numels, mixed_precision=bf16),
-            optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True, dp=expert_dp,
-                                  bucket_size=bucket_size))

@@ -98,11 +98,32 @@ def get_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# A HuggingFace MoE config's fields (Mixtral, Qwen2/3-MoE, OLMoE) for the MoE flags left unset.
+HF_MOE_FIELDS = {"num_experts": ("num_local_experts", "num_experts"),
+                 "moe_router_topk": ("num_experts_per_tok",),
+                 "moe_ffn_hidden_size": ("moe_intermediate_size",),
+                 "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",)}
+
+
+def moe_from_hf_config(args) -> None:
+    """Fill the MoE flags the command line left at their defaults from ``--hf-config``'s
+    mixture-of-experts fields (:data:`HF_MOE_FIELDS`); a dense config changes nothing."""
+    if not args.hf_config or args.num_experts is not None:
+        return
+    with open(args.hf_config) as f:
+        hf = json.load(f)
+    for dest, names in HF_MOE_FIELDS.items():
+        value = next((hf[n] for n in names if hf.get(n)), None)
+        if value is not None:
+            setattr(args, dest, value)
+
+
 def moe_from_args(args, num_layers: int):
     """The :class:`MoEConfig` of the MoE flags (None for a dense model).
 
     Raises:
         UsageError: a --moe-layer-freq pattern that does not match the layers."""
+    moe_from_hf_config(args)
     if args.num_experts is None:
         return None
     return MoEConfig(num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,

@@ -197,3 +197,31 @@ def test_plan_cli_takes_the_moe_flags(capsys):
     assert main(model + ["--moe-layer-freq", "[1,0]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--moe-layer-freq" in err[0]
+
+
+def test_plan_cli_reads_a_huggingface_moe_config(tmp_path, capsys):
+    """Mixtral's and Qwen3-MoE's config.json fields give the MoE section."""
+    import json
+    from tools.plan import main
+
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 172,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    run = ["--num-gpus", "4", "--gpu-memory-gib", "1", "--global-batch-size", "8",
+           "--seq-length", "64", "--gpus-per-node", "4", "--reserved-gib", "0"]
+    for extra, said in (({"num_local_experts": 4, "num_experts_per_tok": 2},
+                         "4 experts, top-2, expert ffn 172"),
+                        ({"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32},
+                         "8 experts, top-4, expert ffn 32")):
+        cfg = tmp_path / "config.json"
+        cfg.write_text(json.dumps(dict(base, **extra)))
+        assert main(["--hf-config", str(cfg)] + run) == 0
+        assert f"mixture of experts: {said}" in capsys.readouterr().out
+
+
+def test_moe_with_zero2_or_3_is_refused():
+    config = ModelConfig(**TINY)
+    for strategy in ("optim_grads", "optim_grads_params"):
+        with pytest.raises(ValueError, match="ZeRO-1"):
+            estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=1,
+                            num_microbatches=1, use_distributed_optimizer=True,
+                            sharding_strategy=strategy, moe=MOE)

@@ -6,7 +6,9 @@ Example (LLaMA-2 7B on 8 x 80 GB)::
         --global-batch-size 256 --seq-length 4096
 
 or with Megatron's model flags (``--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008
---num-attention-heads 32 --vocab-size 32000 ...``). It prints the ranked layouts (TP, CP, PP, DP,
+--num-attention-heads 32 --vocab-size 32000 ...``); a mixture-of-experts model with
+Megatron-Core's MoE flags (``--num-experts 8 --moe-router-topk 2 ...``; the expert-parallel
+size is searched, ``--expert-tensor-parallel-size`` is given). It prints the ranked layouts (TP, CP, PP, DP,
 micro-batch, recompute, sequence parallel, distributed optimizer) with their estimated memory and
 iteration time, the memory breakdown of the best one for every recompute / sequence-parallel
 setting, and the launch flags of the best one. The memory and cost models are documented in
@@ -22,7 +24,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.arguments_moe import _layer_freq_arg, moe_layer_pattern  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
+from megatron.config.moe import MoEConfig  # noqa: E402
+from megatron.usage_error import UsageError  # noqa: E402
 from megatron.planner.cost import Hardware, config_for_tp, rank_layouts  # noqa: E402
 from megatron.planner.memory import RECOMPUTE_CHOICES, estimate_memory  # noqa: E402
 
@@ -42,6 +47,18 @@ def get_args(argv=None) -> argparse.Namespace:
     m.add_argument("--vocab-size", type=int, default=32000, help="unpadded tokenizer vocabulary")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    e = p.add_argument_group("mixture of experts (Megatron-Core's flags)")
+    e.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer")
+    e.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's SwiGLU width (default --ffn-hidden-size)")
+    e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    e.add_argument("--moe-layer-freq", type=_layer_freq_arg, default=1,
+                   help="every N-th layer is MoE (N), or a 0/1 pattern such as '([1]*3+[0]*1)*2'")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="the shared expert's SwiGLU width")
+    e.add_argument("--moe-shared-expert-gate", action="store_true", help="gated shared expert")
+    e.add_argument("--expert-tensor-parallel-size", type=int, default=1,
+                   help="expert-TP (the expert-parallel size is searched)")
     t = p.add_argument_group("training")
     t.add_argument("--global-batch-size", type=int, required=True)
     t.add_argument("--seq-length", type=int, required=True)
@@ -72,7 +89,48 @@ def get_args(argv=None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if not 0 < args.mfu <= 1:
         p.error(f"--mfu ({args.mfu}) must be in (0, 1]")
+    if args.num_experts is not None and not (args.num_experts >= 1
+                                             and 1 <= args.moe_router_topk <= args.num_experts):
+        p.error(f"--num-experts ({args.num_experts}) must be >= 1 and --moe-router-topk "
+                f"({args.moe_router_topk}) between 1 and it")
+    if args.expert_tensor_parallel_size < 1:
+        p.error(f"--expert-tensor-parallel-size ({args.expert_tensor_parallel_size}) must be >= 1")
     return args
+
+
+# A HuggingFace MoE config's fields (Mixtral, Qwen2/3-MoE, OLMoE) for the MoE flags left unset.
+HF_MOE_FIELDS = {"num_experts": ("num_local_experts", "num_experts"),
+                 "moe_router_topk": ("num_experts_per_tok",),
+                 "moe_ffn_hidden_size": ("moe_intermediate_size",),
+                 "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",)}
+
+
+def moe_from_hf_config(args) -> None:
+    """Fill the MoE flags the command line left at their defaults from ``--hf-config``'s
+    mixture-of-experts fields (:data:`HF_MOE_FIELDS`); a dense config changes nothing."""
+    if not args.hf_config or args.num_experts is not None:
+        return
+    with open(args.hf_config) as f:
+        hf = json.load(f)
+    for dest, names in HF_MOE_FIELDS.items():
+        value = next((hf[n] for n in names if hf.get(n)), None)
+        if value is not None:
+            setattr(args, dest, value)
+
+
+def moe_from_args(args, num_layers: int):
+    """The :class:`MoEConfig` of the MoE flags (None for a dense model).
+
+    Raises:
+        UsageError: a --moe-layer-freq pattern that does not match the layers."""
+    moe_from_hf_config(args)
+    if args.num_experts is None:
+        return None
+    return MoEConfig(num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                     moe_router_topk=args.moe_router_topk,
+                     moe_layer_freq=moe_layer_pattern(args.moe_layer_freq, num_layers),
+                     moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                     moe_shared_expert_gate=args.moe_shared_expert_gate)
 
 
 def model_from_hf_config(path: str) -> tuple:
@@ -115,6 +173,21 @@ def launch_flags(config: ModelConfig, est, args) -> str:
     """The layout and model flags for ``pretrain_llama.py`` (data, tokenizer, lr left to the user)."""
     L = est.layout
     flags = [f"--tensor-model-parallel-size {L.tp}", f"--pipeline-model-parallel-size {L.pp}"]
+    if args.num_experts is not None:
+        flags += [f"--expert-model-parallel-size {L.ep}",
+                  f"--expert-tensor-parallel-size {L.etp}", f"--num-experts {args.num_experts}",
+                  f"--moe-router-topk {args.moe_router_topk}"]
+        if args.moe_ffn_hidden_size:
+            flags.append(f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size}")
+        freq = args.moe_layer_freq
+        if freq != 1:
+            text = freq if isinstance(freq, int) else "'[" + ",".join(map(str, freq)) + "]'"
+            flags.append(f"--moe-layer-freq {text}")
+        if args.moe_shared_expert_intermediate_size:
+            flags.append(f"--moe-shared-expert-intermediate-size "
+                         f"{args.moe_shared_expert_intermediate_size}")
+        if args.moe_shared_expert_gate:
+            flags.append("--moe-shared-expert-gate")
     if L.cp > 1:  # the split attention has no dropout
         flags += [f"--context-parallel-size {L.cp}", "--cp-comm-type p2p", "--attention-dropout 0.0"]
     flags += [
@@ -161,7 +234,8 @@ def main(argv=None) -> int:
     args = get_args(argv)
     try:
         config, vocab = model_from_args(args)
-    except (OSError, ValueError) as err:
+        moe = moe_from_args(args, config.num_layers)
+    except (OSError, ValueError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     hw = Hardware(num_gpus=args.num_gpus, gpu_memory=args.gpu_memory_gib * GIB,
@@ -174,7 +248,8 @@ def main(argv=None) -> int:
         ranked = rank_layouts(config, hw, args.global_batch_size, args.seq_length, bf16,
                               allow_sequence_parallel=not args.no_sequence_parallel,
                               vocab_size=vocab, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                              allow_context_parallel=not args.no_context_parallel)
+                              allow_context_parallel=not args.no_context_parallel, moe=moe,
+                              expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -183,39 +258,52 @@ def main(argv=None) -> int:
           f"{config.num_attention_heads} heads / {config.num_query_groups} groups, vocab {vocab}; "
           f"{args.num_gpus} GPUs x {args.gpu_memory_gib:g} GiB ({args.reserved_gib:g} reserved); "
           f"global batch {args.global_batch_size} x {args.seq_length} tokens, {'bf16' if bf16 else 'fp32'}")
+    if moe is not None:
+        print(f"mixture of experts: {moe.num_experts} experts, top-{moe.moe_router_topk}, expert "
+              f"ffn {moe.moe_ffn_hidden_size or config.ffn_hidden_size}, shared expert "
+              f"{moe.moe_shared_expert_intermediate_size or 0}, {sum(moe.moe_layer_freq)} of "
+              f"{config.num_layers} layers MoE; EP searched, expert-TP "
+              f"{args.expert_tensor_parallel_size}")
     print(assumptions(args))
     if not ranked:
         print("no layout fits: add GPUs, lower --seq-length, or use GPUs with more memory")
         return 1
     print(f"\n{len(ranked)} layouts fit; the fastest {min(args.top, len(ranked))} "
           "(memory in GiB per rank, time in s per iteration):")
-    print("  TP  CP  PP  DP  mbs    m  recompute  SP  distopt |  params   grads   optim    acts   total"
-          " |  iter_s  bubble  tp_comm  cp_comm  dp_comm  tokens/s/GPU")
+    ep_head = ("  EP", "  ep_comm") if moe is not None else ("", "")
+    print("  TP  CP  PP  DP" + ep_head[0] + "  mbs    m  recompute  SP  distopt |  params   grads   "
+          "optim    acts   total |  iter_s  bubble  tp_comm  cp_comm  dp_comm" + ep_head[1]
+          + "  tokens/s/GPU")
     for r in ranked[:args.top]:
         L, m = r.layout, r.memory
         opt = m.optimizer_distributed if L.use_distributed_optimizer else m.optimizer
-        print(f"{L.tp:4d}{L.cp:4d}{L.pp:4d}{L.dp:4d}{L.micro_batch_size:5d}{L.num_microbatches:5d}"
+        ep_cols = (f"{L.ep:4d}", f"{r.ep_comm_s:9.3f}") if moe is not None else ("", "")
+        print(f"{L.tp:4d}{L.cp:4d}{L.pp:4d}{L.dp:4d}{ep_cols[0]}{L.micro_batch_size:5d}{L.num_microbatches:5d}"
               f"  {L.recompute:>9}  {'y' if L.sequence_parallel else 'n':>2}"
               f"  {'y' if L.use_distributed_optimizer else 'n':>7} |"
               f"{_gib(m.parameters)} {_gib(m.gradients)} {_gib(opt)} {_gib(m.activations)} {_gib(m.total)} |"
               f"{r.iteration_s:8.3f}{r.bubble_s:8.3f}{r.tp_comm_s:9.3f}{r.cp_comm_s:9.3f}{r.dp_comm_s:9.3f}"
-              f"{tokens / r.iteration_s / args.num_gpus:14.0f}")
+              f"{ep_cols[1]}{tokens / r.iteration_s / args.num_gpus:14.0f}")
 
     best = ranked[0]
     L = best.layout
     tp_config = config_for_tp(config, L.tp, vocab, args.make_vocab_size_divisible_by)
-    print(f"\nmemory per rank of the best layout's TP={L.tp} CP={L.cp} PP={L.pp} DP={L.dp} micro-batch "
+    moe_kw = dict(moe=moe, ep=L.ep, etp=L.etp)
+    ep_text = f" EP={L.ep} expert-TP={L.etp}" if moe is not None else ""
+    print(f"\nmemory per rank of the best layout's TP={L.tp} CP={L.cp} PP={L.pp} DP={L.dp}{ep_text} micro-batch "
           f"{L.micro_batch_size} (GiB; busiest stage, {min(L.pp, L.num_microbatches)} micro-batches in flight):")
     print(f"  parameters {_gib(best.memory.parameters)}   gradients (fp32 buffer) {_gib(best.memory.gradients)}"
           f"   optimizer {_gib(best.memory.optimizer)} plain / {_gib(best.memory.optimizer_distributed)} distributed")
-    for strategy, label in (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"),
-                            ("optim_grads_params", "ZeRO-3")):
+    strategies = (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"), ("optim_grads_params", "ZeRO-3"))
+    if moe is not None:  # the planner models MoE with ZeRO-1 only
+        strategies = strategies[:1]
+    for strategy, label in strategies:
         z = estimate_memory(tp_config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=args.seq_length,
                             micro_batch_size=L.micro_batch_size,
                             num_microbatches=L.num_microbatches, bf16=bf16,
                             sequence_parallel=L.sequence_parallel, recompute=L.recompute,
                             cp=L.cp, use_distributed_optimizer=True, sharding_strategy=strategy,
-                            overlap_grad_reduce=True)  # as the launch flags below
+                            overlap_grad_reduce=True, **moe_kw)  # as the launch flags below
         print(f"  {label} (--data-parallel-sharding-strategy {strategy}): parameters "
               f"{_gib(z.parameters)}   gradients (peak) {_gib(z.gradients)}   optimizer "
               f"{_gib(z.optimizer_distributed)}   total {_gib(z.total)}")
@@ -230,12 +318,13 @@ def main(argv=None) -> int:
                                             micro_batch_size=L.micro_batch_size,
                                             num_microbatches=L.num_microbatches, bf16=bf16,
                                             sequence_parallel=sp, recompute=recompute,
-                                            cp=L.cp).activations))
+                                            cp=L.cp, **moe_kw).activations))
         label = {"selective": "selective (default)", "full": "full (uniform, 1)"}.get(recompute, recompute)
         print(f"  {label:>22} {row[0]} {row[1]}")
     print(f"\nestimated iteration {best.iteration_s:.3f} s = compute {best.compute_s:.3f} + bubble "
           f"{best.bubble_s:.3f} + TP {best.tp_comm_s:.3f} + CP {best.cp_comm_s:.3f} + PP "
-          f"{best.pp_comm_s:.3f} + DP {best.dp_comm_s:.3f}")
+          f"{best.pp_comm_s:.3f} + DP {best.dp_comm_s:.3f}"
+          + (f" + EP all-to-all {best.ep_comm_s:.3f}" if moe is not None else ""))
     print("\nlaunch flags of the best layout:\n    " + launch_flags(config, best, args))
     return 0
 

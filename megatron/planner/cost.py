@@ -28,7 +28,15 @@ The cost model (deliberately simple; every term is printed so a user can disagre
   a ring all-reduce of the fp32 grad buffer (``2 (n - 1) / n * 4 Psi`` bytes, ``n = d c``), or
   with the distributed optimizer a reduce-scatter of fp32 gradients plus an all-gather of the
   parameters (``(n - 1) / n * (4 + e) Psi``); the backward of the last micro-batch hides it
-  (overlap) and the rest is exposed.
+  (overlap) and the rest is exposed;
+* mixture of experts (``moe``; :mod:`megatron.planner.moe`): compute counts the active FLOPs
+  (``num_floating_point_operations(..., moe)``: top-k experts and the shared expert); the
+  expert parameters ``Psi_E`` reduce like the dense ones but over expert-DP
+  (``TP x CP x DP / (EP x expert-TP)``), added to the DP term; the token dispatcher's
+  all-to-all (:func:`~megatron.planner.moe.alltoall_bytes_per_iteration`, 4 exchanges per MoE
+  layer and micro-batch, 6 with full recompute) is fully exposed, at the intra-node bandwidth
+  while the ``EP x expert-TP`` ranks of an expert group fit a node. EP is searched over the
+  divisors of ``--num-experts`` with EP x expert-TP dividing TP x CP x DP; expert-TP is given.
 """
 
 from __future__ import annotations
@@ -39,7 +47,10 @@ from typing import Iterator, List, Optional
 from megatron.config import ModelConfig
 from megatron.model.flops import num_floating_point_operations
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
+from megatron.config.moe import MoEConfig
 from megatron.planner.memory import RECOMPUTE_CHOICES, MemoryEstimate, estimate_memory, param_numels
+from megatron.planner.moe import (alltoall_bytes_per_iteration, expert_data_parallel_size, is_moe,
+                                  stage_expert_numels, stage_moe_layers)
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,10 @@ class Layout:
     use_distributed_optimizer: bool
     cp: int = 1
     """Context-parallel size: ranks each sequence is split over (``--context-parallel-size``)."""
+    ep: int = 1
+    """Expert-parallel size (``--expert-model-parallel-size``); 1 for a dense model."""
+    etp: int = 1
+    """Expert-tensor-parallel size (``--expert-tensor-parallel-size``)."""
 
 
 @dataclass(frozen=True)
@@ -85,11 +100,13 @@ class Estimate:
     dp_comm_s: float
     fits: bool
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
+    """The expert dispatcher's all-to-all (0 for a dense model)."""
 
     @property
     def iteration_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
-                + self.cp_comm_s)
+                + self.cp_comm_s + self.ep_comm_s)
 
 
 def _divisors(n: int) -> List[int]:
@@ -120,11 +137,21 @@ def context_parallel_sizes(num_gpus: int, seq_length: Optional[int]) -> List[int
     return [c for c in _divisors(num_gpus) if seq_length % (2 * c) == 0 or c == 1]
 
 
+def expert_parallel_sizes(moe: Optional[MoEConfig], stage_ranks: int, etp: int = 1) -> List[int]:
+    """EP sizes: divisors of ``--num-experts`` with ``EP x etp`` dividing the ``stage_ranks``
+    (TP x CP x DP); ``[1]`` for a dense model."""
+    if not is_moe(moe):
+        return [1]
+    return [ep for ep in _divisors(moe.num_experts) if stage_ranks % (ep * etp) == 0]
+
+
 def enumerate_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int,
-                      seq_length: Optional[int] = None) -> Iterator[Layout]:
+                      seq_length: Optional[int] = None, moe: Optional[MoEConfig] = None,
+                      etp: int = 1) -> Iterator[Layout]:
     """Every layout with TP x CP x PP x DP = GPUs, layers divisible by PP, global batch divisible
     by micro-batch x DP, micro-batch a power of two; CP > 1 only given ``seq_length`` (split in
-    ``2 CP`` chunks, and in ``2 CP TP`` with sequence parallelism)."""
+    ``2 CP`` chunks, and in ``2 CP TP`` with sequence parallelism); with ``moe`` every EP of
+    :func:`expert_parallel_sizes` at expert-TP ``etp``."""
     for tp in tensor_parallel_sizes(config, min(hw.gpus_per_node, hw.num_gpus)):
         if hw.num_gpus % tp:
             continue
@@ -144,8 +171,9 @@ def enumerate_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int,
                         for recompute in RECOMPUTE_CHOICES:
                             for sp in sps:
                                 for dist_opt in ((False, True) if dp * cp > 1 else (False,)):
-                                    yield Layout(tp, pp, dp, mbs, per_replica // mbs, recompute,
-                                                 sp, dist_opt, cp)
+                                    for ep in expert_parallel_sizes(moe, tp * cp * dp, etp):
+                                        yield Layout(tp, pp, dp, mbs, per_replica // mbs, recompute,
+                                                     sp, dist_opt, cp, ep, etp if is_moe(moe) else 1)
                     mbs *= 2
 
 
@@ -154,19 +182,22 @@ def _ring(bytes_: float, n: int, bandwidth: float, factor: float = 2.0) -> float
 
 
 def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
-             bf16: bool = True, bucket_size: Optional[int] = None) -> Estimate:
-    """Memory and iteration time of ``layout`` under the module's cost model."""
+             bf16: bool = True, bucket_size: Optional[int] = None,
+             moe: Optional[MoEConfig] = None) -> Estimate:
+    """Memory and iteration time of ``layout`` under the module's cost model (``moe``: the
+    mixture-of-experts section, None for a dense model)."""
     L = layout
     e = 2 if bf16 else 4
     gbs = L.micro_batch_size * L.num_microbatches * L.dp
-    flops = num_floating_point_operations(config, gbs, seq_length)
-    layer_flops = num_floating_point_operations(config.replace(padded_vocab_size=0), gbs, seq_length)
+    flops = num_floating_point_operations(config, gbs, seq_length, moe)
+    layer_flops = num_floating_point_operations(config.replace(padded_vocab_size=0), gbs, seq_length,
+                                                moe)
     if L.recompute == "full":
         flops += layer_flops / 3
     elif L.recompute == "selective":  # forward of scores and context: 4 s^2 (n d) per layer and sample
         flops += 4.0 * gbs * seq_length ** 2 * config.num_attention_heads * config.kv_channels * config.num_layers
     # The last stage adds the output layer to its share of the layers; all stages wait for it.
-    head_flops = num_floating_point_operations(config, gbs, seq_length) - layer_flops
+    head_flops = num_floating_point_operations(config, gbs, seq_length, moe) - layer_flops
     slowest_stage_flops = (flops - head_flops) / L.pp + head_flops
     compute = slowest_stage_flops / (L.tp * L.cp * L.dp * hw.peak_flops * hw.mfu)
     bubble = compute * (L.pp - 1) / L.num_microbatches
@@ -189,12 +220,32 @@ def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
         cp_bw = hw.intra_node_bandwidth if L.tp * L.cp <= hw.gpus_per_node else hw.inter_node_bandwidth
         cp_comm = layer_steps * per_layer / cp_bw
 
-    psi = sum(max((param_numels(config, L.tp, L.pp, r) for r in {0, L.pp - 1}), key=sum))
+    psi = sum(max((param_numels(config, L.tp, L.pp, r, moe) for r in {0, L.pp - 1}), key=sum))
     dp_bw = hw.intra_node_bandwidth if L.tp * replicas <= hw.gpus_per_node else hw.inter_node_bandwidth
-    if L.use_distributed_optimizer:
-        dp_total = _ring((4 + e) * psi, replicas, dp_bw, factor=1.0)
-    else:
-        dp_total = _ring(4 * psi, replicas, dp_bw)
+
+    def reduction(numel, n, bw):
+        if L.use_distributed_optimizer:
+            return _ring((4 + e) * numel, n, bw, factor=1.0)
+        return _ring(4 * numel, n, bw)
+
+    dp_total = reduction(psi, replicas, dp_bw)
+    ep_comm = 0.0
+    if is_moe(moe):
+        stages = range(L.pp)
+        psi_e = max(sum(stage_expert_numels(config, moe, L.pp, r, L.ep, L.etp)) for r in stages)
+        expert_dp = expert_data_parallel_size(L.tp, L.cp, L.dp, L.ep, L.etp)
+        group = L.ep * L.etp  # an expert-DP group's ranks are this far apart
+        edp_bw = (hw.intra_node_bandwidth if group * expert_dp <= hw.gpus_per_node
+                  else hw.inter_node_bandwidth)
+        dp_total += reduction(psi_e, expert_dp, edp_bw)
+        tokens = local_seq * L.micro_batch_size * L.num_microbatches
+        if L.sequence_parallel:
+            tokens //= L.tp
+        layers = max(sum(stage_moe_layers(config, moe, L.pp, r)) for r in stages)
+        a2a = alltoall_bytes_per_iteration(tokens, moe.moe_router_topk, config.hidden_size, e,
+                                           L.ep, layers) * (1.5 if L.recompute == "full" else 1.0)
+        ep_bw = hw.intra_node_bandwidth if group <= hw.gpus_per_node else hw.inter_node_bandwidth
+        ep_comm = a2a / ep_bw
     last_backward = compute / L.num_microbatches * 2 / 3  # backward of the last micro-batch
     dp_comm = max(0.0, dp_total - last_backward)
 
@@ -202,9 +253,9 @@ def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
                           micro_batch_size=L.micro_batch_size, num_microbatches=L.num_microbatches,
                           bf16=bf16, sequence_parallel=L.sequence_parallel, recompute=L.recompute,
                           use_distributed_optimizer=L.use_distributed_optimizer, bucket_size=bucket_size,
-                          cp=L.cp)
+                          cp=L.cp, moe=moe, ep=L.ep, etp=L.etp)
     fits = mem.total + hw.reserved_memory <= hw.gpu_memory
-    return Estimate(L, mem, compute, bubble, tp_comm, pp_comm, dp_comm, fits, cp_comm)
+    return Estimate(L, mem, compute, bubble, tp_comm, pp_comm, dp_comm, fits, cp_comm, ep_comm)
 
 
 def distinct(ranked: List[Estimate]) -> List[Estimate]:
@@ -215,7 +266,7 @@ def distinct(ranked: List[Estimate]) -> List[Estimate]:
     best = {}
     for r in ranked:
         L = r.layout
-        key = (L.tp, L.cp, L.pp, L.dp, L.micro_batch_size, L.recompute, round(r.iteration_s, 9))
+        key = (L.tp, L.cp, L.pp, L.dp, L.ep, L.micro_batch_size, L.recompute, round(r.iteration_s, 9))
         if key not in best or r.memory.total < best[key].memory.total:
             best[key] = r
     kept = {id(r) for r in best.values()}
@@ -225,9 +276,11 @@ def distinct(ranked: List[Estimate]) -> List[Estimate]:
 def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_length: int,
                  bf16: bool = True, allow_sequence_parallel: bool = True,
                  vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
-                 allow_context_parallel: bool = True) -> List[Estimate]:
+                 allow_context_parallel: bool = True, moe: Optional[MoEConfig] = None,
+                 expert_tensor_parallel_size: int = 1) -> List[Estimate]:
     """Feasible layouts, fastest first (ties: less memory first), without redundant rows
-    (:func:`distinct`).
+    (:func:`distinct`). ``moe``: a mixture-of-experts model (EP searched, expert-TP
+    ``expert_tensor_parallel_size``).
 
     ``vocab_size`` (unpadded) re-pads the vocabulary for each TP size, as training would;
     without it ``config.padded_vocab_size`` is used for every layout.
@@ -237,13 +290,14 @@ def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_
             data-parallel size divides), naming the flags to change.
     """
     layouts = [l for l in enumerate_layouts(config, hw, global_batch_size,
-                                            seq_length if allow_context_parallel else None)
+                                            seq_length if allow_context_parallel else None,
+                                            moe, expert_tensor_parallel_size)
                if allow_sequence_parallel or not l.sequence_parallel]
     if not layouts:
         raise ValueError(f"no TP x PP x DP layout of {hw.num_gpus} GPUs divides --num-layers "
                          f"({config.num_layers}) and --global-batch-size ({global_batch_size}); "
                          "change --num-gpus or --global-batch-size")
     results = [estimate(config_for_tp(config, l.tp, vocab_size, make_vocab_size_divisible_by),
-                        l, hw, seq_length, bf16) for l in layouts]
+                        l, hw, seq_length, bf16, moe=moe) for l in layouts]
     return distinct(sorted((r for r in results if r.fits),
                            key=lambda r: (r.iteration_s, r.memory.total)))

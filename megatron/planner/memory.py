@@ -24,38 +24,49 @@ t = tensor-parallel size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from megatron.config import ModelConfig
+from megatron.config.moe import MoEConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
+from megatron.model.flops import active_ffn_hidden_size
+from megatron.planner.moe import (expert_data_parallel_size, is_moe, moe_dense_numels,
+                                  stage_expert_numels, stage_moe_layers)
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
-def param_numels(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0) -> List[int]:
+def param_numels(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
+                 moe: Optional[MoEConfig] = None) -> List[int]:
     """Element counts of one rank's parameters, in ``LlamaModel``'s registration order.
 
     Args:
         config: the whole model (its ``tensor_model_parallel_size`` is ignored; ``tp`` is used).
         tp / pp: tensor- and pipeline-parallel sizes; pp_rank: the pipeline stage.
+        moe: the MoE section; its MoE layers hold the router and shared expert here (dense
+            parameters, :func:`megatron.planner.moe.moe_dense_numels`) instead of the SwiGLU,
+            their routed experts being counted by :func:`megatron.planner.moe.stage_expert_numels`.
 
     Returns:
-        One entry per parameter tensor of the stage on one tensor-parallel rank.
+        One entry per dense parameter tensor of the stage on one tensor-parallel rank.
     """
+
     h, f, d, v = config.hidden_size, config.ffn_hidden_size, config.kv_channels, config.padded_vocab_size
     nh, ng = config.num_attention_heads, config.num_query_groups
     bias = config.add_bias_linear
-    layers = config.num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     numels = []
     if first:
         numels.append(v // tp * h)
     qkv_out = (nh + 2 * ng) * d // tp
-    for _ in range(layers):
+    for is_moe_layer in stage_moe_layers(config, moe, pp, pp_rank):
         numels.append(h)                                    # input_layernorm
         numels += [qkv_out * h] + ([qkv_out] if bias else [])
         numels += [h * nh * d // tp] + ([h] if bias else [])  # row-parallel bias is replicated
         numels.append(h)                                    # post_attention_layernorm
+        if is_moe_layer:
+            numels += moe_dense_numels(config, moe)
+            continue
         numels += [2 * f // tp * h] + ([2 * f // tp] if bias else [])
         numels += [h * f // tp] + ([h] if bias else [])
     if last:
@@ -151,6 +162,25 @@ def optimizer_state_bytes(numels: List[int], *, mixed_precision: bool, distribut
     if distributed:
         return per_element * grad_buffer_numel(numels, dp, bucket_size) // dp
     return per_element * sum(numels) + 4 * len(numels)
+
+
+def expert_memory(config: ModelConfig, moe: Optional[MoEConfig], *, pp: int, pp_rank: int, ep: int,
+                  etp: int, expert_dp: int, bf16: bool, use_distributed_optimizer: bool,
+                  bucket_size: Optional[int] = None) -> Tuple[int, int, int, int]:
+    """``(parameters, gradients, optimizer plain, optimizer distributed)`` bytes of stage
+    ``pp_rank``'s experts on one rank: parameters ``e Psi_E`` (the padded buffer with the
+    distributed optimizer), fp32 gradient buffer ``4 Psi_E_pad`` (buckets padded to a multiple
+    of expert-DP), AdamW state as :func:`optimizer_state_bytes` over
+    expert-DP."""
+    numels = stage_expert_numels(config, moe, pp, pp_rank, ep, etp)
+    if not numels:
+        return 0, 0, 0, 0
+    e = 2 if bf16 else 4
+    padded = sum(bucket_numels(numels, expert_dp, bucket_size))
+    params = e * (padded if use_distributed_optimizer else sum(numels))
+    return (params, 4 * padded, optimizer_state_bytes(numels, mixed_precision=bf16),
+            optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True, dp=expert_dp,
+                                  bucket_size=bucket_size))
 
 
 def activation_bytes_per_layer(config: ModelConfig, seq_length: int, micro_batch_size: int, tp: int,
@@ -301,7 +331,8 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
                     use_distributed_optimizer: bool = False,
                     bucket_size: Optional[int] = None, cp: int = 1,
                     sharding_strategy: str = "optim",
-                    overlap_grad_reduce: bool = False) -> MemoryEstimate:
+                    overlap_grad_reduce: bool = False, moe: Optional[MoEConfig] = None,
+                    ep: int = 1, etp: int = 1) -> MemoryEstimate:
     """Per-rank memory of the busiest stage: the max over stages of weights + optimizer (the
     first or last stage, which hold the embedding / output layer) with the first stage's
     activations (the most in-flight micro-batches). ``cp``: context-parallel size (activations
@@ -324,13 +355,37 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
       padded per unit (:func:`zero3_unit_numels`).
 
     ``tests/unit/planner/test_planner_zero.py`` checks each against the storages of a built
-    model at DP=2."""
+    model at DP=2.
+
+    A mixture-of-experts model (``moe``; ``ep`` = ``--expert-model-parallel-size``, ``etp`` =
+    ``--expert-tensor-parallel-size``): the router and shared expert count as dense parameters,
+    the stage's routed experts are added as :func:`expert_memory` gives
+    them (their own buffer over expert-DP = TP x CP x DP / (EP x expert-TP); the stage chosen
+    by dense and expert elements together); only ``optim`` (ZeRO-1) or no sharding are modelled.
+    Activations of an MoE layer are estimated as those of a dense layer whose ffn width is the
+    active one (top-k x expert width + shared expert; :func:`active_ffn_hidden_size`); the
+    dispatched copies of the hidden states and the dispatch buffers are not counted.
+
+    Raises:
+        ValueError: MoE with ZeRO-2/3, or EP x expert-TP not dividing TP x CP x DP."""
     e = 2 if bf16 else 4
+    expert_dp = expert_data_parallel_size(tp, cp, dp, ep, etp) if is_moe(moe) else 1
+    if is_moe(moe) and use_distributed_optimizer and sharding_strategy != "optim":
+        raise ValueError(f"the planner models MoE with --use-distributed-optimizer (ZeRO-1) "
+                         f"only, not --data-parallel-sharding-strategy {sharding_strategy}")
     seq_length, dp = seq_length // cp, dp * cp
     ranks = sorted({0, pp - 1})
-    stages = [param_numels(config, tp, pp, r) for r in ranks]
-    numels = max(stages, key=sum)
-    stage = ranks[stages.index(numels)]
+    experts = {r: expert_memory(config, moe, pp=pp, pp_rank=r, ep=ep, etp=etp, expert_dp=expert_dp,
+                                bf16=bf16, use_distributed_optimizer=use_distributed_optimizer,
+                                bucket_size=default_bucket_size(dp) if bucket_size is None
+                                else bucket_size) for r in ranks}
+    stages = [param_numels(config, tp, pp, r, moe) for r in ranks]
+    heaviest = max(range(len(ranks)), key=lambda i: e * sum(stages[i]) + experts[ranks[i]][0])
+    numels, stage = stages[heaviest], ranks[heaviest]
+    expert_params, expert_grads, expert_opt, expert_opt_dist = experts[stage]
+    if is_moe(moe):  # activations: a dense layer of the mean active width
+        width = sum(active_ffn_hidden_size(config, moe, i) for i in range(config.num_layers))
+        config = config.replace(ffn_hidden_size=width // config.num_layers)
     grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer
     params = e * sum(numels)
     strategy = sharding_strategy if use_distributed_optimizer else "no_shard"
@@ -361,9 +416,10 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
                 + head_activation_bytes(config, seq_length, micro_batch_size, tp, e))
         act = max(act, last)
     return MemoryEstimate(
-        parameters=params, gradients=grads,
-        optimizer=optimizer_state_bytes(numels, mixed_precision=bf16),
-        optimizer_distributed=(optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True,
-                                                     dp=dp, bucket_size=bucket_size)
-                               if psi_pad is None else (12 if bf16 else 8) * psi_pad // dp),
+        parameters=params + expert_params, gradients=grads + expert_grads,
+        optimizer=optimizer_state_bytes(numels, mixed_precision=bf16) + expert_opt,
+        optimizer_distributed=expert_opt_dist + (
+            optimizer_state_bytes(numels, mixed_precision=bf16, distributed=True, dp=dp,
+                                  bucket_size=bucket_size)
+            if psi_pad is None else (12 if bf16 else 8) * psi_pad // dp),
         activations=act, use_distributed_optimizer=use_distributed_optimizer)

@@ -18,6 +18,7 @@ import pytest
 
 from megatron.arguments import parse_args, validate_args
 from megatron.config import ModelConfig
+from megatron.config.builder import build_moe_config
 from megatron.planner.cost import Hardware, Layout, rank_layouts
 from tests.e2e.test_examples_flags import SCRIPTS, _launches, _option, sandbox  # noqa: F401
 from tests.helpers.paths import ROOT
@@ -30,6 +31,8 @@ def describe(layout: Layout) -> str:
     """``TP=1 x CP=8 x PP=8 x DP=1, micro-batch 1, distributed optimizer`` (+ recompute, SP)."""
     text = (f"TP={layout.tp} x CP={layout.cp} x PP={layout.pp} x DP={layout.dp}, "
             f"micro-batch {layout.micro_batch_size}")
+    if layout.ep > 1 or layout.etp > 1:  # a mixture-of-experts recipe
+        text += f", EP={layout.ep} x expert-TP={layout.etp}"
     if layout.recompute != "none":
         text += f", {layout.recompute} recompute"
     if layout.sequence_parallel:
@@ -71,11 +74,20 @@ def planner_first(args, gpus: int, gpu_memory_gb: float, vocab: int) -> Layout:
         padded_vocab_size=vocab, max_position_embeddings=args.seq_length,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
     hw = Hardware(num_gpus=gpus, gpu_memory=gpu_memory_gb * GIB)  # plan.py's defaults otherwise
+    moe = build_moe_config(args) if args.num_experts else None
     ranked = rank_layouts(config, hw, args.global_batch_size, args.seq_length, bf16=args.bf16,
                           vocab_size=vocab,
-                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                          moe=moe, expert_tensor_parallel_size=expert_tp(args))
     assert ranked, "the planner finds no layout that fits"
     return ranked[0].layout
+
+
+def expert_tp(args) -> int:
+    """The recipe's expert-TP (1 for a dense model; the default is TP, as Megatron-Core's)."""
+    if not args.num_experts:
+        return 1
+    return args.expert_tensor_parallel_size or args.tensor_model_parallel_size
 
 
 def recipe_layout(args) -> Layout:
@@ -86,7 +98,8 @@ def recipe_layout(args) -> Layout:
                   recompute=args.recompute_granularity or "none",
                   sequence_parallel=bool(args.sequence_parallel),
                   use_distributed_optimizer=bool(args.use_distributed_optimizer),
-                  cp=args.context_parallel_size)
+                  cp=args.context_parallel_size,
+                  ep=args.expert_model_parallel_size if args.num_experts else 1, etp=expert_tp(args))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)

@@ -1,0 +1,227 @@
+"""The planner's mixture-of-experts terms against built models (gloo, 2 ranks).
+
+Parameters, gradients and optimizer state per rank: a tiny LlamaModel whose layers are MoE
+layers (router, 4 experts, a gated shared expert; one dense layer by ``--moe-layer-freq``),
+bf16 with the distributed optimizer at DP=2, built at EP=1 (expert-DP 2) and at EP=2 (expert-DP
+1, each layer's MoELayer built over the expert-parallel group): the DDP buffers' storages and
+the optimizer parts' state equal :func:`estimate_memory`'s terms exactly. The all-to-all bytes:
+a forward and backward of the alltoall dispatcher at EP=2, its floating-point exchanges counted
+at ``all_to_all_single``, equal :func:`alltoall_bytes_per_iteration` (a router that sends each
+token to one expert on each rank: the formula's uniform split holds exactly)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.config import ModelConfig
+from megatron.config.moe import MoEConfig
+from megatron.core import parallel_state as ps
+from megatron.planner.memory import estimate_memory, param_numels
+from megatron.planner.moe import (alltoall_bytes_per_iteration, expert_data_parallel_size,
+                                  moe_expert_numels, stage_expert_numels)
+from tests.helpers.dist import run_distributed
+from tests.helpers.groups import current_groups
+
+TINY = dict(num_layers=3, hidden_size=32, ffn_hidden_size=88, num_attention_heads=4,
+            num_query_groups=2, padded_vocab_size=128, max_position_embeddings=32)
+MOE = MoEConfig(num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2,
+                moe_layer_freq=(1, 0, 1), moe_shared_expert_intermediate_size=16,
+                moe_shared_expert_gate=True)
+BUCKET = 3000
+NUM_MB = 2
+
+
+def _measure(ep):
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.distributed.expert_params import mark_expert
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.moe import MoELayer
+    from megatron.model.llama import LlamaModel
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    groups = current_groups()
+    torch.manual_seed(0)
+    config = ModelConfig(**TINY, params_dtype=torch.bfloat16)
+    model = LlamaModel(config, pg_collection=groups, moe_config=MOE)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoELayer):
+            if ep > 1:  # the layer as an EP rank builds it: E / EP experts
+                layer.mlp = MoELayer(MOE, hidden_size=config.hidden_size, seed=config.seed,
+                                     layer_number=layer.layer_number, num_layers=config.num_layers,
+                                     params_dtype=config.params_dtype, ep_group=groups.ep.group)
+            for p in layer.mlp.experts.parameters():
+                mark_expert(p)
+    ddp = DistributedDataParallel(model, data_parallel_group=groups.dp_cp.group,
+                                  expert_data_parallel_group=groups.expt_dp.group,
+                                  bucket_size=BUCKET, use_distributed_optimizer=True)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True),
+                                 [ddp], pg_collection=groups)
+    ids = torch.randint(0, 128, (2 * NUM_MB, 16), generator=torch.Generator().manual_seed(0))
+    ddp.zero_grad_buffer()
+    for i, mb in enumerate(ids.chunk(NUM_MB)):
+        with ddp.no_sync() if i < NUM_MB - 1 else torch.enable_grad():
+            ddp(mb, labels=mb).float().mean().backward()
+    finalize_model_grads([ddp], pg_collection=groups)
+    opt.step()
+    mem = ddp.memory_bytes()
+    parts = getattr(opt, "parts", [opt])
+    experts = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True) is False)
+    return {"params": mem["params"], "grads": mem["grads"],
+            "optimizer": sum(part.state_bytes() for part in parts),
+            "expert_numel": experts, "dense_numel": sum(p.numel() for p in model.parameters()) - experts}
+
+
+def _measure_all():
+    return {ep: _measure(ep) for ep in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_distributed(2, _measure_all)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_planner_equals_the_built_moe_model(measured, ep):
+    config = ModelConfig(**TINY, params_dtype=torch.bfloat16)
+    est = estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
+                          num_microbatches=NUM_MB, bf16=True, use_distributed_optimizer=True,
+                          bucket_size=BUCKET, moe=MOE, ep=ep)
+    for m in measured:  # every rank holds the same amount
+        assert m[ep]["expert_numel"] == sum(stage_expert_numels(config, MOE, 1, 0, ep))
+        assert m[ep]["dense_numel"] == sum(param_numels(config, 1, 1, 0, MOE))
+        assert (m[ep]["params"], m[ep]["grads"], m[ep]["optimizer"]) == \
+            (est.parameters, est.gradients, est.optimizer_distributed)
+    # EP=2 halves the experts a rank holds; expert-DP 1 leaves their optimizer state unsharded
+    assert measured[0][2]["expert_numel"] * 2 == measured[0][1]["expert_numel"]
+
+
+def test_expert_shapes_and_expert_dp():
+    config = ModelConfig(**TINY)
+    assert moe_expert_numels(config, MOE, 2) == [2 * 2 * 24 * 32, 2 * 32 * 24]
+    assert moe_expert_numels(config, MOE, 1, 2) == [4 * 24 * 32, 4 * 32 * 12]
+    assert expert_data_parallel_size(tp=2, cp=2, dp=4, ep=4, etp=2) == 2
+    with pytest.raises(ValueError, match="--expert-model-parallel-size"):
+        expert_data_parallel_size(tp=1, cp=1, dp=2, ep=4, etp=1)
+    with pytest.raises(ValueError, match="--num-experts"):
+        moe_expert_numels(config, MOE, 3)
+
+
+S, B, H = 6, 2, 8
+
+
+def _alltoall_rank():
+    from megatron.core.transformer.moe import MoELayer
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cfg = MoEConfig(num_experts=4, moe_router_topk=2)
+    layer = MoELayer(cfg, hidden_size=H, ffn_hidden_size=8, seed=1, layer_number=1,
+                     ep_group=dist.new_group([0, 1]))
+    with torch.no_grad():  # every token to expert 0 (rank 0) and expert 2 (rank 1)
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0], layer.router.weight[2, 0] = 5.0, 4.0
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x[..., 0] = 10 + x[..., 0].abs()
+    sent = []
+    original = token_dispatcher.dist.all_to_all_single
+
+    def counted(out, inp, output_splits=None, input_splits=None, group=None):
+        if inp.is_floating_point():  # not the token counts
+            rows = [n for j, n in enumerate(input_splits) if j != dist.get_rank(group)]
+            sent.append(sum(rows) * inp[0].numel() * inp.element_size())
+        return original(out, inp, output_splits, input_splits, group=group)
+
+    token_dispatcher.dist.all_to_all_single = counted
+    try:
+        layer(x.requires_grad_()).sum().backward()
+    finally:
+        token_dispatcher.dist.all_to_all_single = original
+    return sent
+
+
+def test_alltoall_bytes_equal_the_counted_dispatcher():
+    for sent in run_distributed(2, _alltoall_rank):
+        assert len(sent) == 4  # dispatch, combine, and their backwards
+        assert sum(sent) == alltoall_bytes_per_iteration(S * B, 2, H, 4, ep=2)
+
+
+def test_ep_in_the_search_and_the_cost_terms():
+    from megatron.model.flops import num_floating_point_operations
+    from megatron.planner.cost import Hardware, Layout, enumerate_layouts, estimate
+
+    config = ModelConfig(**TINY)
+    hw = Hardware(num_gpus=8, gpu_memory=80 * 2 ** 30)
+    layouts = list(enumerate_layouts(config, hw, 16, 32, moe=MOE, etp=2))
+    assert {l.ep for l in layouts} == {1, 2, 4}
+    assert all((l.tp * l.cp * l.dp) % (l.ep * l.etp) == 0 and l.etp == 2 for l in layouts)
+    assert (1, 2, 4) == tuple(sorted({l.ep for l in layouts if l.tp * l.cp * l.dp == 8}))
+    two = Hardware(num_gpus=2, gpu_memory=80 * 2 ** 30)  # EP x expert-TP 2 fills the stage
+    assert {l.ep for l in enumerate_layouts(config, two, 16, 32, moe=MOE, etp=2)} == {1}
+    assert {l.ep for l in enumerate_layouts(config, hw, 16, 32)} == {1}  # dense: no EP
+
+    layout = Layout(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=2, recompute="none",
+                    sequence_parallel=False, use_distributed_optimizer=True, ep=4)
+    est = estimate(config, layout, hw, 32, moe=MOE)
+    tokens = 32 * 1 * 2  # s x b x m of one rank
+    moe_layers = 2  # --moe-layer-freq (1, 0, 1)
+    assert est.ep_comm_s == 4 * tokens * 2 * 32 * 2 * 3 / 4 * moe_layers / hw.intra_node_bandwidth
+    dense = estimate(config, layout, hw, 32)
+    active = num_floating_point_operations(config, 16, 32, MOE)
+    assert est.compute_s / dense.compute_s == pytest.approx(
+        active / num_floating_point_operations(config, 16, 32))
+    assert dense.ep_comm_s == 0.0
+
+
+def test_plan_cli_takes_the_moe_flags(capsys):
+    """tools/plan.py with Megatron-Core's MoE flags: its launch flags (EP included) validate
+    through pretrain_llama.py's parser at the planned world size; a pattern of the wrong length
+    is one line and exit 2."""
+    from megatron.arguments import parse_args, validate_args
+    from tools.plan import main
+
+    model = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "172",
+             "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "1000",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "48", "--moe-router-topk", "2",
+             "--moe-shared-expert-intermediate-size", "32", "--global-batch-size", "8",
+             "--seq-length", "64", "--num-gpus", "4", "--gpus-per-node", "4",
+             "--gpu-memory-gib", "1", "--reserved-gib", "0"]
+    assert main(model + ["--moe-layer-freq", "([1]*1+[0]*1)*2"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture of experts: 4 experts, top-2" in out and "EP all-to-all" in out
+    flags = out.split("launch flags of the best layout:")[1].replace("\\", " ").split()
+    flags = [f.strip("'") for f in flags]
+    assert "--expert-model-parallel-size" in flags and "--moe-layer-freq" in flags
+    args = validate_args(parse_args(flags + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                             "--vocab-size", "1000", "--lr", "1e-4", "--train-iters", "1"]), 4)
+    assert args.num_experts == 4 and args.moe_layer_freq == (1, 0, 1, 0)
+    assert main(model + ["--moe-layer-freq", "[1,0]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--moe-layer-freq" in err[0]
+
+
+def test_plan_cli_reads_a_huggingface_moe_config(tmp_path, capsys):
+    """Mixtral's and Qwen3-MoE's config.json fields give the MoE section."""
+    import json
+    from tools.plan import main
+
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 172,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    run = ["--num-gpus", "4", "--gpu-memory-gib", "1", "--global-batch-size", "8",
+           "--seq-length", "64", "--gpus-per-node", "4", "--reserved-gib", "0"]
+    for extra, said in (({"num_local_experts": 4, "num_experts_per_tok": 2},
+                         "4 experts, top-2, expert ffn 172"),
+                        ({"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32},
+                         "8 experts, top-4, expert ffn 32")):
+        cfg = tmp_path / "config.json"
+        cfg.write_text(json.dumps(dict(base, **extra)))
+        assert main(["--hf-config", str(cfg)] + run) == 0
+        assert f"mixture of experts: {said}" in capsys.readouterr().out
+
+
+def test_moe_with_zero2_or_3_is_refused():
+    config = ModelConfig(**TINY)
+    for strategy in ("optim_grads", "optim_grads_params"):
+        with pytest.raises(ValueError, match="ZeRO-1"):
+            estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=1,
+                            num_microbatches=1, use_distributed_optimizer=True,
+                            sharding_strategy=strategy, moe=MOE)

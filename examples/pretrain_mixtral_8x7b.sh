@@ -11,18 +11,12 @@
 # SwiGLU experts of width 14336, top-2 (the softmax of the two top logits, Mixtral's routing),
 # vocabulary 32000, RoPE base 1e6: 46.7B parameters, 12.9B active per token.
 #
-# Layout: TP=1 x PP=16 x DP=2 (two layers per stage, every rank holding all 8 experts of its
-# layers, EP=1) with the distributed optimizer. Per GPU tools/plan.py estimates 61.4 GiB (of 80,
-# with 4 kept back): 5.7 bf16 parameters, 11.3 fp32 gradients, 17.0 optimizer state, 27.5
-# activations (16 micro-batches in flight on the first stage).
-#
-# Not tools/plan.py's first layout: for this shape on 32 x 80 GB it ranks TP=1 x CP=2 x PP=4 x
-# DP=4, micro-batch 1, EP=2 x expert-TP=1, distributed optimizer first (13.6 s per iteration,
-# 64.3 GiB per GPU by its estimate) and this layout 9% slower. Training does not yet run the MoE
-# layer with expert parallelism, context parallelism, tensor parallelism or recompute
-# (pretrain_llama.py refuses them with --num-experts, docs/moe.md), so this recipe keeps to the
-# fastest layout of pipeline and data parallelism alone; move to the planner's first when those
-# land.
+# Layout: tools/plan.py's first for this shape on 32 x 80 GB: TP=1 x CP=2 x PP=4, DP = 4, with
+# the experts split over EP=2 (folded over CP x DP: each rank holds 4 of the 8 experts of its 8
+# layers, expert-TP 1, expert-DP 4) and the distributed optimizer. Per GPU it estimates 64.3 GiB
+# (of 80, with 4 kept back): 11.4 bf16 parameters, 22.7 fp32 gradients, 16.4 optimizer state,
+# 13.8 activations; 13.6 s per iteration, of which 0.34 s the experts' all-to-all. Short of
+# memory, EP=4 (48.5 GiB by its estimate, 0.7% slower).
 #   python tools/plan.py --num-gpus 32 --gpu-memory-gib 80 --num-layers 32 --hidden-size 4096 \
 #       --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8 --vocab-size 32000 \
 #       --make-vocab-size-divisible-by 1 --untie-embeddings-and-output-weights \
@@ -46,8 +40,9 @@ MOE_ARGS=(
     --moe-token-dispatcher-type alltoall --moe-grouped-gemm
 )
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 16
-    --expert-model-parallel-size 1 --expert-tensor-parallel-size 1
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+    --context-parallel-size 2 --cp-comm-type p2p
+    --expert-model-parallel-size 2 --expert-tensor-parallel-size 1
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
     "${MOE_ARGS[@]}"
 )

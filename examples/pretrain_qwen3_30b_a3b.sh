@@ -12,21 +12,13 @@
 # experts of width 768, top-8; Qwen3's norm_topk_prob=True (the 8 probabilities renormalised) is
 # our default routing, the softmax of the 8 top logits. Vocabulary 151936, RoPE base 1e6: 30.5B
 # parameters, 3.3B active per token. Qwen3 also normalises each head's queries and keys
-# (RMSNorm, qk layernorm); this model has no --qk-layernorm yet, so the recipe trains the shape
-# without it and its checkpoints do not convert to Qwen3's.
+# (RMSNorm per head before RoPE: --qk-layernorm), so the checkpoints convert to Qwen3's.
 #
-# Layout: TP=1 x PP=8 x DP=2 (six layers per stage, every rank holding all 128 experts of its
-# layers, EP=1) with the distributed optimizer. Per GPU tools/plan.py estimates 58.4 GiB (of 80,
-# with 4 kept back): 7.5 bf16 parameters, 15.1 fp32 gradients, 22.6 optimizer state, 13.1
-# activations.
-#
-# Not tools/plan.py's first layout: for this shape on 16 x 80 GB it ranks TP=1 x CP=2 x PP=4 x
-# DP=2, micro-batch 1, distributed optimizer first (10.4 s per iteration, 71.9 GiB per GPU by its
-# estimate; EP=1: its cost model charges EP the all-to-all's time and credits it only memory,
-# which fits here without it) and this layout 20% slower. Training does not yet run the MoE layer with context parallelism (nor
-# with expert or tensor parallelism, or recompute: pretrain_llama.py refuses them with
-# --num-experts, docs/moe.md), so this recipe keeps to the fastest layout of pipeline and data
-# parallelism alone; move to the planner's first when context parallelism lands for MoE.
+# Layout: tools/plan.py's first for this shape on 16 x 80 GB: TP=1 x CP=2 x PP=4, DP = 2,
+# every rank holding all 128 experts of its 12 layers (EP=1: the planner charges expert
+# parallelism the all-to-all's time, and the memory fits without it), with the distributed
+# optimizer. Per GPU it estimates 71.9 GiB (of 80, with 4 kept back): 14.5 bf16 parameters, 29.0
+# fp32 gradients, 21.8 optimizer state, 6.6 activations; 10.4 s per iteration.
 #   python tools/plan.py --num-gpus 16 --gpu-memory-gib 80 --num-layers 48 --hidden-size 2048 \
 #       --ffn-hidden-size 6144 --num-attention-heads 32 --num-query-groups 4 --kv-channels 128 \
 #       --vocab-size 151936 --make-vocab-size-divisible-by 1 \
@@ -39,7 +31,7 @@ NNODES=${NNODES:-2}
 MODEL_ARGS=(
     # --ffn-hidden-size: Qwen3's dense intermediate_size, unused (every layer is MoE).
     --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32
-    --kv-channels 128 --group-query-attention --num-query-groups 4
+    --kv-channels 128 --group-query-attention --num-query-groups 4 --qk-layernorm
     --seq-length 4096 --max-position-embeddings 40960 --norm-epsilon 1e-6 --rotary-base 1000000
     --init-method-std 0.02
     --tokenizer-type HuggingFaceTokenizer --tokenizer-name-or-path "$TOKENIZER_DIR"
@@ -52,7 +44,8 @@ MOE_ARGS=(
     --moe-token-dispatcher-type alltoall --moe-grouped-gemm
 )
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 8
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+    --context-parallel-size 2 --cp-comm-type p2p
     --expert-model-parallel-size 1 --expert-tensor-parallel-size 1
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
     "${MOE_ARGS[@]}"

@@ -278,12 +278,19 @@ def main(argv=None):
 def command(argv=None) -> int:
     """The command line: :func:`main`, with a usage error as one line on one rank and status 2
     (argparse's convention), a stop for non-finite iterations as status 1 without a traceback
-    (rank 0 logged the reason). Anything else is a crash and keeps its traceback."""
+    (rank 0 logged the reason), a failed save (a full disk) as its one agreed line and status 1
+    (the previous checkpoint is intact). Anything else is a crash and keeps its traceback."""
+    from megatron.checkpoint_io import CheckpointSaveError
     from megatron.training.train import NonFiniteTrainingError
+    from megatron.usage_error import one_line, this_rank
 
     try:
         return run_command("pretrain_llama.py", main, argv)
     except NonFiniteTrainingError:
+        return 1
+    except CheckpointSaveError as exc:  # a full disk: the agreed line, the previous one intact
+        if this_rank() == exc.reporter:
+            print(f"pretrain_llama.py: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron import save_folder
-from megatron.checkpoint_io import CheckpointError, CheckpointUsageError, save_to_file
+from megatron.checkpoint_io import (CheckpointError, CheckpointSaveError, CheckpointUsageError,
+                                    save_to_file)
 from megatron.core.optimizer.lr_scheduler import ScheduleMismatchError
 from megatron.usage_error import UsageError
 
@@ -128,6 +129,33 @@ def all_ranks_ok(ok: bool, device) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def agree_on_save_error(error, device, otherwise: str, cleanup=None) -> None:
+    """Collective over the world after each rank tried its part of a save: when any rank has an
+    ``error`` (its line), every rank raises :class:`CheckpointSaveError` with the lowest failing
+    rank as the reporter, the one that prints (one MIN all-reduce of an int64 elects it), after
+    ``cleanup`` (rank 0 removes the staging folder). Each failing rank's error keeps its own line,
+    the others' name the reporter. Nothing happens when no rank failed.
+
+    Args:
+        error: this rank's line, or None.
+        otherwise: the message of the ranks that are not the reporter.
+        cleanup: called on every rank before raising (None: nothing to undo).
+
+    Raises:
+        CheckpointSaveError: on every rank when any rank failed.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    elected = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=device)
+    dist.all_reduce(elected, op=dist.ReduceOp.MIN)
+    reporter = int(elected.item())
+    if reporter == world:
+        return
+    if cleanup is not None:
+        cleanup()
+    raise CheckpointSaveError(error if error is not None else f"{otherwise} (rank {reporter} says "
+                              "why)", reporter=reporter)
 
 
 def agree_on_load_error(error, device, what: str) -> None:

@@ -40,6 +40,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial, corrupt or does not fit the model."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save that failed on some rank (a full disk, a file-size limit, a lost ``--save`` folder),
+    agreed by every rank (:func:`megatron.checkpoint_folder.agree_on_save_error`); the previous
+    checkpoint and the tracker are untouched. Not the user's mistake, so not a usage error: the
+    command prints the one line on rank ``reporter`` alone, without a traceback, and exits 1.
+
+    Args:
+        message: the reporter's own reason (which file, the OS's words); another rank's names
+            the reporter.
+        reporter: the global rank that prints the line (the lowest that failed).
+    """
+
+    def __init__(self, message: str, *, reporter: int = 0):
+        super().__init__(message)
+        self.reporter = reporter
+
+
 class CheckpointUsageError(UsageError, CheckpointError):
     """A :class:`CheckpointError` met while loading, as the user gets it: a usage error (one line,
     printed once for the job, status 2; :mod:`megatron.usage_error`) that callers catching

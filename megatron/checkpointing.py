@@ -41,8 +41,8 @@ import shutil
 import torch.distributed as dist
 
 from megatron import checkpointing_torch_dist as torch_dist
-from megatron.checkpoint_folder import (TRACKER_FILENAME, agree_on_load_error, all_ranks_ok,
-                                        complete_checkpoints,
+from megatron.checkpoint_folder import (TRACKER_FILENAME, agree_on_load_error,
+                                        agree_on_save_error, complete_checkpoints,
                                         get_checkpoint_dir, get_checkpoint_tracker_filename,
                                         load_scheduler_state, prepare_staging, publish,
                                         read_metadata, write_atomic)
@@ -148,9 +148,8 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             prepare_staging(save_dir, staging)
         except (CheckpointError, OSError) as exc:
             error = str(exc)
-    if not all_ranks_ok(error is None, device):
-        raise CheckpointError(error or f"saving the checkpoint of iteration {iteration} failed "
-                              "on rank 0 (see its error); nothing was written")
+    agree_on_save_error(error, device, f"saving the checkpoint of iteration {iteration} failed on "
+                        "rank 0; nothing was written")
 
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
         as_model_chunk(chunk).finish_param_sync()
@@ -195,11 +194,9 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     if error is not None:
         error += (f"; the previous checkpoint and {TRACKER_FILENAME} are intact (free space "
                   "under --save, then restart with --load)")
-    if not all_ranks_ok(error is None, device):
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(error or f"saving the checkpoint of iteration {iteration} failed on "
-                              "another rank; the previous checkpoint is intact")
+    agree_on_save_error(error, device, f"saving the checkpoint of iteration {iteration} failed on "
+                        "another rank; the previous checkpoint is intact",
+                        cleanup=lambda: rank == 0 and shutil.rmtree(staging, ignore_errors=True))
 
     if rank == 0:
         publish(save_dir, staging, final_dir, iteration, config.keep_last_checkpoints,

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpoint_folder
-from megatron.checkpoint_io import CheckpointError
+from megatron.checkpoint_io import CheckpointError, CheckpointSaveError
 from megatron.config.saved_args import check_resume_precision
 from megatron.core import dist_checkpointing as dcp
 from megatron.core.distributed.model_chunk import as_model_chunk
@@ -277,8 +277,7 @@ class TorchDistSaver:
             except OSError as exc:
                 error = f"rank 0 could not create {staging}: {exc}"
         # Also: every rank sees the staging folder exist before writing into it.
-        if not checkpoint_folder.all_ranks_ok(error is None, self.device):
-            raise CheckpointError(self._failed(error, iteration))
+        self._agree(error, iteration)
         if self.async_save:
             write = BackgroundWrite(lambda: stage_to_host(boxes, self.buffers),
                                     lambda staged: self._write(staged, staging, common))
@@ -289,10 +288,7 @@ class TorchDistSaver:
             self._write(boxes, staging, common)
         except (dcp.CheckpointWriteError, OSError) as exc:
             error = str(exc)
-        if not checkpoint_folder.all_ranks_ok(error is None, self.device):
-            if rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointError(self._failed(error, iteration))
+        self._agree(error, iteration, staging)
         self._publish(iteration, staging, final_dir, protect)
         self.last_stall_s = time.perf_counter() - start
         return final_dir
@@ -314,10 +310,17 @@ class TorchDistSaver:
                 raise OSError(f"rank 0 could not write {os.path.join(staging, COMMON_FILE)}: "
                               f"{exc}") from None
 
-    def _failed(self, error: Optional[str], iteration: int) -> str:
-        return ((error or f"saving the checkpoint of iteration {iteration} failed on another rank")
-                + f"; the previous checkpoint and {checkpoint_folder.TRACKER_FILENAME} are intact "
+    def _agree(self, error: Optional[str], iteration: int, staging: Optional[str] = None) -> None:
+        """Collective: every rank raises ``CheckpointSaveError`` when any failed (the lowest
+        failing rank's line; rank 0 removes ``staging`` first)."""
+        intact = (f"; the previous checkpoint and {checkpoint_folder.TRACKER_FILENAME} are intact "
                   "(free space under --save, then restart with --load)")
+        cleanup = None if staging is None else (
+            lambda: dist.get_rank() == 0 and shutil.rmtree(staging, ignore_errors=True))
+        checkpoint_folder.agree_on_save_error(
+            None if error is None else error + intact, self.device,
+            f"saving the checkpoint of iteration {iteration} failed on another rank{intact}",
+            cleanup=cleanup)
 
     def _publish(self, iteration: int, staging: str, final_dir: str, protect=()) -> None:
         if dist.get_rank() == 0:
@@ -351,12 +354,14 @@ class TorchDistSaver:
         self.pending = None
         if agreed == FAILED:
             pending.write.wait()
-            if dist.get_rank() == 0:
-                shutil.rmtree(pending.staging, ignore_errors=True)
             error = pending.write.error
-            raise CheckpointError(self._failed(
-                None if error is None else f"the background write of iteration "
-                f"{pending.iteration} failed: {error}", pending.iteration))
+            self._agree(None if error is None else f"the background write of iteration "
+                        f"{pending.iteration} failed: {error}", pending.iteration, pending.staging)
+            if dist.get_rank() == 0:  # no rank kept a reason (the writer's state alone failed)
+                shutil.rmtree(pending.staging, ignore_errors=True)
+            raise CheckpointSaveError(
+                f"the background write of iteration {pending.iteration} failed; the previous "
+                "checkpoint is intact", reporter=0)
         assert agreed == DONE
         self._publish(pending.iteration, pending.staging, pending.final_dir, protect)
         return pending.final_dir

@@ -167,6 +167,9 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, *, micro_batch
     """
     if dataset is None:
         return None
+    if num_workers > 0:  # its workers ignore SIGTERM: a crash must not wait for them (issue 31)
+        from megatron.training.launch import kill_loader_workers_at_exit
+        kill_loader_workers_at_exit()
     if dataloader_type == "single":
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                              data_parallel_rank, data_parallel_size)

@@ -201,6 +201,35 @@ def guard_loader_worker(poll_seconds: float = 1.0) -> str:
     return die_with_parent(poll_seconds)
 
 
+_KILL_AT_EXIT = []  # registered once per process
+
+
+def kill_loader_workers_at_exit() -> None:
+    """Called in the rank when it builds a loader with workers: at interpreter exit its daemonic
+    children (the loader workers) get SIGKILL before multiprocessing's own exit hook joins them.
+    That hook stops daemons with SIGTERM, which :func:`guard_loader_worker` makes them ignore, so
+    a rank that crashed while an iterator was alive (its traceback holds it) waited forever.
+    ``atexit`` runs last-registered first; multiprocessing registers its hook when it is imported,
+    before this."""
+    if _KILL_AT_EXIT:
+        return
+    import atexit
+    import multiprocessing.util  # noqa: F401 - its exit hook first, so ours runs before it
+
+    _KILL_AT_EXIT.append(True)
+    atexit.register(_kill_daemonic_children)
+
+
+def _kill_daemonic_children() -> None:
+    import multiprocessing
+
+    # torch's SIGCHLD handler would report each killed worker as a crash of its own.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
 def _orphaned(parent: int) -> None:
     print(f"rank {os.environ.get('RANK', '?')}: the torchrun agent (pid {parent}) is gone; "
           "stopping without saving", file=sys.stderr, flush=True)

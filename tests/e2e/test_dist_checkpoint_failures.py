@@ -182,7 +182,7 @@ def test_full_disk_during_an_async_write_stops_every_rank_and_keeps_the_previous
                     "--tensor-model-parallel-size", "2")
     messages = run_distributed(2, _full_disk_on_rank_1, argv, timeout=300)
     for message in messages:
-        assert isinstance(message, str) and message.startswith("CheckpointError"), message
+        assert isinstance(message, str) and message.startswith("CheckpointSaveError"), message
         assert "the background write of iteration 4 failed" in message or \
             "failed on another rank" in message, message
         assert "the previous checkpoint and latest_checkpointed_iteration.txt are intact" in message

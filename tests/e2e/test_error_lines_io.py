@@ -1,7 +1,7 @@
 """Failed writes and bad data, as the user meets them (issue 29).
 
-- A file-size limit (RLIMIT_FSIZE, as a full disk) during a save: the error names the file, the
-  OS's reason and says the previous checkpoint is intact, in both formats (before: torch.save's
+- A file-size limit (RLIMIT_FSIZE, as a full disk) during a save: one line (status 1, no traceback)
+  names the file, the OS's reason and says the previous checkpoint is intact, in both formats (before: torch.save's
   ``inline_container.cc ... unexpected pos`` naming neither); the tracker still names it.
 - A full disk (ENOSPC from the writers) under ``--tensorboard-dir`` and ``--data-cache-path``
   does not stop training: one warning each, and the run's losses equal an unlimited run's.
@@ -77,10 +77,13 @@ def _with_a_full_disk(cases):
 def test_a_file_size_limit_during_a_save_names_the_file_and_keeps_the_previous(runs, fmt, written):
     out, root, _ = runs
     assert out[f"save {fmt}"]["status"] == 0, out[f"save {fmt}"]
-    error = out[f"full {fmt}"]["error"]
+    full = out[f"full {fmt}"]
     staging = root / fmt / "iter_0000004.tmp"
-    assert error is not None and "inline_container" not in error, out[f"full {fmt}"]
-    assert error.startswith("CheckpointError: rank 0 could not write "), error
+    assert full["status"] == 1 and full["error"] is None, full  # the line, no traceback
+    assert len(full["stderr"].splitlines()) == 1, full["stderr"]
+    error = full["stderr"].strip()
+    assert "inline_container" not in error, full
+    assert error.startswith("pretrain_llama.py: error: rank 0 could not write "), error
     assert f"{staging}/{written}" in error and "[Errno 27] File too large" in error, error
     assert error.endswith("; the previous checkpoint and latest_checkpointed_iteration.txt are "
                           "intact (free space under --save, then restart with --load)"), error

@@ -360,7 +360,7 @@ def test_no_save_optim_and_rng_are_honoured_and_named_on_load(dp2_runs):
 
 def test_full_disk_during_save_stops_with_clear_error_and_keeps_previous(dp2_runs):
     results, _, _, full = dp2_runs
-    assert re.search(r"CheckpointError: rank 0 could not write .*iter_0000002\.tmp.*No space left "
+    assert re.search(r"CheckpointSaveError: rank 0 could not write .*iter_0000002\.tmp.*No space left "
                      r"on device; the previous checkpoint and latest_checkpointed_iteration.txt "
                      r"are intact", results[0]["full disk"]["error"]), results[0]["full disk"]
     assert "failed on another rank; the previous checkpoint" in results[1]["full disk"]["error"]

@@ -44,7 +44,7 @@ from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.model.attention_mask import AttentionMask
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
-from megatron.usage_error import UsageError, run_command
+from megatron.usage_error import UsageError
 from pretrain_llama import check_token_ids, configure, loss_func, model_provider
 
 
@@ -208,14 +208,11 @@ def main(argv=None):
 
 
 def command(argv=None) -> int:
-    """The command line: :func:`main`; a usage error is one line and status 2, a stop for
-    non-finite iterations status 1 (as ``pretrain_llama.command``)."""
-    from megatron.training.train import NonFiniteTrainingError
+    """The command line: :func:`main` under
+    :func:`megatron.training.command.run_training_command` (as ``pretrain_llama.command``)."""
+    from megatron.training.command import run_training_command
 
-    try:
-        return run_command("finetune_llama.py", main, argv)
-    except NonFiniteTrainingError:
-        return 1
+    return run_training_command("finetune_llama.py", main, argv)
 
 
 if __name__ == "__main__":

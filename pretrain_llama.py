@@ -20,7 +20,7 @@ from megatron.core.context_parallel import (get_batch_on_this_cp_rank,
 from megatron.model.attention_mask import AttentionMask
 from megatron.training.logging import print_rank_0
 from megatron.training.train import pretrain
-from megatron.usage_error import UsageError, run_command
+from megatron.usage_error import UsageError
 
 def model_provider(config, pg_collection, device, *, pre_process=True, post_process=True,
                    vp_stage=None):
@@ -276,22 +276,13 @@ def main(argv=None):
 
 
 def command(argv=None) -> int:
-    """The command line: :func:`main`, with a usage error as one line on one rank and status 2
-    (argparse's convention), a stop for non-finite iterations as status 1 without a traceback
-    (rank 0 logged the reason), a failed save (a full disk) as its one agreed line and status 1
-    (the previous checkpoint is intact). Anything else is a crash and keeps its traceback."""
-    from megatron.checkpoint_io import CheckpointSaveError
-    from megatron.training.train import NonFiniteTrainingError
-    from megatron.usage_error import one_line, this_rank
+    """The command line: :func:`main` under
+    :func:`megatron.training.command.run_training_command` (a usage error is one line and status
+    2; a non-finite stop, a failed save or a data file damaged under the run status 1 without a
+    traceback of ours)."""
+    from megatron.training.command import run_training_command
 
-    try:
-        return run_command("pretrain_llama.py", main, argv)
-    except NonFiniteTrainingError:
-        return 1
-    except CheckpointSaveError as exc:  # a full disk: the agreed line, the previous one intact
-        if this_rank() == exc.reporter:
-            print(f"pretrain_llama.py: error: {one_line(exc)}", file=sys.stderr, flush=True)
-        return 1
+    return run_training_command("pretrain_llama.py", main, argv)
 
 
 if __name__ == "__main__":

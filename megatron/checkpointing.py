@@ -248,11 +248,31 @@ def _torch_load(path: str) -> dict:
     return load_torch_file(path, what="checkpoint shard")
 
 
+def _file_kind(path: str) -> str:
+    """What ``path`` is, from ``lstat`` only (a named pipe is never opened)."""
+    import stat
+
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "symbolic link to nothing" if not os.path.exists(path) else "symbolic link to no regular file"
+    from megatron.save_folder import _KINDS  # the lock file's kinds, the same words
+
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
 def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
-    """``(iteration, release)`` named by the tracker file of ``load_dir``, or None if absent."""
+    """``(iteration, release)`` named by the tracker file of ``load_dir``, or None if absent.
+
+    Raises:
+        CheckpointError: the tracker exists but is no regular file (a named pipe, a folder, a
+            broken link: never opened, a pipe would block), or does not name an iteration.
+    """
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
-        return None
+        if not os.path.lexists(tracker):
+            return None
+        # Not "absent": a run would silently train from scratch beside the checkpoints.
+        raise CheckpointError(f"{tracker} is a {_file_kind(tracker)}, not a tracker file")
     return read_metadata(tracker)
 
 

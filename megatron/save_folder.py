@@ -42,6 +42,9 @@ from megatron.checkpoint_io import CheckpointError
 from megatron.usage_error import UsageError
 
 LOCK_FILENAME = "megatron_save.lock"
+# A lock this program writes is ~200 bytes of JSON; a larger file is refused unread, so that a
+# multi-gigabyte file in its place (sparse, or a log written there) is never read into memory.
+LOCK_MAX_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -121,9 +124,13 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
         # leads elsewhere; fstat confirms what was opened.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, encoding="utf-8") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise ValueError("it is no regular file")
-            data = json.load(f)
+            if info.st_size > LOCK_MAX_BYTES:
+                raise ValueError(f"it holds {info.st_size:,} bytes, a lock holds at most "
+                                 f"{LOCK_MAX_BYTES:,}")
+            data = json.loads(f.read(LOCK_MAX_BYTES + 1))
         holder = LockHolder(**{k: data[k] for k in ("host", "pid", "job", "started", "token")},
                             process_start=data.get("process_start"))
         # A hand-edited pid ("123", 1.5, true) must not reach os.kill, nor pass for pid 1.

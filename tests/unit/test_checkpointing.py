@@ -267,3 +267,16 @@ def test_flipped_byte_is_named_with_the_last_complete_checkpoint(tmp_path, targe
     assert shard in message and "fails its CRC-32 check" in message and hint in message, message
     assert usage and not silent and other_usage and other_silent, errors
     assert other == "rank 0 found a usage error (see its line)"
+
+
+@pytest.mark.parametrize("kind", ["named pipe", "folder", "symbolic link to nothing"])
+def test_a_tracker_that_is_no_file_is_named_not_taken_for_no_checkpoint(tmp_path, kind):
+    """Before: a tracker that was a pipe, a folder or a broken link counted as absent, and a run
+    with ``--load`` on a folder holding iter_0000006 trained from scratch with exit 0. The pipe is
+    never opened (reading it would wait for a writer forever)."""
+    (tmp_path / "iter_0000006").mkdir()
+    tracker = tmp_path / ckpt.TRACKER_FILENAME
+    {"named pipe": lambda: os.mkfifo(tracker), "folder": tracker.mkdir,
+     "symbolic link to nothing": lambda: tracker.symlink_to(tmp_path / "gone")}[kind]()
+    with pytest.raises(ckpt.CheckpointError, match=rf"{tracker} is a {kind}, not a tracker file"):
+        ckpt.find_checkpoint(str(tmp_path))

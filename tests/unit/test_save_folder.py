@@ -259,3 +259,22 @@ def test_a_lock_that_is_no_regular_file_is_refused_without_opening_it(tmp_path, 
                      r"(named pipe|folder|symbolic link), not a lock file this program wrote; "
                      rf"if no job uses .*, remove {re.escape(str(lock))}", outcome[0]), outcome
     assert os.path.lexists(lock)  # left as found
+
+
+def test_a_huge_lock_file_is_refused_without_being_read_whole(tmp_path):
+    """A lock this program writes is ~200 bytes of JSON; a multi-gigabyte file in its place (a
+    sparse file, a log written there by mistake) must not be read into memory to find that out."""
+    import tracemalloc
+
+    size = 64 * 2 ** 20
+    with open(tmp_path / sf.LOCK_FILENAME, "wb") as f:
+        f.truncate(size)  # sparse: no disk used
+    tracemalloc.start()
+    try:
+        with pytest.raises(UsageError, match=rf"the lock file .* names no job \(it holds {size:,} "
+                                             r"bytes.*\).*delete .* and start"):
+            sf.SaveFolderLock(str(tmp_path)).acquire()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < sf.LOCK_MAX_BYTES * 8  # before: the whole file, twice (bytes, then text)

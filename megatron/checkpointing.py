@@ -527,10 +527,15 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         if key not in state:
             saved = (state.get("args") or {}).get("virtual_pipeline_model_parallel_size")
+
+            def stages(v):
+                return (f"--virtual-pipeline-model-parallel-size {v}" if v and v > 1
+                        else "no virtual pipeline stages")
+
             raise CheckpointError(
-                f"checkpoint {path} has no {key!r} entry: it was saved with "
-                f"--virtual-pipeline-model-parallel-size {saved} ({_model_keys([0] * (saved or 1))}"
-                f"), this run has {len(model_chunks) if len(model_chunks) > 1 else None}; load it "
+                f"checkpoint {path} has no {key!r} entry: it was saved with {stages(saved)} "
+                f"({_model_keys([0] * (saved or 1))}), this run has "
+                f"{stages(len(model_chunks))}; load it "
                 "with the virtual pipeline flags it was saved with, or re-cut it with "
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)

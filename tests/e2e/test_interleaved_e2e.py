@@ -78,7 +78,8 @@ def test_pp2_interleaved_equals_1f1b_and_resumes(data_prefix, tmp_path_factory):
     # The lowest rank that found the mismatch prints the one line; the others exit with it.
     message = results[0]["other layout"]
     assert message is not None and "has no 'model' entry" in message
-    assert "--virtual-pipeline-model-parallel-size 2" in message and "convert.py" in message
+    assert "saved with --virtual-pipeline-model-parallel-size 2" in message and "convert.py" in message
+    assert "this run has no virtual pipeline stages" in message and "None" not in message
 
     # The converter's loader reads model0/model1 in virtual-stage order: the same logical
     # tensors as the 1F1B run's checkpoint of the same iteration.

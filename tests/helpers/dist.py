@@ -64,8 +64,10 @@ _WORLD_PG_TIMEOUT_S = 1800  # the warm default group's timeout; each call's own 
 _START_TIMEOUT_S = 300      # a new warm world must have initialised its group within this
 _SETTLE_TIMEOUT_S = 120     # after a task, its ranks must have cleaned up within this
 # Modules whose module-level names a task may rebind (monkeypatching in a rank): put back after each.
-_RESTORED_MODULES = ("megatron", "tools", "pretrain_llama", "tests", "os", "random", "time",
-                     "builtins", "numpy", "torch", "torch.distributed")
+_RESTORED_MODULES = ("megatron", "tools", "pretrain_llama", "finetune_llama", "tests", "os",
+                     "os.path", "shutil", "subprocess", "signal", "resource", "socket",
+                     "tempfile", "random", "time", "builtins", "numpy", "torch",
+                     "torch.distributed")
 
 
 def _context():
@@ -198,7 +200,8 @@ class _FreshState:
             if name in self.modules or module is None:
                 continue
             if name in _RESTORED_MODULES or name.split(".")[0] in ("megatron", "tools", "tests",
-                                                                   "pretrain_llama"):
+                                                                   "pretrain_llama",
+                                                                   "finetune_llama"):
                 self.modules[name] = (module, dict(vars(module)))
 
     def leftovers(self):

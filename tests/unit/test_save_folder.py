@@ -203,6 +203,7 @@ def _rank0_disk_fails(folder):
 
     sf.save_target = lambda checkpoint: folder
     sf.checkpoint_bytes = lambda config: 0
+    disk_usage = sf.shutil.disk_usage
     if dist.get_rank() == 0:
         def broken(path):
             raise OSError(errno.EIO, "Input/output error", path)
@@ -211,6 +212,8 @@ def _rank0_disk_fails(folder):
         sf.hold_save_folder(namedtuple("config", "checkpoint")(None), torch.device("cpu"))
     except UsageError as exc:
         return str(exc)
+    finally:
+        sf.shutil.disk_usage = disk_usage  # the shutil module is shared by the whole process
     return None
 
 

@@ -362,6 +362,10 @@ def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_co
     iteration, release = found
     folder = get_checkpoint_dir(load_dir, iteration, release)
     if torch_dist.is_torch_dist_checkpoint(folder):
+        from megatron.foreign_checkpoints import megatron_lm_dist
+        if megatron_lm_dist.is_megatron_lm(folder):  # Megatron-LM's own: weights, any layout
+            return megatron_lm_dist.load_into(folder, model_chunks, optimizer, config,
+                                              pg_collection, run_flags)
         return _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
                                 pg_collection, group, run_flags)
     path = checkpoint_name_of(load_dir, iteration, pg_collection, release)

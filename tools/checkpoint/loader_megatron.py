@@ -239,19 +239,42 @@ def load_torch_dist(folder: str, args):
     tensors read whole in this process, streamed as one TP = PP = 1 stage (fused QKV and
     gate/up rebuilt from their global q/k/v and gate/up tensors)."""
     from megatron import checkpointing_torch_dist as torch_dist
-
-    if getattr(args, "include_optimizer", False):
-        raise CheckpointError(f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load "
-                              "reads it, optimizer included, at any TP/PP/DP layout; convert its "
-                              "weights only (drop --include-optimizer)")
-    _refuse_overrides(args)
+    from megatron.foreign_checkpoints import megatron_lm_dist
     from megatron.model.sharded_state import single_process_state_dict
 
+    foreign = megatron_lm_dist.is_megatron_lm(folder)
+    if getattr(args, "include_optimizer", False):
+        raise CheckpointError(
+            f"{folder} is a torch_dist checkpoint of Megatron-LM: its optimizer state is not "
+            "converted; convert its weights only (drop --include-optimizer)" if foreign else
+            f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load reads it, optimizer "
+            "included, at any TP/PP/DP layout; convert its weights only (drop --include-optimizer)")
+    if foreign:
+        return load_megatron_lm_torch_dist(folder, args)
+    _refuse_overrides(args)
     common = torch_dist.read_common(folder)
     state = single_process_state_dict(torch_dist.read_tensors(folder))
     embedding = state["word_embeddings.weight"]
     meta = meta_from_args(common["args"], embedding.shape[0],
                           getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"))
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
+
+
+def load_megatron_lm_torch_dist(folder: str, args):
+    """``(meta, stream)`` of a Megatron-LM ``torch_dist`` checkpoint
+    (:mod:`megatron.foreign_checkpoints.megatron_lm_dist`): read whole in this process, our
+    global tensors streamed as one TP = PP = 1 stage."""
+    from megatron.foreign_checkpoints import megatron_lm_dist
+    from megatron.model.sharded_state import single_process_state_dict
+
+    notes = []
+    ours, tensors = megatron_lm_dist.whole_model(folder, foreign_overrides(args), notes)
+    for note in notes:
+        print(f" {note}")
+    state = single_process_state_dict(tensors)
+    embedding = state["word_embeddings.weight"]
+    meta = meta_from_args(ours, embedding.shape[0], ours["true_vocab_size"])
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 

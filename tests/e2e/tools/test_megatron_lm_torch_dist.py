@@ -1,0 +1,134 @@
+"""Megatron-LM's own ``torch_dist`` checkpoint (``mcore-torch-dist-tp2pp2``: the tiny LLaMA saved
+by Megatron-LM's ``save_checkpoint`` at TP=2 PP=2, fp32, layers stacked ``[L, ...]``, fused QKV
+per query group, ``[gate; up]`` global ``linear_fc1``, the common state a byte record of
+``__0_0.distcp``, no optimizer state) is read without anything from it running: its weights are
+bit-equal to the vector's HF source; ``pretrain_llama.py --load`` reads it at its own layout and
+at TP1 PP1, and the converter writes ours at TP1 and HF; every path gives the logits the
+vector's ``expected.json`` says (transformers fp32 eager on ``hf-llama-tiny``:
+``expected_logits.pt``, within what fp32 allows: :func:`assert_reproduces`)."""
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers.convert import assert_reproduces, convert
+from tests.helpers.megatron_lm_vectors import (COMMON, LLAMA_FLAGS, batch_and_expected,
+                                               load_error, logits_after_load, vector)
+
+pytest.importorskip("transformers")
+
+NAME = "mcore-torch-dist-tp2pp2"
+# HF name of each of our global per-layer keys
+HF_LAYER = {"self_attention.query.weight": "self_attn.q_proj.weight",
+            "self_attention.key.weight": "self_attn.k_proj.weight",
+            "self_attention.value.weight": "self_attn.v_proj.weight",
+            "self_attention.dense.weight": "self_attn.o_proj.weight",
+            "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
+            "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
+            "input_layernorm.weight": "input_layernorm.weight",
+            "post_attention_layernorm.weight": "post_attention_layernorm.weight"}
+
+
+def _folder(shared_data):
+    return os.path.join(vector(shared_data, NAME), "torch_dist", "iter_0000001")
+
+
+def test_weights_keys_and_common_state_read_safely(shared_data):
+    from safetensors.torch import load_file
+
+    from megatron.foreign_checkpoints import megatron_lm_dist as mlm_dist
+
+    folder = _folder(shared_data)
+    metadata = mlm_dist.read_metadata(folder)
+    keys = mlm_dist.weight_keys(metadata)
+    assert keys["decoder.layers.self_attention.linear_qkv.weight"][0] == (4, 128, 64)
+    assert keys["decoder.layers.mlp.linear_fc1.weight"][0] == (4, 352, 64)
+    assert len(keys) == 9 and not mlm_dist.has_optimizer_state(metadata)
+    common = mlm_dist.read_common(folder, metadata)
+    assert (common["iteration"], common["checkpoint_version"]) == (1, 3.0)
+    assert common["args"]["tensor_model_parallel_size"] == 2 and common["args"]["vocab_size"] is None
+    assert common["args"]["model_type"] == "megatron.core.enums.ModelType(1)"  # an inert stand-in
+    ours, tensors = mlm_dist.whole_model(folder)
+    hf = load_file(os.path.join(vector(shared_data, NAME), "hf-llama-tiny", "model.safetensors"))
+    expected = {"word_embeddings.weight": "model.embed_tokens.weight",
+                "final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+    expected.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}"
+                     for i in range(4) for k, v in HF_LAYER.items()})
+    assert sorted(tensors) == sorted(expected) and len(expected) == len(hf) == 39
+    assert all(torch.equal(tensors[k], hf[v]) for k, v in expected.items())
+
+
+def test_read_as_the_wrong_qkv_order_would_differ(shared_data):
+    """The per-group QKV order matters here (2 query heads per group): reading the fused rows as
+    [Q; K; V] blocks gives other weights."""
+    from megatron.foreign_checkpoints import megatron_lm_dist as mlm_dist
+
+    folder = _folder(shared_data)
+    metadata = mlm_dist.read_metadata(folder)
+    raw = mlm_dist.read_weights(folder, metadata)["decoder.layers.self_attention.linear_qkv.weight"]
+    _, tensors = mlm_dist.whole_model(folder)
+    assert not torch.equal(raw[0][:64], tensors["layers.0.self_attention.query.weight"])
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 1)])
+def test_load_at_its_own_layout_and_another(shared_data, tp, pp):
+    root = vector(shared_data, NAME)
+    ids, expected, exact = batch_and_expected(root)
+    argv = [*LLAMA_FLAGS, *COMMON, "--load", os.path.join(root, "torch_dist"),
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--global-batch-size", "1"]
+    logits, iteration = logits_after_load(argv, tp * pp, ids)
+    diff = assert_reproduces(logits, expected, exact)
+    print(f"torch_dist --load at TP={tp} PP={pp}: max |logit - expected| {diff:.3g}")
+    assert iteration == 0
+
+
+def test_load_refuses_another_model(shared_data):
+    root = vector(shared_data, NAME)
+    ids, _, _ = batch_and_expected(root)
+    flags = list(LLAMA_FLAGS)
+    flags[flags.index("--num-query-groups") + 1] = "2"
+    message = load_error([*flags, *COMMON, "--load", os.path.join(root, "torch_dist"),
+                          "--global-batch-size", "1"], 1, ids)
+    assert message is not None and "num_query_groups=4" in message, message
+    assert "--num-query-groups 2" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("saver", ["megatron", "hf"])
+def test_convert(shared_data, tmp_path, saver):
+    from safetensors.torch import load_file
+
+    root = vector(shared_data, NAME)
+    ids, expected, exact = batch_and_expected(root)
+    out = tmp_path / saver
+    extra = (["--tokenizer-dir", os.path.join(root, "hf-llama-tiny"), "--max-position-embeddings",
+              "128", "--true-vocab-size", "1024"] if saver == "hf" else [])
+    convert("--loader", "megatron-lm", "--saver", saver, "--load-dir", os.path.join(root, "torch_dist"),
+            "--save-dir", out, *extra)
+    if saver == "hf":
+        source = load_file(os.path.join(root, "hf-llama-tiny", "model.safetensors"))
+        exported = load_file(str(out / "model.safetensors"))
+        assert sorted(exported) == sorted(source)
+        assert all(torch.equal(exported[k], source[k]) for k in source)  # so the logits are HF's
+        return
+    logits, _ = logits_after_load([*LLAMA_FLAGS, *COMMON, "--load", str(out), "--finetune",
+                                   "--global-batch-size", "1"], 1, ids)
+    diff = assert_reproduces(logits, expected, exact)
+    print(f"torch_dist -> ours TP1: max |logit - expected| {diff:.3g}")
+
+
+def test_use_checkpoint_args_and_the_inference_loader(shared_data):
+    from tests.helpers.convert import megatron_logits
+
+    root = vector(shared_data, NAME)
+    ids, expected, exact = batch_and_expected(root)
+    load = os.path.join(root, "torch_dist")
+    # the model flags from the checkpoint's own args (epsilon, theta given: it records 4096
+    # positions and Megatron's defaults only)
+    logits, _ = logits_after_load([*COMMON, "--load", load, "--use-checkpoint-args",
+                                   "--global-batch-size", "1"], 1, ids)
+    diff = assert_reproduces(logits, expected, exact)
+    served = megatron_logits(load, 2, 1, ids)  # generation's loader, at TP2 PP1
+    served_diff = assert_reproduces(served, expected, exact)
+    print(f"--use-checkpoint-args: {diff:.3g}; inference loader TP2: {served_diff:.3g}")

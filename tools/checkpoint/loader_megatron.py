@@ -190,10 +190,17 @@ def load_checkpoint(args):
         folder = get_checkpoint_dir(args.load_dir, *read_metadata(tracker))
         if torch_dist.is_torch_dist_checkpoint(folder):
             return load_torch_dist(folder, args)
-    folder, shards, tp, pp = find_shards(args.load_dir)
-    foreign = identify(shards[(0, 0)])
+    from megatron.foreign_checkpoints import first_shard
+
+    probe = first_shard(folder) if os.path.isfile(tracker) else None
+    foreign = identify(probe) if probe is not None else None
     if foreign is not None:
-        return load_megatron_lm(foreign, shards, tp, pp, args)
+        return load_megatron_lm(foreign, args)
+    probe_args = load_torch_file(probe).get("args") if probe is not None else None
+    ep = (probe_args.get("expert_model_parallel_size") or 1) if isinstance(probe_args, dict) else 1
+    if ep > 1:  # its mp_rank_TT_XXX folders are expert ranks
+        return load_expert_parallel(args, probe_args, ep)
+    folder, shards, tp, pp = find_shards(args.load_dir)
     _refuse_overrides(args)
     first = load_torch_file(shards[(0, 0)])
     saved = first.get("args")
@@ -279,7 +286,34 @@ def load_megatron_lm_torch_dist(folder: str, args):
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 
 
-def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
+def load_expert_parallel(args, saved: dict, ep: int):
+    """``(meta, stream)`` of one of our legacy checkpoints saved at expert-parallel size ``ep``
+    > 1: each (tensor, pipeline) rank's expert shards merged (:func:`merge_expert_shards`)."""
+    if getattr(args, "include_optimizer", False):
+        raise CheckpointError(f"{args.load_dir} was saved at expert-parallel size {ep}: its "
+                              "optimizer state is not re-cut here; convert the weights only "
+                              "(drop --include-optimizer), or save with --ckpt-format torch_dist")
+    _refuse_overrides(args)
+    tp, pp = saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]
+    if saved.get("virtual_pipeline_model_parallel_size"):
+        raise CheckpointError(f"{args.load_dir}: checkpoints with virtual pipeline stages and "
+                              "expert-parallel shards are not converted")
+    groups = expert_shards(args.load_dir, tp, pp, ep)
+    first = load_torch_file(groups[(0, 0)][0])["model"]
+    embedding = first["word_embeddings.weight"]
+    meta = meta_from_args(dict(saved, expert_model_parallel_size=1), embedding.shape[0] * tp,
+                          getattr(args, "true_vocab_size", None))
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    del first, embedding
+
+    def rank_state(paths):
+        return merge_expert_shards([load_torch_file(path)["model"] for path in paths], paths)
+
+    stages = [[lambda t=t, p=p: rank_state(groups[(t, p)]) for t in range(tp)] for p in range(pp)]
+    return meta, stream_stages(stages, meta, names=OUR_NAMES)
+
+
+def load_megatron_lm(foreign, args):
     """``(meta, stream)`` of a Megatron-LM checkpoint (``foreign``: its first shard), each shard
     mapped to our names and QKV order by :func:`megatron_lm.to_our_state_dict`."""
     if foreign.system != MEGATRON_LM:
@@ -293,6 +327,7 @@ def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
         tp, pp = ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]
         groups = expert_shards(args.load_dir, tp, pp, ep)
     else:
+        _, shards, tp, pp = find_shards(args.load_dir)
         groups = {key: [path] for key, path in shards.items()}
     if (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]) != (tp, pp):
         raise CheckpointError(f"{args.load_dir}: args say TP={ours['tensor_model_parallel_size']}, "

@@ -66,6 +66,15 @@ def test_convert_to_ours_at_another_ep(shared_data, tmp_path, source, target_ep)
     logits, _ = logits_after_load(_argv(str(out), target_ep, "--finetune"), target_ep, ids)
     diff = assert_reproduces(logits, expected, exact)
     print(f"{source} -> ours EP={target_ep}: max |logit - expected| {diff:.3g}")
+    if target_ep > 1:  # ours at EP 2 (its expert shards merged) exports to the source, bitwise
+        from safetensors.torch import load_file
+
+        convert("--loader", "megatron", "--saver", "hf", "--load-dir", out, "--save-dir",
+                tmp_path / "hf", "--target-params-dtype", "fp32")
+        reference = load_file(os.path.join(root, "hf-mixtral-tiny", "model.safetensors"))
+        exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+        assert sorted(exported) == sorted(reference)
+        assert all(torch.equal(exported[k], reference[k]) for k in reference)
 
 
 @pytest.mark.parametrize("source", sorted(LAYOUTS))

@@ -93,3 +93,23 @@ def test_convert_to_hf_mixtral_is_bitwise(shared_data, tmp_path, source):
     diff = (_transformers_logits(str(tmp_path), ids, "hf") - expected).abs().max().item()
     print(f"{source} -> HF Mixtral: max |logit - expected| {diff:.3g}")
     assert diff <= 2e-5  # transformers here vs the vector's 4.57.6: fp32 summation order
+
+
+@pytest.mark.slow  # 97 s on 2 busy cores: a training run with its dataset
+def test_training_continues_from_it_at_ep2(shared_data, tmp_path):
+    """``pretrain_llama.py --load`` of the EP=2 checkpoint trains (2 ranks, EP 2): its first loss
+    is transformers' loss of ``hf-mixtral-tiny`` on the same sample, and the loss falls."""
+    from tests.e2e.test_load_foreign_checkpoints import first_losses, repeated_document
+
+    root = vector(shared_data, "mixtral-tiny")
+    prefix, tokens, labels = repeated_document(str(tmp_path), 1024)
+    logits = _transformers_logits(root, tokens)
+    reference = torch.nn.functional.cross_entropy(logits[0], labels[0]).item()
+    argv = [a for a in _argv(os.path.join(root, "mcore-tp1ep2"), 2) if a != "--mock-data"]
+    argv[argv.index("--global-batch-size") + 1] = "2"
+    argv[argv.index("--train-iters") + 1] = "3"
+    losses = first_losses(argv + ["--data-path", prefix, "--data-cache-path", str(tmp_path / "c"),
+                                  "--split", "100,0,0", "--eval-iters", "0",
+                                  "--log-interval", "1", "--num-workers", "0"], 2)
+    print(f"transformers loss {reference:.7f}; first losses at EP=2 {losses}")
+    assert abs(losses[0] - reference) < 1e-5 and losses[-1] < losses[0]

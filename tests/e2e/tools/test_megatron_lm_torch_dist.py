@@ -132,3 +132,24 @@ def test_use_checkpoint_args_and_the_inference_loader(shared_data):
     served = megatron_logits(load, 2, 1, ids)  # generation's loader, at TP2 PP1
     served_diff = assert_reproduces(served, expected, exact)
     print(f"--use-checkpoint-args: {diff:.3g}; inference loader TP2: {served_diff:.3g}")
+
+
+def test_a_metadata_asking_for_a_callable_is_refused_and_nothing_runs(shared_data, tmp_path):
+    """The same checkpoint with ``torch.Size`` in its ``.metadata`` pickle renamed to
+    ``posix.kill`` (same lengths): --load says so in one line, naming the file and the global."""
+    import shutil
+
+    root = vector(shared_data, NAME)
+    ids, _, _ = batch_and_expected(root)
+    copy = tmp_path / "torch_dist"
+    shutil.copytree(os.path.join(root, "torch_dist"), copy)
+    metadata = copy / "iter_0000001" / ".metadata"
+    os.chmod(metadata, 0o644)
+    data = metadata.read_bytes()
+    original = b"\x8c\x05torch\x94\x8c\x04Size"
+    assert data.count(original) == 1
+    metadata.write_bytes(data.replace(original, b"\x8c\x05posix\x94\x8c\x04kill"))
+    message = load_error([*LLAMA_FLAGS, *COMMON, "--load", str(copy), "--global-batch-size", "1"],
+                         1, ids)
+    assert message is not None and "\n" not in message, message
+    assert f"{metadata} asks to build posix.kill" in message and "refused" in message, message

@@ -88,9 +88,6 @@ def build_parser(argv=None):
                         help="TP of the written checkpoint (default: the source's)")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                         help="PP of the written checkpoint (default: the source's)")
-    parser.add_argument("--target-expert-parallel-size", type=int, default=None,
-                        help="EP of the written checkpoint (--saver megatron, MoE models: each "
-                             "mp_rank_TT[_PPP]_EEE shard holds E / EP experts; default 1)")
     parser.add_argument("--target-params-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="dtype of the written weights (default: the source's)")
     parser.add_argument("--include-optimizer", action="store_true",
@@ -132,17 +129,13 @@ def main(argv=None) -> str:
     """
     parser, loader, saver = build_parser(argv)
     args = parser.parse_args(argv)
-    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                 "target_expert_parallel_size"):
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     if args.include_optimizer and (args.loader, args.saver) != ("megatron", "megatron"):
         parser.error("--include-optimizer needs --loader megatron --saver megatron (only our "
                      "training checkpoints hold an optimizer state we can re-split)")
-    if (args.target_expert_parallel_size or 1) > 1 and args.saver != "megatron":
-        parser.error("--target-expert-parallel-size applies to --saver megatron only (the HF "
-                     "format has no expert-parallel layout)")
     if hasattr(saver, "check_target"):  # a --save-dir it cannot write: refused before reading
         saver.check_target(args)
     meta, stream = loader.load_checkpoint(args)

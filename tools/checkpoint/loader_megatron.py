@@ -89,55 +89,6 @@ def find_shards(load_dir: str):
     return folder, shards, tp, pp
 
 
-def expert_shards(load_dir: str, tp: int, pp: int, ep: int):
-    """``{(tp_rank, pp_rank): [path of expert rank 0, 1, ...]}`` of a checkpoint saved at
-    expert-parallel size ``ep`` > 1 (folders ``mp_rank_TT_EEE`` at PP = 1, ``mp_rank_TT_PPP_EEE``
-    otherwise: the args, not the names, tell a pipeline rank from an expert rank).
-
-    Raises:
-        CheckpointError: a shard of the TP x PP x EP grid missing.
-    """
-    folder = get_checkpoint_dir(load_dir, *read_metadata(
-        os.path.join(load_dir, "latest_checkpointed_iteration.txt")))
-    found = {}
-    for path in glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")):
-        m = re.fullmatch(r"mp_rank_(\d{2})((?:_\d{3}){1,2})", os.path.basename(os.path.dirname(path)))
-        if m:
-            ranks = [int(x) for x in m.group(2).split("_")[1:]]
-            p, e = (ranks if len(ranks) == 2 else (0, ranks[0])) if pp > 1 or len(ranks) == 2 \
-                else (0, ranks[0])
-            found[(int(m.group(1)), p, e)] = path
-    missing = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)
-               if (t, p, e) not in found]
-    if missing:
-        raise CheckpointError(f"{folder} is incomplete: its args say TP={tp} PP={pp} EP={ep}, but "
-                              f"no shard for (tensor, pipeline, expert rank) {missing[:4]}")
-    return {(t, p): [found[(t, p, e)] for e in range(ep)] for t in range(tp) for p in range(pp)}
-
-
-def merge_expert_shards(states, paths) -> dict:
-    """One tensor rank's state dict over all experts from its expert-parallel shards (our names):
-    the grouped expert weights (``...mlp.experts.weight1/2``, local experts first) concatenated
-    in expert-rank order, every other tensor taken once after checking the copies are equal.
-
-    Raises:
-        CheckpointError: a dense tensor that differs between two expert ranks' files, or a
-            tensor one file lacks, naming both files.
-    """
-    merged = {}
-    for key, tensor in states[0].items():
-        if key.endswith((".mlp.experts.weight1", ".mlp.experts.weight2")):
-            merged[key] = torch.cat([s[key] for s in states], 0)
-            continue
-        for state, path in zip(states[1:], paths[1:]):
-            if key not in state or not torch.equal(state[key], tensor):
-                raise CheckpointError(f"{key} differs between {paths[0]} and {path} (expert-"
-                                      "parallel shards hold the same dense tensors): the "
-                                      "checkpoint is damaged or mixes two saves")
-        merged[key] = tensor
-    return merged
-
-
 def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
     meta = {k: saved.get(k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -168,7 +119,7 @@ def _check_moe_args(saved: dict) -> None:
     if not (freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))):
         raise CheckpointError(f"--moe-layer-freq {freq!r}: only checkpoints with every layer MoE "
                               "are converted")
-    for key, default in (("expert_tensor_parallel_size", 1),
+    for key, default in (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", 1),
                          ("moe_router_score_function", "softmax"),
                          ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
                          ("moe_router_enable_expert_bias", False),
@@ -190,17 +141,10 @@ def load_checkpoint(args):
         folder = get_checkpoint_dir(args.load_dir, *read_metadata(tracker))
         if torch_dist.is_torch_dist_checkpoint(folder):
             return load_torch_dist(folder, args)
-    from megatron.foreign_checkpoints import first_shard
-
-    probe = first_shard(folder) if os.path.isfile(tracker) else None
-    foreign = identify(probe) if probe is not None else None
-    if foreign is not None:
-        return load_megatron_lm(foreign, args)
-    probe_args = load_torch_file(probe).get("args") if probe is not None else None
-    ep = (probe_args.get("expert_model_parallel_size") or 1) if isinstance(probe_args, dict) else 1
-    if ep > 1:  # its mp_rank_TT_XXX folders are expert ranks
-        return load_expert_parallel(args, probe_args, ep)
     folder, shards, tp, pp = find_shards(args.load_dir)
+    foreign = identify(shards[(0, 0)])
+    if foreign is not None:
+        return load_megatron_lm(foreign, shards, tp, pp, args)
     _refuse_overrides(args)
     first = load_torch_file(shards[(0, 0)])
     saved = first.get("args")
@@ -246,19 +190,14 @@ def load_torch_dist(folder: str, args):
     tensors read whole in this process, streamed as one TP = PP = 1 stage (fused QKV and
     gate/up rebuilt from their global q/k/v and gate/up tensors)."""
     from megatron import checkpointing_torch_dist as torch_dist
-    from megatron.foreign_checkpoints import megatron_lm_dist
+
+    if getattr(args, "include_optimizer", False):
+        raise CheckpointError(f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load "
+                              "reads it, optimizer included, at any TP/PP/DP layout; convert its "
+                              "weights only (drop --include-optimizer)")
+    _refuse_overrides(args)
     from megatron.model.sharded_state import single_process_state_dict
 
-    foreign = megatron_lm_dist.is_megatron_lm(folder)
-    if getattr(args, "include_optimizer", False):
-        raise CheckpointError(
-            f"{folder} is a torch_dist checkpoint of Megatron-LM: its optimizer state is not "
-            "converted; convert its weights only (drop --include-optimizer)" if foreign else
-            f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load reads it, optimizer "
-            "included, at any TP/PP/DP layout; convert its weights only (drop --include-optimizer)")
-    if foreign:
-        return load_megatron_lm_torch_dist(folder, args)
-    _refuse_overrides(args)
     common = torch_dist.read_common(folder)
     state = single_process_state_dict(torch_dist.read_tensors(folder))
     embedding = state["word_embeddings.weight"]
@@ -268,52 +207,7 @@ def load_torch_dist(folder: str, args):
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 
 
-def load_megatron_lm_torch_dist(folder: str, args):
-    """``(meta, stream)`` of a Megatron-LM ``torch_dist`` checkpoint
-    (:mod:`megatron.foreign_checkpoints.megatron_lm_dist`): read whole in this process, our
-    global tensors streamed as one TP = PP = 1 stage."""
-    from megatron.foreign_checkpoints import megatron_lm_dist
-    from megatron.model.sharded_state import single_process_state_dict
-
-    notes = []
-    ours, tensors = megatron_lm_dist.whole_model(folder, foreign_overrides(args), notes)
-    for note in notes:
-        print(f" {note}")
-    state = single_process_state_dict(tensors)
-    embedding = state["word_embeddings.weight"]
-    meta = meta_from_args(ours, embedding.shape[0], ours["true_vocab_size"])
-    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-    return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
-
-
-def load_expert_parallel(args, saved: dict, ep: int):
-    """``(meta, stream)`` of one of our legacy checkpoints saved at expert-parallel size ``ep``
-    > 1: each (tensor, pipeline) rank's expert shards merged (:func:`merge_expert_shards`)."""
-    if getattr(args, "include_optimizer", False):
-        raise CheckpointError(f"{args.load_dir} was saved at expert-parallel size {ep}: its "
-                              "optimizer state is not re-cut here; convert the weights only "
-                              "(drop --include-optimizer), or save with --ckpt-format torch_dist")
-    _refuse_overrides(args)
-    tp, pp = saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]
-    if saved.get("virtual_pipeline_model_parallel_size"):
-        raise CheckpointError(f"{args.load_dir}: checkpoints with virtual pipeline stages and "
-                              "expert-parallel shards are not converted")
-    groups = expert_shards(args.load_dir, tp, pp, ep)
-    first = load_torch_file(groups[(0, 0)][0])["model"]
-    embedding = first["word_embeddings.weight"]
-    meta = meta_from_args(dict(saved, expert_model_parallel_size=1), embedding.shape[0] * tp,
-                          getattr(args, "true_vocab_size", None))
-    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-    del first, embedding
-
-    def rank_state(paths):
-        return merge_expert_shards([load_torch_file(path)["model"] for path in paths], paths)
-
-    stages = [[lambda t=t, p=p: rank_state(groups[(t, p)]) for t in range(tp)] for p in range(pp)]
-    return meta, stream_stages(stages, meta, names=OUR_NAMES)
-
-
-def load_megatron_lm(foreign, args):
+def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
     """``(meta, stream)`` of a Megatron-LM checkpoint (``foreign``: its first shard), each shard
     mapped to our names and QKV order by :func:`megatron_lm.to_our_state_dict`."""
     if foreign.system != MEGATRON_LM:
@@ -322,13 +216,6 @@ def load_megatron_lm(foreign, args):
         raise CheckpointError(f"{args.load_dir} is {describe(foreign)}: its optimizer state is not "
                               "converted; convert the weights only (drop --include-optimizer)")
     ours = megatron_lm_args(foreign, foreign_overrides(args))
-    ep = ours.get("expert_model_parallel_size", 1)
-    if ep > 1:  # mp_rank_TT_XXX are expert ranks, not pipeline stages
-        tp, pp = ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]
-        groups = expert_shards(args.load_dir, tp, pp, ep)
-    else:
-        _, shards, tp, pp = find_shards(args.load_dir)
-        groups = {key: [path] for key, path in shards.items()}
     if (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]) != (tp, pp):
         raise CheckpointError(f"{args.load_dir}: args say TP={ours['tensor_model_parallel_size']}, "
                               f"PP={ours['pipeline_model_parallel_size']} but the folder holds "
@@ -337,16 +224,10 @@ def load_megatron_lm(foreign, args):
         print(f" {note}")
     chunks = megatron_lm.model_keys(foreign.state)
     embedding = megatron_lm.top_tensor(foreign.state[chunks[0]], "word_embeddings.weight")
-    meta = meta_from_args(dict(ours, expert_model_parallel_size=1), embedding.shape[0] * tp,
-                          ours["true_vocab_size"])
+    meta = meta_from_args(ours, embedding.shape[0] * tp, ours["true_vocab_size"])
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-
-    def rank_state(paths, key):
-        states = [megatron_lm.to_our_state_dict(load_raw(path)[key], ours, tp) for path in paths]
-        return merge_expert_shards(states, paths) if len(states) > 1 else states[0]
-
-    stages = [[lambda t=t, p=p, key=key: rank_state(groups[(t, p)], key) for t in range(tp)]
-              for key in chunks for p in range(pp)]
+    stages = [[lambda t=t, p=p, key=key: megatron_lm.to_our_state_dict(
+        load_raw(shards[(t, p)])[key], ours, tp) for t in range(tp)] for key in chunks for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
 
 

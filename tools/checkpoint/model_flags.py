@@ -90,8 +90,6 @@ def moe_flags(saved: dict) -> list:
             flags.append("--moe-shared-expert-gate")
     if saved.get("moe_aux_loss_coeff"):
         flags += ["--moe-aux-loss-coeff", _number(saved["moe_aux_loss_coeff"])]
-    if (saved.get("expert_model_parallel_size") or 1) > 1:  # the legacy format loads at its EP
-        flags += ["--expert-model-parallel-size", saved["expert_model_parallel_size"]]
     return flags
 
 

@@ -57,8 +57,7 @@ def check_target(args) -> None:
                               "choose an empty folder, or remove those first")
 
 
-def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divisible_by: int,
-                    ep: int = 1) -> dict:
+def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divisible_by: int) -> dict:
     """The ``args`` entry (plain values; the names ``--use-checkpoint-args`` takes over)."""
     return {
         "num_layers": meta["num_layers"], "hidden_size": meta["hidden_size"],
@@ -81,7 +80,7 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
         "qk_layernorm": bool(meta.get("qk_layernorm")),
-        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta, ep),
+        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta),
     }
 
 
@@ -90,13 +89,13 @@ MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router
             "hf_architecture")
 
 
-def moe_args(meta: dict, ep: int = 1) -> dict:
+def moe_args(meta: dict) -> dict:
     """The MoE entries of the recorded args (Megatron-Core's dests; none for a dense model).
     Experts are not tensor-parallel in these shards: ``expert_tensor_parallel_size`` 1."""
     if not meta.get("num_experts"):
         return {}
     out = {k: meta.get(k) for k in MOE_ARGS}
-    out.update(moe_layer_freq=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    out.update(moe_layer_freq=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
     return out
 
 
@@ -125,9 +124,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     """
     tp = args.target_tensor_parallel_size or 1
     pp = args.target_pipeline_parallel_size or 1
-    ep = getattr(args, "target_expert_parallel_size", None) or 1
     check_layout(meta, tp, pp)
-    check_expert_layout(meta, ep, getattr(args, "include_optimizer", False))
     dtype_name = args.target_params_dtype or meta.get("params_dtype", "fp32")
     dtype = DTYPES[dtype_name]
     divisible_by = (args.make_vocab_size_divisible_by or meta.get("make_vocab_size_divisible_by")
@@ -145,14 +142,14 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     name = "release" if optim is None else f"iter_{int(optim['iteration']):07d}"
     staging = os.path.join(save, name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    ckpt_args = checkpoint_args(meta, tp, pp, padded, dtype_name, divisible_by, ep)
+    ckpt_args = checkpoint_args(meta, tp, pp, padded, dtype_name, divisible_by)
     extra = {"iteration": 0, "optimizer": None, "opt_param_scheduler": None, "rng_state": None}
     if optim is not None:
         ckpt_args = dict(optim["source_args"], **ckpt_args)
         extra = {k: optim[k] for k in ("iteration", "consumed_train_samples",
                                        "consumed_valid_samples", "opt_param_scheduler")}
     writer = _StageWriter(staging, tp, pp, ckpt_args, extra, optim,
-                          mixed=dtype_name != "fp32", ep=ep)
+                          mixed=dtype_name != "fp32")
     try:
         final = _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
                        staging)
@@ -234,31 +231,6 @@ def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
     return final
 
 
-def check_expert_layout(meta: dict, ep: int, with_optimizer: bool) -> None:
-    """Refuse ``--target-expert-parallel-size`` ``ep`` before anything is written.
-
-    Raises:
-        ValueError: EP > 1 for a dense model, with ``--include-optimizer``, or not dividing the
-            experts.
-    """
-    if ep == 1:
-        return
-    if not meta.get("num_experts"):
-        raise ValueError(f"--target-expert-parallel-size {ep}: the model has no experts (a dense "
-                         "checkpoint is written at expert-parallel size 1)")
-    if with_optimizer:
-        raise ValueError(f"--target-expert-parallel-size {ep} with --include-optimizer: the "
-                         "optimizer state is re-cut at expert-parallel size 1 only; convert the "
-                         "weights, or save with --ckpt-format torch_dist to reshard experts")
-    if meta["num_experts"] % ep:
-        raise ValueError(f"--target-expert-parallel-size {ep} does not divide the "
-                         f"{meta['num_experts']} experts")
-
-
-# our grouped expert weights [E_local, ...]: cut along dim 0 over expert-parallel ranks
-_EXPERT_SUFFIXES = (".mlp.experts.weight1", ".mlp.experts.weight2")
-
-
 class _StageWriter:
     """Writes one (tensor rank, pipeline stage) shard at a time.
 
@@ -267,8 +239,8 @@ class _StageWriter:
     shard written, so the peak is about one output shard, not a whole stage of TP shards.
     """
 
-    def __init__(self, staging, tp, pp, ckpt_args, extra, optim, mixed, ep=1):
-        self.staging, self.tp, self.pp, self.ep = staging, tp, pp, ep
+    def __init__(self, staging, tp, pp, ckpt_args, extra, optim, mixed):
+        self.staging, self.tp, self.pp = staging, tp, pp
         self.ckpt_args, self.extra, self.optim, self.mixed = ckpt_args, extra, optim, mixed
         self.stage, self.local, self.spills = 0, 0, [[] for _ in range(tp)]
         self.pending = [dict() for _ in range(tp)]
@@ -299,30 +271,14 @@ class _StageWriter:
                                   if k.startswith(f"optimizer/{q}/")}
                               for q in optimizer_state.QUANTITIES}
                 state["optimizer"] = optimizer_state.pack(model, quantities, self.optim, self.mixed)
-            for e in range(self.ep):  # each expert rank: the dense tensors and its experts
-                shard = dict(state, model=_expert_shard(model, e, self.ep)) if self.ep > 1 else state
-                name = get_checkpoint_name(self.staging, 0, release=False,
-                                           pipeline_parallel=self.pp > 1, tensor_rank=r,
-                                           pipeline_rank=self.stage,
-                                           expert_parallel=self.ep > 1, expert_rank=e)
-                # get_checkpoint_name adds iter_0000000/; the staging folder stands for the final one.
-                name = name.replace(os.path.join(self.staging, "iter_0000000"), self.staging, 1)
-                os.makedirs(os.path.dirname(name), exist_ok=True)
-                torch.save(shard, name)
+            name = get_checkpoint_name(self.staging, 0, release=False, pipeline_parallel=self.pp > 1,
+                                       tensor_rank=r, pipeline_rank=self.stage)
+            # get_checkpoint_name adds iter_0000000/; the staging folder stands for the final one.
+            name = name.replace(os.path.join(self.staging, "iter_0000000"), self.staging, 1)
+            os.makedirs(os.path.dirname(name), exist_ok=True)
+            torch.save(state, name)
             del flat, model, state
             for path in self.spills[r]:
                 os.remove(path)
             self.spills[r] = []
         self.stage, self.local = self.stage + 1, 0
-
-
-def _expert_shard(model: dict, rank: int, ep: int) -> dict:
-    """The state dict of expert-parallel rank ``rank`` of ``ep``: every dense tensor, and rows
-    ``rank * E/ep ...`` of the grouped expert weights (cloned: each file holds only its own)."""
-    out = {}
-    for key, tensor in model.items():
-        if key.endswith(_EXPERT_SUFFIXES):
-            local = tensor.shape[0] // ep
-            tensor = tensor[rank * local:(rank + 1) * local].clone()
-        out[key] = tensor
-    return out

@@ -287,7 +287,7 @@ def test_first_training_loss_equals_transformers(mixtral, tmp_path, pp):
 
 
 @pytest.mark.parametrize("key,value", [
-    ("moe_layer_freq", [1, 0]), ("expert_tensor_parallel_size", 2),
+    ("moe_layer_freq", [1, 0]), ("expert_model_parallel_size", 2),
     ("moe_apply_probs_on_input", True), ("moe_router_score_function", "sigmoid"),
     ("moe_router_enable_expert_bias", True), ("moe_expert_capacity_factor", 1.0)])
 def test_megatron_moe_settings_mixtral_lacks_are_refused(key, value):

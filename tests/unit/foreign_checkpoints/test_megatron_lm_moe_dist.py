@@ -1,6 +1,6 @@
 """The Megatron-LM MoE mapping and the torch_dist common-state reader on made-up tensors (no
 shared data): local experts stacked in order and checked, the MoE settings not read refused by
-name, an expert-parallel shard's copies merged and checked, a common-state record that pickles
+name, Megatron-LM's expert-parallel shards (mapped to ours) joined and their copies checked, a common-state record that pickles
 a callable refused without running it."""
 
 import re
@@ -64,17 +64,18 @@ def test_moe_settings_not_read_are_refused_by_name(field, value):
                                 "src")["num_experts"] == 4
 
 
-def test_expert_parallel_shards_merge_and_their_copies_are_checked():
-    from tools.checkpoint.loader_megatron import merge_expert_shards
+def test_expert_parallel_shards_join_and_their_copies_are_checked():
+    from tools.checkpoint.moe_layout import ExpertError, join_expert_shards
 
     a = megatron_lm.to_our_state_dict(_experts(0, 2), CONFIG, tp=1)
     b = megatron_lm.to_our_state_dict(_experts(2, 2), CONFIG, tp=1)
-    merged = merge_expert_shards([a, b], ["e0", "e1"])
+    merged = join_expert_shards([a, b])
     assert merged["layers.0.mlp.experts.weight1"][:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert torch.equal(merged["layers.0.mlp.router.weight"], a["layers.0.mlp.router.weight"])
     b["layers.0.mlp.router.weight"] = b["layers.0.mlp.router.weight"] + 1
-    with pytest.raises(CheckpointError, match="layers.0.mlp.router.weight differs between e0 and e1"):
-        merge_expert_shards([a, b], ["e0", "e1"])
+    with pytest.raises(ExpertError, match="layers.0.mlp.router.weight differs between "
+                                          "expert-parallel ranks 0 and 1"):
+        join_expert_shards([a, b])
 
 
 class _RunsCode:

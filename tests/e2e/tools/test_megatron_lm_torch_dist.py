@@ -95,15 +95,16 @@ def test_load_refuses_another_model(shared_data):
     assert "--num-query-groups 2" in message and "\n" not in message, message
 
 
-@pytest.mark.parametrize("saver", ["megatron", "hf"])
-def test_convert(shared_data, tmp_path, saver):
+@pytest.mark.parametrize("saver,tp,pp", [("megatron", 1, 1), ("megatron", 2, 2), ("hf", 1, 1)])
+def test_convert(shared_data, tmp_path, saver, tp, pp):
     from safetensors.torch import load_file
 
     root = vector(shared_data, NAME)
     ids, expected, exact = batch_and_expected(root)
     out = tmp_path / saver
     extra = (["--tokenizer-dir", os.path.join(root, "hf-llama-tiny"), "--max-position-embeddings",
-              "128", "--true-vocab-size", "1024"] if saver == "hf" else [])
+              "128", "--true-vocab-size", "1024"] if saver == "hf" else
+             ["--target-tensor-parallel-size", tp, "--target-pipeline-parallel-size", pp])
     convert("--loader", "megatron-lm", "--saver", saver, "--load-dir", os.path.join(root, "torch_dist"),
             "--save-dir", out, *extra)
     if saver == "hf":
@@ -113,9 +114,11 @@ def test_convert(shared_data, tmp_path, saver):
         assert all(torch.equal(exported[k], source[k]) for k in source)  # so the logits are HF's
         return
     logits, _ = logits_after_load([*LLAMA_FLAGS, *COMMON, "--load", str(out), "--finetune",
-                                   "--global-batch-size", "1"], 1, ids)
+                                   "--tensor-model-parallel-size", str(tp),
+                                   "--pipeline-model-parallel-size", str(pp),
+                                   "--global-batch-size", "1"], tp * pp, ids)
     diff = assert_reproduces(logits, expected, exact)
-    print(f"torch_dist -> ours TP1: max |logit - expected| {diff:.3g}")
+    print(f"torch_dist -> ours TP{tp} PP{pp}: max |logit - expected| {diff:.3g}")
 
 
 def test_use_checkpoint_args_and_the_inference_loader(shared_data):

@@ -156,3 +156,41 @@ def test_a_metadata_asking_for_a_callable_is_refused_and_nothing_runs(shared_dat
                          1, ids)
     assert message is not None and "\n" not in message, message
     assert f"{metadata} asks to build posix.kill" in message and "refused" in message, message
+
+
+def _with_optimizer_state(root: str, tmp_path) -> str:
+    """A copy of the vector whose ``.metadata`` also lists an ``optimizer.state.exp_avg.*``
+    tensor (the record of ``output_layer.weight`` under a second key), as a Megatron-LM training
+    checkpoint with optimizer state lists its moments."""
+    import dataclasses
+    import pickle
+    import shutil
+
+    from megatron.foreign_checkpoints import megatron_lm_dist as mlm_dist
+
+    copy = tmp_path / "with_optimizer"
+    shutil.copytree(os.path.join(root, "torch_dist"), copy)
+    folder = copy / "iter_0000001"
+    metadata = mlm_dist.read_metadata(str(folder))
+    key, moment = "output_layer.weight", "optimizer.state.exp_avg.output_layer.weight"
+    metadata.state_dict_metadata[moment] = metadata.state_dict_metadata[key]
+    for index, info in list(metadata.storage_data.items()):
+        if index.fqn == key:
+            metadata.storage_data[dataclasses.replace(index, fqn=moment)] = info
+    os.chmod(folder / ".metadata", 0o644)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    assert mlm_dist.has_optimizer_state(mlm_dist.read_metadata(str(folder)))
+    return str(copy)
+
+
+def test_optimizer_state_needs_finetune(shared_data, tmp_path):
+    root = vector(shared_data, NAME)
+    ids, expected, exact = batch_and_expected(root)
+    load = _with_optimizer_state(root, tmp_path)
+    argv = [*LLAMA_FLAGS, *COMMON, "--load", load, "--global-batch-size", "1"]
+    message = load_error(argv, 1, ids)
+    assert message is not None and "holds Megatron-LM optimizer state, which is not read; pass " \
+        "--finetune (or --no-load-optim)" in message, message
+    logits, _ = logits_after_load(argv + ["--finetune"], 1, ids)
+    assert_reproduces(logits, expected, exact)

@@ -51,7 +51,7 @@ FLAGS_NOT_IN_CONFIG = {
     "auto_detect_ckpt_format": "no effect: --load always detects the format it reads",
     "use_checkpoint_args": "main() applies it to the namespace before validation "
                            "(megatron.arguments.load_args_from_checkpoint)",
-    # Accepted without effect and reported once (megatron.arguments_validation.IGNORED_FLAGS):
+    # Accepted without effect and reported once (megatron.arguments.validation.IGNORED_FLAGS):
     "distributed_checkpointing": "no effect: every DP rank always writes its optimizer shard",
     "use_flash_attn": "no effect: attention runs through torch SDPA",
     "masked_softmax_fusion": "no effect: no fused softmax kernel (SDPA)",

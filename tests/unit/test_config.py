@@ -13,7 +13,7 @@ import pytest
 
 from megatron import config as cfg
 from megatron.arguments import build_parser, parser_defaults
-from megatron.arguments_validation import IGNORED_FLAGS
+from megatron.arguments.validation import IGNORED_FLAGS
 from megatron.config.saved_args import plain
 from tests.helpers.arguments import base_argv, check
 from tests.helpers.paths import ROOT

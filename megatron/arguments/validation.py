@@ -3,7 +3,7 @@
 Each ``_validate_*`` function checks one concern and raises
 :class:`~megatron.usage_error.UsageError` (a ``ValueError``) naming the flag, its value and the
 fix, e.g. ``--num-attention-heads (32) must be divisible by --tensor-model-parallel-size (3)``;
-the ranges of the numbers come first (:mod:`megatron.arguments_ranges`), so no rule reads a NaN or
+the ranges of the numbers come first (:mod:`megatron.arguments.ranges`), so no rule reads a NaN or
 a negative size. A ``ValueError`` of a rule this module borrows (the model's attention and
 recompute rules, the data builder's checks) leaves :func:`validate` as a ``UsageError`` too. Nothing here creates a process group or writes a file; the only
 file-system access is checking that input files exist and reading each dataset's ``.idx``.
@@ -19,8 +19,8 @@ import os
 import warnings
 from typing import List
 
-from megatron.arguments_moe import validate_moe
-from megatron.arguments_ranges import check_ranges
+from megatron.arguments.moe import validate_moe
+from megatron.arguments.ranges import check_ranges
 from megatron.usage_error import UsageError
 
 # dest -> (flag as users write it, the feature and issue that will build it).
@@ -185,7 +185,7 @@ def _validate_model_shape(args):
 
 def _validate_parallel_layout(args, world_size):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = getattr(args, "context_parallel_size", 1)  # >= 1: megatron.arguments_ranges
+    cp = getattr(args, "context_parallel_size", 1)  # >= 1: megatron.arguments.ranges
     model = tp * pp * cp
     if world_size < 1 or world_size % model:
         with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""

@@ -141,7 +141,7 @@ def load_args_from_checkpoint(args) -> list[str]:
                               f"has no {TRACKER_FILENAME}")
     iteration, release = found
     folder = get_checkpoint_dir(args.load, iteration, release)
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     layout = ()
     if torch_dist.is_torch_dist_checkpoint(folder):

@@ -530,7 +530,7 @@ def _validate_resume(args, check_files):
         return
     from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
                                         get_checkpoint_tracker_filename, last_complete_hint)
-    from megatron.save_folder import check_load_folder
+    from megatron.checkpointing.save_folder import check_load_folder
 
     check_load_folder(args.load, args.save)  # a mistyped --load must not train from scratch
     from megatron.training.microbatches import train_iterations

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, save_folder
-from megatron import checkpointing_torch_dist as torch_dist
+from megatron import checkpointing
+from megatron.checkpointing import save_folder, torch_dist
 from megatron.config import checkpoint_args
 from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -433,7 +433,7 @@ class _Trainer:
 
     def finalize_save(self, blocking: bool) -> None:
         """``--async-save``: publish the pending checkpoint once every rank has written it (one
-        all-reduce per iteration while one is pending; see megatron/checkpointing_torch_dist.py)."""
+        all-reduce per iteration while one is pending; see megatron/checkpointing/torch_dist.py)."""
         if self.saver is None or self.saver.pending is None:
             return
         pending = self.saver.pending
@@ -468,15 +468,11 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_c
     :class:`~megatron.config.CheckpointConfig`) under ``config.save``: legacy, or torch_dist with
     ``saver`` (made here when None: synchronous). ``protect``: folders ``--keep-last-checkpoints``
     keeps (either format). Returns the published folder, or None for an asynchronous save."""
-    consumed = dict(consumed_train_samples=state.consumed_train_samples,
-                    consumed_valid_samples=state.consumed_valid_samples)
-    if config.ckpt_format != "torch_dist":
-        return checkpointing.save_checkpoint(state.iteration, model, optimizer, scheduler, config,
-                                             pg_collection, run_flags=run_flags, protect=protect,
-                                             **consumed)
-    return saver.save(state.iteration, model, optimizer, scheduler, config,
-                      torch_dist.Layout.of(pg_collection, optimizer), run_flags=run_flags,
-                      protect=protect, **consumed)
+    return checkpointing.save_checkpoint(state.iteration, model, optimizer, scheduler, config,
+                                         pg_collection, run_flags=run_flags, protect=protect,
+                                         saver=saver,
+                                         consumed_train_samples=state.consumed_train_samples,
+                                         consumed_valid_samples=state.consumed_valid_samples)
 
 
 def _convert_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_collection,

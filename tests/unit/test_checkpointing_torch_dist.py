@@ -1,4 +1,4 @@
-"""megatron.checkpointing_torch_dist's plain parts: the common file of a checkpoint read and
+"""megatron.checkpointing.torch_dist's plain parts: the common file of a checkpoint read and
 refused naming it."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from megatron import checkpointing_torch_dist as torch_dist
+from megatron.checkpointing import torch_dist
 from megatron.checkpoint_io import CheckpointError
 
 

@@ -290,7 +290,7 @@ def _validate_virtual_pipeline(args):
 def _validate_interleaved_microbatches(args):
     """The interleaved schedule runs micro-batches in groups of PP: their number (every step of
     a ramp-up included) must be divisible by PP (Megatron-LM's rule)."""
-    from megatron.training.microbatches import num_microbatches
+    from megatron.core.num_microbatches_calculator import num_microbatches
 
     if args.virtual_pipeline_model_parallel_size is None:
         return
@@ -366,7 +366,7 @@ def _validate_rampup(args):
     whole micro-batches on every data-parallel rank."""
     if args.rampup_batch_size is None:
         return
-    from megatron.training.microbatches import build_num_microbatches_calculator
+    from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 
     shown = " ".join(map(str, args.rampup_batch_size))
     try:
@@ -533,7 +533,7 @@ def _validate_resume(args, check_files):
     from megatron.checkpointing.save_folder import check_load_folder
 
     check_load_folder(args.load, args.save)  # a mistyped --load must not train from scratch
-    from megatron.training.microbatches import train_iterations
+    from megatron.core.num_microbatches_calculator import train_iterations
 
     try:
         found = find_checkpoint(args.load)

@@ -25,7 +25,7 @@ from megatron.checkpointing.checkpoint_folder import (TRACKER_FILENAME, complete
 from megatron.checkpointing.legacy import (CHECKPOINT_VERSION, checkpoint_name_of,
                                            distrib_optim_filename, get_checkpoint_name,
                                            read_saved_args, saved_layout)
-from megatron.checkpoint_io import CheckpointError, CheckpointUsageError
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError, CheckpointUsageError
 from megatron.model import unwrap_model
 from megatron.usage_error import UsageError
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import save_folder
-from megatron.checkpoint_io import (CheckpointError, CheckpointSaveError, CheckpointUsageError,
+from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, CheckpointSaveError, CheckpointUsageError,
                                     save_to_file)
 from megatron.core.optimizer.lr_scheduler import ScheduleMismatchError
 from megatron.usage_error import UsageError
@@ -133,7 +133,7 @@ def write_atomic(obj, path: str) -> None:
 
     Raises:
         OSError: a write failed (a full disk, a file-size limit: ``[Errno 28] No space left on
-            device: 'PATH'``, :func:`megatron.checkpoint_io.save_to_file`); ``path.tmp`` is
+            device: 'PATH'``, :func:`megatron.core.dist_checkpointing.checkpoint_io.save_to_file`); ``path.tmp`` is
             removed.
     """
     tmp = path + ".tmp"

@@ -44,7 +44,7 @@ from megatron.checkpointing.checkpoint_folder import (TRACKER_FILENAME, agree_on
                                                      agree_on_save_error, get_checkpoint_dir,
                                                      load_scheduler_state, prepare_staging,
                                                      publish, write_atomic)
-from megatron.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
 from megatron.config.saved_args import check_resume_precision, plain
 from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.process_groups import layout_groups
@@ -214,7 +214,7 @@ def looks_complete(folder: str) -> bool:
 
 
 def _torch_load(path: str) -> dict:
-    """This rank's shard ``path`` (:func:`megatron.checkpoint_io.load_torch_file`: CRCs checked,
+    """This rank's shard ``path`` (:func:`megatron.core.dist_checkpointing.checkpoint_io.load_torch_file`: CRCs checked,
     tensors and plain values only).
 
     Raises:

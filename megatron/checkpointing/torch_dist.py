@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import checkpoint_folder
-from megatron.checkpoint_io import CheckpointError, CheckpointSaveError
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError, CheckpointSaveError
 from megatron.config.saved_args import check_resume_precision
 from megatron.core import dist_checkpointing as dcp
 from megatron.core.distributed.model_chunk import as_model_chunk
@@ -400,7 +400,7 @@ def read_common(folder: str) -> dict:
         CheckpointError: missing, truncated or refused; ``CheckpointMismatchError`` for
             Megatron-LM's own torch_dist checkpoint.
     """
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 
     _refuse_megatron_lm_s(folder)
     path = os.path.join(folder, COMMON_FILE)

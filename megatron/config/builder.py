@@ -163,7 +163,7 @@ def build_model_config(args, padded_vocab_size: Optional[int] = None,
 
 def build_training_config(args) -> TrainingConfig:
     """The :class:`TrainingConfig` of validated ``args`` (needs ``args.data_parallel_size``)."""
-    from megatron.training.microbatches import num_microbatches, train_iterations
+    from megatron.core.num_microbatches_calculator import num_microbatches, train_iterations
 
     rampup = getattr(args, "rampup_batch_size", None)
     rampup = None if rampup is None else tuple(int(x) for x in rampup)

@@ -32,7 +32,7 @@ from megatron.training.logging import (IterationProgress, TensorBoardLogger,
                                        memory_report, print_rank_0, print_rank_last)
 from megatron.training.compile import compile_transformer_layers
 from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
-from megatron.training.microbatches import build_num_microbatches_calculator
+from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.training.moe_bias import update_expert_biases
 from megatron.training.moe_logging import moe_iteration_metrics, reset_moe_metrics
 from megatron.training.resilience import ExitConditions, collective_guard

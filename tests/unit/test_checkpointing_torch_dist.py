@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import torch_dist
-from megatron.checkpoint_io import CheckpointError
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 
 
 @pytest.mark.parametrize("version", ["1", [1], 1.5, True, {"v": 1}])

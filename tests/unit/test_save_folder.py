@@ -12,7 +12,7 @@ from collections import namedtuple
 import pytest
 
 from megatron.checkpointing import save_folder as sf
-from megatron.checkpoint_io import CheckpointError
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 from megatron.checkpointing.checkpoint_folder import checkpoints_to_remove
 from megatron.usage_error import UsageError
 

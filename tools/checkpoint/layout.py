@@ -24,7 +24,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron import checkpoint_io
+from megatron.core.dist_checkpointing import checkpoint_io
 from megatron.model.initialization import from_fused_layout, to_fused_layout
 
 # Logical per-layer tensor names, in the order converters stream them.
@@ -159,10 +159,10 @@ def check_layout(meta: dict, tp: int, pp: int) -> None:
 def load_torch_file(path: str) -> dict:
     """A weights file (``pytorch_model*.bin``, a Megatron shard), memory-mapped when it is in the
     zip format, so only the tensors actually read are paged in
-    (:func:`megatron.checkpoint_io.load_torch_file`: CRCs checked, tensors and plain values only).
+    (:func:`megatron.core.dist_checkpointing.checkpoint_io.load_torch_file`: CRCs checked, tensors and plain values only).
 
     Raises:
-        megatron.checkpoint_io.UnreadableFileError: missing, damaged or refused (names the file).
+        megatron.core.dist_checkpointing.checkpoint_io.UnreadableFileError: missing, damaged or refused (names the file).
     """
     return checkpoint_io.load_torch_file(path, what="weights file", mmap=True)
 

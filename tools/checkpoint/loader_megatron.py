@@ -24,7 +24,7 @@ from megatron.config import rope_scaling_from_args
 from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
 from megatron.checkpointing.foreign import (MEGATRON_LM, describe, identify, megatron_lm,
                                           megatron_lm_args)
-from megatron.checkpointing.foreign.safe_pickle import load_raw
+from megatron.core.dist_checkpointing.safe_pickle import load_raw
 from tools.checkpoint import moe_layout, optimizer_state
 from tools.checkpoint.saver_megatron import MOE_ARGS
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import CheckpointError
-from megatron.checkpointing.foreign.safe_pickle import load_raw
+from megatron.core.dist_checkpointing.safe_pickle import load_raw
 from tests.helpers.convert import assert_reproduces, convert, hf_logits, megatron_logits
 
 pytest.importorskip("transformers")

@@ -95,7 +95,7 @@ def test_optimizer_state_needs_finetune(shared_data, tmp_path):
     import argparse
     import shutil
 
-    from megatron.checkpointing.foreign.safe_pickle import load_raw, to_plain
+    from megatron.core.dist_checkpointing.safe_pickle import load_raw, to_plain
 
     src = os.path.join(megatron_lm_reference(shared_data), "mcore-tp1pp1")
     shutil.copytree(src, tmp_path / "m1", ignore=shutil.ignore_patterns("*.pt"))
@@ -132,7 +132,7 @@ def test_a_tensor_shape_contradicting_the_args_is_named():
     (a multi-line "size mismatch" RuntimeError) or in a reshape."""
     import torch
 
-    from megatron.checkpoint_io import CheckpointError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
     from megatron.checkpointing.foreign import megatron_lm
 
     config = {"hidden_size": 8, "ffn_hidden_size": 12, "num_attention_heads": 4,

@@ -528,19 +528,14 @@ def _validate_resume(args, check_files):
     ``--finetune``) must not end before the loaded iteration."""
     if not (check_files and args.load):
         return
-    from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
-                                        get_checkpoint_tracker_filename, last_complete_hint)
+    from megatron.checkpointing import (get_checkpoint_dir, get_checkpoint_tracker_filename,
+                                        last_complete_hint, resume_point)
     from megatron.checkpointing.save_folder import check_load_folder
 
     check_load_folder(args.load, args.save)  # a mistyped --load must not train from scratch
     from megatron.core.num_microbatches_calculator import train_iterations
 
-    try:
-        found = find_checkpoint(args.load)
-    except CheckpointError as exc:
-        raise UsageError(f"--load ({args.load}): {exc}; write the iteration of a complete "
-                         f"checkpoint there (iter_0000100 -> 100), or delete the file to start "
-                         f"from scratch.{last_complete_hint(args.load, '')}") from None
+    found = resume_point(args.load)
     if found is None:
         return
     iteration, release = found

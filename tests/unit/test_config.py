@@ -120,13 +120,14 @@ def test_checkpoint_args_keep_megatron_names_and_values(files, extra):
 
 
 PACKAGES_BELOW_PRETRAIN = ["megatron/training", "megatron/core", "megatron/model",
-                           "megatron/data", "megatron/inference", "megatron/checkpointing/legacy.py",
+                           "megatron/data", "megatron/inference", "megatron/checkpointing/__init__.py",
+                           "megatron/checkpointing/legacy.py",
                            "megatron/checkpointing/torch_dist.py"]
 
 
 def test_nothing_below_pretrain_reads_the_namespace():
     """``grep -nw "args\\." megatron/training megatron/core megatron/model megatron/data
-    megatron/inference megatron/checkpointing/legacy.py`` finds nothing (``kwargs.get`` is no read of it)."""
+    megatron/inference megatron/checkpointing/{__init__,legacy,torch_dist}.py`` finds nothing (``kwargs.get`` is no read of it)."""
     namespace_read = re.compile(r"(?<![\w])args\.")
     found = []
     for entry in PACKAGES_BELOW_PRETRAIN:

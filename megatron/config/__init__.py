@@ -32,7 +32,7 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.saved_args import checkpoint_args
 from megatron.config.sections import ConfigSection

@@ -23,7 +23,7 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import TrainingConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerConfig

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file, verify_checksums  # noqa: E402
+from megatron.core.dist_checkpointing.checkpoint_io import (  # noqa: E402
+    load_torch_file, verify_checksums)
 
 
 def _median_seconds(fn, rounds: int) -> float:

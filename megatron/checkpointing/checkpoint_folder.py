@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import save_folder
-from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, CheckpointSaveError, CheckpointUsageError,
-                                    save_to_file)
+from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, CheckpointSaveError,
+                                                          CheckpointUsageError, save_to_file)
 from megatron.core.optimizer.lr_scheduler import ScheduleMismatchError
 from megatron.usage_error import UsageError
 

@@ -44,7 +44,8 @@ from megatron.checkpointing.checkpoint_folder import (TRACKER_FILENAME, agree_on
                                                      agree_on_save_error, get_checkpoint_dir,
                                                      load_scheduler_state, prepare_staging,
                                                      publish, write_atomic)
-from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError, UnreadableFileError, load_torch_file
+from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, UnreadableFileError,
+                                                          load_torch_file)
 from megatron.config.saved_args import check_resume_precision, plain
 from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.process_groups import layout_groups

@@ -16,7 +16,8 @@ from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWi
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention_mask import AttentionMask, masked_attention
-from megatron.core.transformer.initialization import fused_init_method, normal_block_init, scaled_std
+from megatron.core.transformer.initialization import (fused_init_method, normal_block_init,
+                                                      scaled_std)
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import apply_rotary_pos_emb

@@ -13,7 +13,8 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParal
                                                   TensorParallelGroupMixin)
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.swiglu import swiglu
-from megatron.core.transformer.initialization import fused_init_method, normal_block_init, scaled_std
+from megatron.core.transformer.initialization import (fused_init_method, normal_block_init,
+                                                      scaled_std)
 from megatron.model.recompute import recompute_active, selective_modules
 
 

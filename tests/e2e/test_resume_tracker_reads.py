@@ -25,8 +25,8 @@ def _resume_counting_reads(prefix, cache, folder, ckpt_format):
     real, reads = checkpoint_folder.read_metadata, []
 
     def counting(tracker_filename):
-        phase = ("validation" if any(f.name == "_validate_resume" for f in traceback.extract_stack())
-                 else "pretrain")
+        stack = traceback.extract_stack()
+        phase = ("validation" if any(f.name == "_validate_resume" for f in stack) else "pretrain")
         reads.append((phase, tracker_filename))
         return real(tracker_filename)
 

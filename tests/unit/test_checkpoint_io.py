@@ -9,7 +9,8 @@ import pickle
 import pytest
 import torch
 
-from megatron.core.dist_checkpointing.checkpoint_io import UnreadableFileError, load_torch_file, verify_checksums
+from megatron.core.dist_checkpointing.checkpoint_io import (UnreadableFileError, load_torch_file,
+                                                          verify_checksums)
 from tests.helpers.checkpoint import flip_storage_byte
 
 

@@ -478,7 +478,8 @@ class _Reader(FileSystemReader):
 def _load_record(data: bytes, path: str, index: MetadataIndex, offset: int) -> torch.Tensor:
     """One stored box: its CRCs checked (:mod:`megatron.core.dist_checkpointing.checkpoint_io`), then
     ``torch.load(weights_only=True)``."""
-    from megatron.core.dist_checkpointing.checkpoint_io import UnreadableFileError, verify_bytes_checksums
+    from megatron.core.dist_checkpointing.checkpoint_io import (UnreadableFileError,
+                                                              verify_bytes_checksums)
 
     name = f"{path} (the record of {index.fqn} at byte {offset})"
     try:

@@ -27,10 +27,10 @@ def checkpoint_args(load_dir: str) -> dict:
     if found is None:
         raise CheckpointError(f"--load {load_dir} has no latest_checkpointed_iteration.txt")
     folder = get_checkpoint_dir(load_dir, *found)
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     if torch_dist.is_torch_dist_checkpoint(folder):
-        from megatron.foreign_checkpoints import megatron_lm_dist
+        from megatron.checkpointing.foreign import megatron_lm_dist
         if megatron_lm_dist.is_megatron_lm(folder):
             return dict(megatron_lm_dist.saved_args(folder), ckpt_format="torch_dist")
         common = torch_dist.read_common(folder)

@@ -75,7 +75,7 @@ def logits_after_load(argv, world: int, tokens):
 
 
 def _load_error(argv, tokens):
-    from megatron.checkpoint_io import CheckpointError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 
     try:
         _load_and_forward(argv, tokens)

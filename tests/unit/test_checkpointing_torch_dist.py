@@ -1,4 +1,4 @@
-"""megatron.checkpointing_torch_dist's plain parts: the common file of a checkpoint read and
+"""megatron.checkpointing.torch_dist's plain parts: the common file of a checkpoint read and
 refused naming it."""
 
 import re
@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from megatron import checkpointing_torch_dist as torch_dist
-from megatron.checkpoint_io import CheckpointError
+from megatron.checkpointing import torch_dist
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 
 
 @pytest.mark.parametrize("version", ["1", [1], 1.5, True, {"v": 1}])
@@ -74,7 +74,7 @@ def test_megatron_lm_s_own_torch_dist_checkpoint_is_named_as_such(tmp_path):
     with pytest.raises(torch_dist.CheckpointMismatchError, match="^" + re.escape(
             f"{tmp_path} is a torch_dist checkpoint of Megatron-LM itself (its metadata.json "
             "has no format_version), not one of ours: --load reads its weights at any layout "
-            "(megatron.foreign_checkpoints.megatron_lm_dist), tools/checkpoint/convert.py "
+            "(megatron.checkpointing.foreign.megatron_lm_dist), tools/checkpoint/convert.py "
             "--loader megatron-lm converts it") + "$"):
         torch_dist.read_common(str(tmp_path))
 

@@ -37,7 +37,7 @@ def _folder(shared_data):
 def test_weights_keys_and_common_state_read_safely(shared_data):
     from safetensors.torch import load_file
 
-    from megatron.foreign_checkpoints import megatron_lm_dist as mlm_dist
+    from megatron.checkpointing.foreign import megatron_lm_dist as mlm_dist
 
     folder = _folder(shared_data)
     metadata = mlm_dist.read_metadata(folder)
@@ -62,7 +62,7 @@ def test_weights_keys_and_common_state_read_safely(shared_data):
 def test_read_as_the_wrong_qkv_order_would_differ(shared_data):
     """The per-group QKV order matters here (2 query heads per group): reading the fused rows as
     [Q; K; V] blocks gives other weights."""
-    from megatron.foreign_checkpoints import megatron_lm_dist as mlm_dist
+    from megatron.checkpointing.foreign import megatron_lm_dist as mlm_dist
 
     folder = _folder(shared_data)
     metadata = mlm_dist.read_metadata(folder)
@@ -166,7 +166,7 @@ def _with_optimizer_state(root: str, tmp_path) -> str:
     import pickle
     import shutil
 
-    from megatron.foreign_checkpoints import megatron_lm_dist as mlm_dist
+    from megatron.checkpointing.foreign import megatron_lm_dist as mlm_dist
 
     copy = tmp_path / "with_optimizer"
     shutil.copytree(os.path.join(root, "torch_dist"), copy)

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from megatron.checkpoint_io import CheckpointError
-from megatron.foreign_checkpoints import megatron_lm
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+from megatron.checkpointing.foreign import megatron_lm
 
 CONFIG = {"hidden_size": 4, "ffn_hidden_size": 6, "num_attention_heads": 2, "num_query_groups": 2,
           "kv_channels": 2, "untie_embeddings_and_output_weights": True, "num_experts": 4,
@@ -86,7 +86,7 @@ class _RunsCode:
 def test_a_common_state_record_that_pickles_a_callable_is_refused(tmp_path, capsys):
     import io
 
-    from megatron.foreign_checkpoints.safe_pickle import load_raw_bytes
+    from megatron.core.dist_checkpointing.safe_pickle import load_raw_bytes
 
     buffer = io.BytesIO()
     torch.save([{"args": _RunsCode(), "iteration": 1}], buffer)

@@ -47,9 +47,9 @@ import re
 
 import torch
 
-from megatron.checkpoint_io import CheckpointError
-from megatron.foreign_checkpoints import megatron_lm
-from megatron.foreign_checkpoints.safe_pickle import load_raw_bytes, load_raw, to_plain
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+from megatron.checkpointing.foreign import megatron_lm
+from megatron.core.dist_checkpointing.safe_pickle import load_raw_bytes, load_raw, to_plain
 
 METADATA_JSON, COMMON_FILE, COMMON_RECORD = "metadata.json", "common.pt", "common_state/"
 STACKED = "decoder.layers."
@@ -267,8 +267,8 @@ def load_into(folder: str, model_chunks, optimizer, config, pg_collection, run_f
     """
     import torch.distributed as dist
 
-    from megatron.checkpoint_folder import agree_on_load_error
-    from megatron.foreign_checkpoints import check_run_matches
+    from megatron.checkpointing.checkpoint_folder import agree_on_load_error
+    from megatron.checkpointing.foreign import check_run_matches
     from megatron.model import unwrap_model
     from megatron.model.sharded_state import model_sharded_tensors
 

@@ -160,7 +160,7 @@ def test_round_trip_through_tp2_ep2_pp2_is_bitwise(mixtral, tmp_path, capsys):
     """HF -> ours at TP2 x EP2 x PP2 -> HF: every tensor bitwise; the shards are
     ``mp_rank_TT_PPP_EEE`` with experts 2e, 2e+1 of expert rank e, and the printed flags carry
     the expert-parallel size (with sequence parallelism, which MoE at TP and EP > 1 needs)."""
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 
     folder = mixtral[0]
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
@@ -194,7 +194,7 @@ def test_expert_parallel_shards_missing_or_disagreeing_are_refused(mixtral, tmp_
     """A missing expert-rank folder, or expert ranks holding different copies of a replicated
     tensor, stop the conversion naming the folder / tensor; --target-expert-parallel-size not
     dividing the experts, on a dense model, or with --saver hf is refused before writing."""
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
     from megatron.checkpointing import CheckpointError
 
     folder = mixtral[0]

@@ -197,6 +197,50 @@ def to_ours(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
+EXPERT_SUFFIXES = ("mlp.experts.weight1", "mlp.experts.weight2")
+
+
+def is_expert_key(name: str) -> bool:
+    """Whether ``name`` (a shard key) holds the experts, cut over expert-parallel ranks."""
+    return name.endswith(EXPERT_SUFFIXES)
+
+
+def local_experts(model: Dict[str, torch.Tensor], rank: int, ep: int) -> Dict[str, torch.Tensor]:
+    """The shard of expert-parallel rank ``rank`` of ``ep`` from a whole-expert shard: rows
+    ``rank E/ep .. (rank+1) E/ep - 1`` of every ``weight1 [E, 2f, h]`` / ``weight2 [E, h, f]``
+    (cloned: a saved view would drag all experts along), the rest as is."""
+    out = {}
+    for k, v in model.items():
+        if is_expert_key(k):
+            local = v.shape[0] // ep
+            v = v[rank * local:(rank + 1) * local].clone()
+        out[k] = v
+    return out
+
+
+def join_expert_shards(shards: List[Dict[str, torch.Tensor]], where: str = "") -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`local_experts`: one whole-expert state from the shards of
+    expert-parallel ranks 0..EP-1 (experts concatenated in rank order; every other tensor must
+    be the same in all of them).
+
+    Raises:
+        ExpertError: the shards hold different keys, or a replicated tensor differs between
+            expert-parallel ranks (names the tensor and the ranks).
+    """
+    first = shards[0]
+    for e, shard in enumerate(shards[1:], 1):
+        if set(shard) != set(first):
+            odd = sorted(set(shard) ^ set(first))[0]
+            raise ExpertError(f"{where}expert-parallel ranks 0 and {e} hold different tensors "
+                              f"({odd})")
+        for k, v in shard.items():
+            if not is_expert_key(k) and not torch.equal(v, first[k]):
+                raise ExpertError(f"{where}{k} differs between expert-parallel ranks 0 and {e} "
+                                  "(only the experts are cut over them)")
+    return {k: torch.cat([s[k] for s in shards], 0) if is_expert_key(k) else v
+            for k, v in first.items()}
+
+
 def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "") -> Dict[str, torch.Tensor]:
     """The logical MoE tensors from the per-tensor-rank shards of one layer (replicated copies).
 

@@ -209,14 +209,15 @@ def save_checkpoint(meta: dict, stream, args) -> str:
 
     Raises:
         ValueError: the true vocabulary size is unknown (padding rows would leak into the export),
-            or a target tensor/pipeline-parallel size other than 1 was asked for.
+            or a target tensor/pipeline/expert-parallel size other than 1 was asked for.
         FileExistsError: ``--save-dir`` already holds a model.
         ValueError: the tokenizer folder to copy asks to run its own code
             (:func:`megatron.hf_folder.refuse_custom_code`).
     """
-    if (args.target_tensor_parallel_size or 1) != 1 or (args.target_pipeline_parallel_size or 1) != 1:
+    if any((getattr(args, f"target_{kind}_parallel_size", None) or 1) != 1
+           for kind in ("tensor", "pipeline", "expert")):
         raise ValueError("--saver hf writes one unsharded model: drop "
-                         "--target-tensor/pipeline-parallel-size")
+                         "--target-tensor/pipeline/expert-parallel-size")
     if not meta.get("true_vocab_size"):
         raise ValueError("the checkpoint does not store its true vocabulary size, so padding rows "
                          "cannot be removed: pass --true-vocab-size N (the tokenizer's vocabulary)")

@@ -4,6 +4,7 @@ trip HF -> Megatron (TP2 x PP2) -> HF is bitwise in the Hub's per-expert layout;
 Hub's expert layouts are read; a missing or duplicated expert stops the conversion naming it;
 unsupported MoE families are refused in one line."""
 
+import dataclasses
 import json
 import os
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
-from tests.helpers.convert import convert, one_document_dataset, safetensors_tensors
+from tests.helpers.convert import convert, make_hf, one_document_dataset, safetensors_tensors
 from tests.helpers.dist import run_distributed
 from tools.checkpoint import loader_hf, moe_layout
 
@@ -57,7 +58,7 @@ def mixtral(tmp_path_factory):
     return folder, model, tokens, expected
 
 
-def _logits_rank(tp, pp, load_dir, tokens):
+def _logits_rank(tp, pp, load_dir, tokens, ep=1):
     from megatron.checkpointing import load_checkpoint
     from megatron.config import CheckpointConfig, MoEConfig
     from megatron.inference import forward_logits
@@ -65,9 +66,11 @@ def _logits_rank(tp, pp, load_dir, tokens):
     from megatron.model import get_layer_numbers
     from megatron.model.llama import LlamaModel
 
-    groups = ps.initialize_model_parallel(tp, pp)
+    groups = ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     saved = checkpoint_args(load_dir)
     config = model_config_from_args(saved)
+    if tp > 1 and ep > 1:  # the MoE tokens are split over the tensor ranks: SP is required
+        config = dataclasses.replace(config, sequence_parallel=True)
     moe = MoEConfig(num_experts=saved["num_experts"], moe_ffn_hidden_size=saved["moe_ffn_hidden_size"],
                     moe_router_topk=saved["moe_router_topk"],
                     moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
@@ -84,16 +87,19 @@ def _logits_rank(tp, pp, load_dir, tokens):
     return logits if logits is not None and groups.tp.rank == 0 else None
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_mixtral_logits_equal_transformers(mixtral, tp, pp, tmp_path):
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 1, 2), (1, 1, 4)])
+def test_mixtral_logits_equal_transformers(mixtral, tp, pp, ep, tmp_path):
+    """Converted at TP x PP x EP (``--target-expert-parallel-size``) and loaded in a world of
+    TP x PP x EP ranks (EP over the EP data-parallel ranks), the logits are
+    transformers'."""
     folder, _, tokens, expected = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
             tmp_path / "ckpt", "--target-tensor-parallel-size", tp,
-            "--target-pipeline-parallel-size", pp)
-    out = run_distributed(tp * pp, _logits_rank, tp, pp, str(tmp_path / "ckpt"), tokens)
-    logits = next(o for o in out if o is not None)[..., :VOCAB]
+            "--target-pipeline-parallel-size", pp, "--target-expert-parallel-size", ep)
+    out = run_distributed(tp * pp * ep, _logits_rank, tp, pp, str(tmp_path / "ckpt"), tokens, ep)
+    logits = [o[..., :VOCAB] for o in out if o is not None]
     assert expected.abs().max() > 1.0  # far from uniform: the comparison has teeth
-    diff = (logits - expected).abs().max().item()
+    diff = max((x - expected).abs().max().item() for x in logits)
     assert diff <= 3e-5, diff  # measured 5.7e-6 (TP1, PP2), 6.6e-6 (TP2) of logits up to 7
 
 
@@ -148,6 +154,87 @@ def test_round_trip_is_bitwise_in_the_hub_layout(mixtral, tmp_path):
     reloaded = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, expected)
+
+
+def test_round_trip_through_tp2_ep2_pp2_is_bitwise(mixtral, tmp_path, capsys):
+    """HF -> ours at TP2 x EP2 x PP2 -> HF: every tensor bitwise; the shards are
+    ``mp_rank_TT_PPP_EEE`` with experts 2e, 2e+1 of expert rank e, and the printed flags carry
+    the expert-parallel size (with sequence parallelism, which MoE at TP and EP > 1 needs)."""
+    from megatron.checkpoint_io import load_torch_file
+
+    folder = mixtral[0]
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "a", "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2,
+            "--target-expert-parallel-size", 2)
+    printed = capsys.readouterr().out
+    assert "--expert-model-parallel-size 2 --sequence-parallel" in printed, printed
+    release = tmp_path / "a" / "release"
+    assert sorted(os.listdir(release)) == [f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2)
+                                           for p in range(2) for e in range(2)]
+    hf = _safetensors(folder)
+    for t in range(2):
+        for e in range(2):
+            shard = load_torch_file(str(release / f"mp_rank_{t:02d}_001_{e:03d}" /
+                                        "model_optim_rng.pt"), what="shard")
+            assert shard["args"]["expert_model_parallel_size"] == 2
+            w2 = shard["model"]["layers.0.mlp.experts.weight2"]  # global layer 1
+            assert w2.shape == (E // 2, 64, F)
+            for i in range(E // 2):
+                assert torch.equal(w2[i], hf[f"model.layers.1.block_sparse_moe.experts."
+                                             f"{e * E // 2 + i}.w2.weight"])
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "a", "--save-dir",
+            tmp_path / "hf")
+    exported = _safetensors(tmp_path / "hf")
+    assert sorted(hf) == sorted(exported)
+    for name, tensor in hf.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def test_expert_parallel_shards_missing_or_disagreeing_are_refused(mixtral, tmp_path, capsys):
+    """A missing expert-rank folder, or expert ranks holding different copies of a replicated
+    tensor, stop the conversion naming the folder / tensor; --target-expert-parallel-size not
+    dividing the experts, on a dense model, or with --saver hf is refused before writing."""
+    from megatron.checkpoint_io import load_torch_file
+    from megatron.checkpointing import CheckpointError
+
+    folder = mixtral[0]
+    ckpt = tmp_path / "a"
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir", ckpt,
+            "--target-expert-parallel-size", 2)
+    assert sorted(os.listdir(ckpt / "release")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    path = str(ckpt / "release" / "mp_rank_00_001" / "model_optim_rng.pt")
+    shard = load_torch_file(path, what="shard")
+    shard["model"]["layers.1.mlp.router.weight"] = shard["model"]["layers.1.mlp.router.weight"] + 1
+    torch.save(shard, path)
+    with pytest.raises(moe_layout.ExpertError, match="layers.1.mlp.router.weight differs between "
+                                                     "expert-parallel ranks 0 and 1"):
+        convert("--loader", "megatron", "--saver", "hf", "--load-dir", ckpt, "--save-dir",
+                tmp_path / "x")
+    os.remove(path)
+    with pytest.raises(CheckpointError, match="no mp_rank_00_001/model_optim_rng.pt"):
+        convert("--loader", "megatron", "--saver", "hf", "--load-dir", ckpt, "--save-dir",
+                tmp_path / "y")
+    _refused_in_one_line(capsys, "--target-expert-parallel-size 3 does not divide the 4 experts",
+                         "--loader", "hf", "--saver", "megatron", "--load-dir", folder,
+                         "--save-dir", tmp_path / "z", "--target-expert-parallel-size", 3)
+    assert not (tmp_path / "z" / "release").exists()
+    _refused_in_one_line(capsys, "drop --target-tensor/pipeline/expert-parallel-size",
+                         "--loader", "hf", "--saver", "hf", "--load-dir", folder, "--save-dir",
+                         tmp_path / "w", "--target-expert-parallel-size", 2)
+    make_hf(str(tmp_path / "dense"))
+    _refused_in_one_line(capsys, "--target-expert-parallel-size 2: the model is dense",
+                         "--loader", "hf", "--saver", "megatron", "--load-dir", tmp_path / "dense",
+                         "--save-dir", tmp_path / "d", "--target-expert-parallel-size", 2)
+
+
+def _refused_in_one_line(capsys, message, *argv):
+    """``convert.py argv`` exits with status 2 and one stderr line holding ``message``."""
+    from tools.checkpoint.convert import command
+
+    capsys.readouterr()
+    assert command([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
 
 
 def test_fused_in_memory_layout_is_read(mixtral, tmp_path):
@@ -263,17 +350,21 @@ def _train(argv):
     return pretrain_llama.main(argv)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_first_training_loss_equals_transformers(mixtral, tmp_path, pp):
+@pytest.mark.parametrize("pp,ep", [(1, 1), (2, 1), (1, 2)])
+def test_first_training_loss_equals_transformers(mixtral, tmp_path, pp, ep):
+    """At EP 2 the two data-parallel ranks each hold two experts and train on a copy of the one
+    document (global batch 2), so the mean loss is still transformers' loss on it."""
     folder, model, _, _ = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
-            tmp_path / "ours", "--target-pipeline-parallel-size", pp)
+            tmp_path / "ours", "--target-pipeline-parallel-size", pp,
+            "--target-expert-parallel-size", ep)
     prefix = str(tmp_path / "data")
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + ["--load", str(tmp_path / "ours"), "--data-path", prefix,
                           "--data-cache-path", str(tmp_path / "cache"),
-                          "--pipeline-model-parallel-size", str(pp), "--save", str(tmp_path / "run")]
-    history = run_distributed(pp, _train, argv, timeout=300)[-1]  # the last stage logs the loss
+                          "--pipeline-model-parallel-size", str(pp), "--save", str(tmp_path / "run"),
+                          "--expert-model-parallel-size", str(ep), "--global-batch-size", str(ep)]
+    history = run_distributed(pp * ep, _train, argv, timeout=300)[-1]  # the last stage logs it
     tokens, labels = doc[None], torch.cat([doc[1:], doc[:1]])
     with torch.no_grad():
         hf_loss = torch.nn.functional.cross_entropy(model(tokens).logits[0], labels).item()

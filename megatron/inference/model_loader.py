@@ -57,6 +57,7 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         rope_scaling=saved.get("rope_scaling"),
         untie_embeddings_and_output_weights=saved.get("untie_embeddings_and_output_weights", True),
         qk_layernorm=bool(saved.get("qk_layernorm")), add_qkv_bias=bool(saved.get("add_qkv_bias")),
+        qk_layernorm_full_width=bool(saved.get("qk_layernorm_full_width")),
         params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
 
 

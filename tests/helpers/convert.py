@@ -77,6 +77,29 @@ def convert(*argv) -> str:
     return main([str(a) for a in argv])
 
 
+def randomize_hf(model) -> None:
+    """Weights of std 0.2 (attention and routing far from uniform), norm weights 1 +- 0.1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
+
+
+def save_random_hf(model_class, config, folder: str):
+    """``model_class(config)`` in eval mode with :func:`randomize_hf`'s weights, saved with
+    ``save_pretrained`` into ``folder``; returns the model."""
+    model = model_class(config).eval()
+    randomize_hf(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def reference_logits(model, vocab: int, b: int = 2, s: int = 32, seed: int = 3):
+    """``(tokens [b, s], logits [b, s, vocab])`` of the HuggingFace ``model`` on random ids."""
+    tokens = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return tokens, model(tokens).logits
+
+
 def tokens_batch(b=2, s=128, vocab=VOCAB, seed=3):
     return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
 

@@ -94,7 +94,8 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parall
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "add_qkv_bias", *MOE_ARGS)}
+        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "qk_layernorm_full_width",
+        "add_qkv_bias", *MOE_ARGS)}
     if meta["num_experts"]:
         _check_moe_args(saved, expert_parallel)
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]

@@ -62,6 +62,8 @@ def pretrain_flags(saved: dict) -> list[str]:
         flags.append("--untie-embeddings-and-output-weights")
     if saved.get("qk_layernorm"):
         flags.append("--qk-layernorm")
+    if saved.get("qk_layernorm_full_width"):
+        flags.append("--qk-layernorm-full-width")
     if saved.get("add_qkv_bias"):
         flags.append("--add-qkv-bias")
     flags += moe_flags(saved)

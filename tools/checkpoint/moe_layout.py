@@ -33,7 +33,7 @@ HF_EXPERT_NAMES = {
     "qwen3_moe": ("mlp", {"gate_proj": "experts_gate", "up_proj": "experts_up",
                           "down_proj": "experts_down"}),
 }
-HF_EXPERT_NAMES["qwen2_moe"] = HF_EXPERT_NAMES["qwen3_moe"]
+HF_EXPERT_NAMES["qwen2_moe"] = HF_EXPERT_NAMES["olmoe"] = HF_EXPERT_NAMES["qwen3_moe"]
 # Qwen2-MoE's shared expert and its sigmoid gate: logical key -> HF name under the layer
 HF_SHARED = {"shared_gate": "mlp.shared_expert.gate_proj.weight",
              "shared_up": "mlp.shared_expert.up_proj.weight",

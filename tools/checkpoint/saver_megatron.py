@@ -85,6 +85,7 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
         "qk_layernorm": bool(meta.get("qk_layernorm")),
+        "qk_layernorm_full_width": bool(meta.get("qk_layernorm_full_width")),
         "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta, ep),
     }
 

@@ -12,20 +12,14 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
-from tests.helpers.convert import convert, make_hf, one_document_dataset, safetensors_tensors
+from tests.helpers.convert import (convert, make_hf, one_document_dataset,
+                                   reference_logits, safetensors_tensors, save_random_hf)
 from tests.helpers.dist import run_distributed
 from tools.checkpoint import loader_hf, moe_layout
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB, E, K, F = 256, 4, 2, 48
-
-
-def _randomize(model) -> None:
-    """Weights of std 0.2 (attention and routing far from uniform), norm weights 1 +- 0.1."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
 
 
 def make_mixtral(folder: str, layers: int = 2):
@@ -39,10 +33,7 @@ def make_mixtral(folder: str, layers: int = 2):
                            head_dim=8, num_local_experts=E, num_experts_per_tok=K,
                            max_position_embeddings=128, rms_norm_eps=1e-6,
                            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    model = MixtralForCausalLM(config).eval()
-    _randomize(model)
-    model.save_pretrained(folder)
-    return model
+    return save_random_hf(MixtralForCausalLM, config, folder)
 
 
 _safetensors = safetensors_tensors
@@ -52,10 +43,7 @@ _safetensors = safetensors_tensors
 def mixtral(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("mixtral"))
     model = make_mixtral(folder)
-    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = model(tokens).logits
-    return folder, model, tokens, expected
+    return (folder, model) + reference_logits(model, VOCAB)
 
 
 def _logits_rank(tp, pp, load_dir, tokens, ep=1):
@@ -321,12 +309,17 @@ def test_saver_gate_catches_an_altered_or_missing_expert(mixtral, tmp_path):
 
 
 @pytest.mark.parametrize("model_type,words", [
-    ("deepseek_v3", "multi-latent attention"), ("gpt_oss", "MXFP4"), ("llama4", "Llama 4"),
-    ("olmoe", "q/k RMSNorm")])
-def test_unsupported_moe_families_are_refused_in_one_line(model_type, words):
+    ("deepseek_v3", "multi-latent attention"), ("gpt_oss", "MXFP4"), ("llama4", "Llama 4")])
+def test_unsupported_moe_families_are_refused_in_one_line(model_type, words, tmp_path, capsys):
+    """By the config reader, and by ``convert.py`` itself: status 2, one line, nothing written."""
     with pytest.raises(ValueError, match=words) as info:
         loader_hf.meta_from_hf_config({"model_type": model_type})
     assert "\n" not in str(info.value)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": model_type}))
+    _refused_in_one_line(capsys, words, "--loader", "hf", "--saver", "megatron", "--load-dir",
+                         tmp_path / "hf", "--save-dir", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 SEQ = 32
@@ -411,10 +404,7 @@ def make_qwen_moe(folder: str, family: str, norm_topk_prob: bool):
                             max_position_embeddings=128, rms_norm_eps=1e-6,
                             tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    model = model_class(config).eval()
-    _randomize(model)
-    model.save_pretrained(folder)
-    return model
+    return save_random_hf(model_class, config, folder)
 
 
 FAMILY_FLAGS = {"qwen3_moe": ["--qk-layernorm"],
@@ -435,9 +425,7 @@ def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_p
     bitwise."""
     folder = str(tmp_path / "hf")
     model = make_qwen_moe(folder, family, norm_topk_prob)
-    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = model(tokens).logits
+    tokens, expected = reference_logits(model, VOCAB)
     layouts = [(1, 1), (1, 2)] + ([(2, 1)] if family == "qwen2_moe" else [])
     for tp, pp in layouts:
         out = tmp_path / f"pp{pp}" if tp == 1 else tmp_path / "tp2"
@@ -471,12 +459,77 @@ def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_p
     assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
 
 
-def test_qk_layernorm_is_refused_at_tp2_naming_the_flag():
+def make_olmoe(folder: str):
+    """A random fp32 OLMoE (q/k RMSNorm over the whole projection: q_norm [64], k_norm [16]),
+    8 heads in 2 groups, 4 experts of width 48, top-2 without renormalisation
+    (``norm_topk_prob`` False, OLMoE's), std-0.2 weights, saved with ``save_pretrained``."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(6)
+    config = OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=F, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, num_experts=E,
+                         num_experts_per_tok=K, norm_topk_prob=False, max_position_embeddings=128,
+                         rms_norm_eps=1e-6, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    return save_random_hf(OlmoeForCausalLM, config, folder)
+
+
+def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
+    """OLMoE: logits equal transformers' at TP1, PP2 and EP2; the printed flags carry
+    --qk-layernorm --qk-layernorm-full-width and --moe-router-pre-softmax; HF -> ours
+    (PP2 x EP2) -> HF is bitwise and reloads as OLMoE; the first loss equals transformers';
+    TP2 is refused in one line (the full-width norm spans every rank's heads)."""
+    folder = str(tmp_path / "hf")
+    model = make_olmoe(folder)
+    tokens, expected = reference_logits(model, VOCAB)
+    for tp, pp, ep in ((1, 1, 1), (1, 2, 1), (1, 1, 2)):
+        out = tmp_path / f"pp{pp}ep{ep}"
+        convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir", out,
+                "--target-pipeline-parallel-size", pp, "--target-expert-parallel-size", ep)
+        printed = capsys.readouterr().out
+        assert "--qk-layernorm --qk-layernorm-full-width" in printed, printed
+        assert "--moe-router-pre-softmax" in printed
+        logits = next(o for o in run_distributed(pp * ep, _logits_rank, tp, pp, str(out), tokens,
+                                                 ep) if o is not None)[..., :VOCAB]
+        assert expected.abs().max() > 1.0
+        assert (logits - expected).abs().max().item() <= 3e-5
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "pp2ep2", "--target-pipeline-parallel-size", 2,
+            "--target-expert-parallel-size", 2)
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "pp2ep2",
+            "--save-dir", tmp_path / "back")
+    original, exported = _safetensors(folder), _safetensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(reloaded).__name__ == "OlmoeForCausalLM" and not reloaded.config.norm_topk_prob
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, expected)
+    _refused_in_one_line(capsys, "--target-tensor-parallel-size 2: the q/k norm over the whole "
+                         "projection", "--loader", "hf", "--saver", "megatron", "--load-dir",
+                         folder, "--save-dir", tmp_path / "tp2", "--target-tensor-parallel-size", 2)
+    prefix = str(tmp_path / "data")
+    doc = one_document_dataset(prefix, SEQ, VOCAB)
+    argv = TRAIN_FLAGS + ["--load", str(tmp_path / "pp1ep1"), "--data-path", prefix,
+                          "--data-cache-path", str(tmp_path / "cache"), "--qk-layernorm",
+                          "--qk-layernorm-full-width", "--moe-router-pre-softmax"]
+    history = run_distributed(1, _train, argv, timeout=300)[-1]
+    labels = torch.cat([doc[1:], doc[:1]])
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(model(doc[None]).logits[0], labels).item()
+    assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(qk_layernorm=True, qk_layernorm_full_width=True, tensor_model_parallel_size=2),
+     "--qk-layernorm-full-width at --tensor-model-parallel-size 2"),
+    (dict(qk_layernorm_full_width=True), "--qk-layernorm-full-width needs --qk-layernorm")])
+def test_full_width_qk_layernorm_is_refused_at_tp2_naming_the_flag(flags, message):
     from megatron.config import ModelConfig
     from megatron.model.attention import SelfAttention
 
     config = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
                          num_query_groups=2, kv_channels=8, padded_vocab_size=256,
-                         max_position_embeddings=64, qk_layernorm=True, tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="--qk-layernorm at --tensor-model-parallel-size 2"):
+                         max_position_embeddings=64, **flags)
+    with pytest.raises(ValueError, match=message):
         SelfAttention(config, 1, pg_collection=None)

@@ -5,6 +5,7 @@ Hub's expert layouts are read; a missing or duplicated expert stops the conversi
 unsupported MoE families are refused in one line."""
 
 import dataclasses
+import math
 import json
 import os
 
@@ -533,3 +534,44 @@ def test_full_width_qk_layernorm_is_refused_at_tp2_naming_the_flag(flags, messag
                          max_position_embeddings=64, **flags)
     with pytest.raises(ValueError, match=message):
         SelfAttention(config, 1, pg_collection=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_whole_workflow_hub_to_training_at_ep2_and_back(precision, tmp_path):
+    """The user's way, in fp32 and bf16: a Hub Mixtral -> convert.py at EP 2 -> pretrain_llama.py
+    --load ... --finetune [--bf16] at --expert-model-parallel-size 2, three Adam steps -> export
+    -> transformers' ``from_pretrained`` and greedy ``generate`` on it. In fp32 our logits of the
+    trained checkpoint equal transformers' logits of the export, which moved away from the
+    source's."""
+    folder = str(tmp_path / "hub")
+    model = make_mixtral(folder)
+    tokens, before = reference_logits(model, VOCAB)
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "ours", "--target-expert-parallel-size", 2)
+    prefix = str(tmp_path / "data")
+    one_document_dataset(prefix, SEQ, VOCAB)
+    argv = TRAIN_FLAGS + ["--load", str(tmp_path / "ours"), "--data-path", prefix,
+                          "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run"),
+                          "--expert-model-parallel-size", "2", "--global-batch-size", "2",
+                          "--train-iters", "3", "--lr", "0.001", "--min-lr", "0.001"]
+    argv += ["--bf16"] if precision == "bf16" else []
+    history = run_distributed(2, _train, argv, timeout=600)[-1]
+    losses = history["lm loss"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "run", "--save-dir",
+            tmp_path / "export")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    expected_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert exported.model.embed_tokens.weight.dtype == expected_dtype
+    with torch.no_grad():
+        out = exported.generate(tokens[:1, :8], max_new_tokens=8, do_sample=False)
+        after = exported(tokens).logits.float()
+    assert out.shape == (1, 16) and torch.equal(out[:, :8], tokens[:1, :8])
+    assert int(out.max()) < VOCAB
+    assert (after - before).abs().max() > 1e-3  # the three steps changed the model
+    if precision == "fp32":
+        ours = next(o for o in run_distributed(2, _logits_rank, 1, 1, str(tmp_path / "run"),
+                                               tokens, 2) if o is not None)[..., :VOCAB]
+        assert (ours - after).abs().max().item() <= 3e-5

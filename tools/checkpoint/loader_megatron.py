@@ -219,8 +219,9 @@ def load_torch_dist(folder: str, args):
     common = torch_dist.read_common(folder)
     state = single_process_state_dict(torch_dist.read_tensors(folder))
     embedding = state["word_embeddings.weight"]
-    meta = meta_from_args(common["args"], embedding.shape[0],
-                          getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"))
+    meta = meta_from_args(common["args"], embedding.shape[0],  # global experts: any EP it ran at
+                          getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"),
+                          expert_parallel=True)
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 

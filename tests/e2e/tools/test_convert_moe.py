@@ -4,16 +4,14 @@ trip HF -> Megatron (TP2 x PP2) -> HF is bitwise in the Hub's per-expert layout;
 Hub's expert layouts are read; a missing or duplicated expert stops the conversion naming it;
 unsupported MoE families are refused in one line."""
 
-import dataclasses
-import math
 import json
+import math
 import os
 
 import pytest
 import torch
 
-from megatron.core import parallel_state as ps
-from tests.helpers.convert import (convert, make_hf, one_document_dataset,
+from tests.helpers.convert import (convert, make_hf, megatron_logits, one_document_dataset,
                                    reference_logits, safetensors_tensors, save_random_hf)
 from tests.helpers.dist import run_distributed
 from tools.checkpoint import loader_hf, moe_layout
@@ -47,35 +45,6 @@ def mixtral(tmp_path_factory):
     return (folder, model) + reference_logits(model, VOCAB)
 
 
-def _logits_rank(tp, pp, load_dir, tokens, ep=1):
-    from megatron.checkpointing import load_checkpoint
-    from megatron.config import CheckpointConfig, MoEConfig
-    from megatron.inference import forward_logits
-    from megatron.inference.model_loader import checkpoint_args, model_config_from_args
-    from megatron.model import get_layer_numbers
-    from megatron.model.llama import LlamaModel
-
-    groups = ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
-    saved = checkpoint_args(load_dir)
-    config = model_config_from_args(saved)
-    if tp > 1 and ep > 1:  # the MoE tokens are split over the tensor ranks: SP is required
-        config = dataclasses.replace(config, sequence_parallel=True)
-    moe = MoEConfig(num_experts=saved["num_experts"], moe_ffn_hidden_size=saved["moe_ffn_hidden_size"],
-                    moe_router_topk=saved["moe_router_topk"],
-                    moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
-                    moe_shared_expert_intermediate_size=saved.get("moe_shared_expert_intermediate_size"),
-                    moe_shared_expert_gate=bool(saved.get("moe_shared_expert_gate")),
-                    moe_layer_freq=(1,) * saved["num_layers"])
-    model = LlamaModel(config, pg_collection=groups, pre_process=groups.is_pipeline_first_stage(),
-                       post_process=groups.is_pipeline_last_stage(),
-                       layer_numbers=get_layer_numbers(config.num_layers, pp, groups.pp.rank),
-                       moe_config=moe)
-    load_checkpoint([model], None, None, CheckpointConfig(load=load_dir, finetune=True), groups,
-                    run_flags=saved)
-    logits = forward_logits(model.eval(), tokens, pg_collection=groups)
-    return logits if logits is not None and groups.tp.rank == 0 else None
-
-
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 1, 2), (1, 1, 4)])
 def test_mixtral_logits_equal_transformers(mixtral, tp, pp, ep, tmp_path):
     """Converted at TP x PP x EP (``--target-expert-parallel-size``) and loaded in a world of
@@ -85,10 +54,9 @@ def test_mixtral_logits_equal_transformers(mixtral, tp, pp, ep, tmp_path):
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
             tmp_path / "ckpt", "--target-tensor-parallel-size", tp,
             "--target-pipeline-parallel-size", pp, "--target-expert-parallel-size", ep)
-    out = run_distributed(tp * pp * ep, _logits_rank, tp, pp, str(tmp_path / "ckpt"), tokens, ep)
-    logits = [o[..., :VOCAB] for o in out if o is not None]
+    logits = megatron_logits(str(tmp_path / "ckpt"), tp, pp, tokens, ep)[..., :VOCAB]
     assert expected.abs().max() > 1.0  # far from uniform: the comparison has teeth
-    diff = max((x - expected).abs().max().item() for x in logits)
+    diff = (logits - expected).abs().max().item()
     assert diff <= 3e-5, diff  # measured 5.7e-6 (TP1, PP2), 6.6e-6 (TP2) of logits up to 7
 
 
@@ -224,6 +192,37 @@ def _refused_in_one_line(capsys, message, *argv):
     assert command([str(a) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+def test_torch_dist_target_loads_at_any_layout_and_exports_bitwise(mixtral, tmp_path, capsys):
+    """``--target-ckpt-format torch_dist``: one layout-free release whose experts lie on the
+    global expert axis; loaded at TP2 x EP2 and EP4 its logits are transformers'; the loader
+    reads it back to the Hub layout bitwise; a target layout with it is refused in one line."""
+    from megatron import checkpointing_torch_dist as torch_dist
+
+    folder, _, tokens, expected = mixtral
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "dist", "--target-ckpt-format", "torch_dist")
+    release = tmp_path / "dist" / "release"
+    assert torch_dist.is_torch_dist_checkpoint(str(release))
+    assert sorted(os.listdir(tmp_path / "dist")) == ["latest_checkpointed_iteration.txt", "release"]
+    weight2 = torch_dist.read_tensors(str(release))["layers.1.mlp.experts.weight2"]
+    hf = _safetensors(folder)
+    assert weight2.shape == (E, 64, F)
+    assert all(torch.equal(weight2[e], hf[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"])
+               for e in range(E))
+    for tp, ep in ((2, 2), (1, 4)):
+        logits = megatron_logits(str(tmp_path / "dist"), tp, 1, tokens, ep)[..., :VOCAB]
+        assert (logits - expected).abs().max().item() <= 3e-5
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "dist",
+            "--save-dir", tmp_path / "hf")
+    exported = _safetensors(tmp_path / "hf")
+    assert sorted(hf) == sorted(exported)
+    assert all(torch.equal(hf[k], exported[k]) for k in hf)
+    _refused_in_one_line(capsys, "torch_dist is layout-free (--load reshards it to any TP / PP / "
+                         "EP): drop --target-expert-parallel-size", "--loader", "hf", "--saver",
+                         "megatron", "--load-dir", folder, "--save-dir", tmp_path / "x",
+                         "--target-ckpt-format", "torch_dist", "--target-expert-parallel-size", 2)
 
 
 def test_fused_in_memory_layout_is_read(mixtral, tmp_path):
@@ -435,8 +434,7 @@ def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_p
         printed = capsys.readouterr().out
         assert all(f in printed for f in FAMILY_PRINTED[family]), printed
         assert ("--moe-router-pre-softmax" in printed) == (not norm_topk_prob)
-        logits = next(o for o in run_distributed(tp * pp, _logits_rank, tp, pp, str(out), tokens)
-                      if o is not None)[..., :VOCAB]
+        logits = megatron_logits(str(out), tp, pp, tokens)[..., :VOCAB]
         assert expected.abs().max() > 1.0
         assert (logits - expected).abs().max().item() <= 3e-5  # measured <= 5.3e-6
     convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "pp2", "--save-dir",
@@ -490,8 +488,7 @@ def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
         printed = capsys.readouterr().out
         assert "--qk-layernorm --qk-layernorm-full-width" in printed, printed
         assert "--moe-router-pre-softmax" in printed
-        logits = next(o for o in run_distributed(pp * ep, _logits_rank, tp, pp, str(out), tokens,
-                                                 ep) if o is not None)[..., :VOCAB]
+        logits = megatron_logits(str(out), tp, pp, tokens, ep)[..., :VOCAB]
         assert expected.abs().max() > 1.0
         assert (logits - expected).abs().max().item() <= 3e-5
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
@@ -572,6 +569,5 @@ def test_whole_workflow_hub_to_training_at_ep2_and_back(precision, tmp_path):
     assert int(out.max()) < VOCAB
     assert (after - before).abs().max() > 1e-3  # the three steps changed the model
     if precision == "fp32":
-        ours = next(o for o in run_distributed(2, _logits_rank, 1, 1, str(tmp_path / "run"),
-                                               tokens, 2) if o is not None)[..., :VOCAB]
+        ours = megatron_logits(str(tmp_path / "run"), 1, 1, tokens, 2)[..., :VOCAB]
         assert (ours - after).abs().max().item() <= 3e-5

@@ -148,8 +148,9 @@ def load_checkpoint(args):
     ep, ep_args = expert_shards.saved_expert_parallel_size(args.load_dir)
     if ep > 1:  # our MoE shards at EP > 1: each (tensor, pipeline) rank's experts in EP folders
         folder, joined, tp, pp = expert_shards.find_expert_shards(
-            args.load_dir, ep, int(ep_args.get("pipeline_model_parallel_size") or 1))
-        shards = {k: v[0] for k, v in joined.items()}
+            args.load_dir, ep, int(ep_args.get("pipeline_model_parallel_size") or 1),
+            int(ep_args.get("tensor_model_parallel_size") or 1))
+        shards = {k: expert_shards.own_shard(v) for k, v in joined.items()}
     else:
         folder, shards, tp, pp = find_shards(args.load_dir)
     foreign = identify(shards[(0, 0)])

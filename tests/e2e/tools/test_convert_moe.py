@@ -116,7 +116,8 @@ def test_round_trip_is_bitwise_in_the_hub_layout(mixtral, tmp_path):
 def test_round_trip_through_tp2_ep2_pp2_is_bitwise(mixtral, tmp_path, capsys):
     """HF -> ours at TP2 x EP2 x PP2 -> HF: every tensor bitwise; the shards are
     ``mp_rank_TT_PPP_EEE`` with experts 2e, 2e+1 of expert rank e, and the printed flags carry
-    the expert-parallel size (with sequence parallelism, which MoE at TP and EP > 1 needs)."""
+    the expert-parallel size (with --sequence-parallel --expert-tensor-parallel-size 1, which
+    training MoE at TP > 1 needs)."""
     from megatron.checkpoint_io import load_torch_file
 
     folder = mixtral[0]
@@ -124,7 +125,8 @@ def test_round_trip_through_tp2_ep2_pp2_is_bitwise(mixtral, tmp_path, capsys):
             tmp_path / "a", "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2,
             "--target-expert-parallel-size", 2)
     printed = capsys.readouterr().out
-    assert "--expert-model-parallel-size 2 --sequence-parallel" in printed, printed
+    assert ("--sequence-parallel --expert-tensor-parallel-size 1 --expert-model-parallel-size 2"
+            in printed), printed
     release = tmp_path / "a" / "release"
     assert sorted(os.listdir(release)) == [f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2)
                                            for p in range(2) for e in range(2)]
@@ -343,21 +345,23 @@ def _train(argv):
     return pretrain_llama.main(argv)
 
 
-@pytest.mark.parametrize("pp,ep", [(1, 1), (2, 1), (1, 2)])
-def test_first_training_loss_equals_transformers(mixtral, tmp_path, pp, ep):
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
+def test_first_training_loss_equals_transformers(mixtral, tmp_path, tp, pp, ep, capsys):
     """At EP 2 the two data-parallel ranks each hold two experts and train on a copy of the one
-    document (global batch 2), so the mean loss is still transformers' loss on it."""
+    document (global batch 2), so the mean loss is still transformers' loss on it. The layout
+    flags are the ones the converter printed."""
     folder, model, _, _ = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
             tmp_path / "ours", "--target-pipeline-parallel-size", pp,
-            "--target-expert-parallel-size", ep)
+            "--target-expert-parallel-size", ep, "--target-tensor-parallel-size", tp)
+    printed = capsys.readouterr().out.split()
+    layout = printed[printed.index("--tensor-model-parallel-size"):printed.index("--load")]
     prefix = str(tmp_path / "data")
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + ["--load", str(tmp_path / "ours"), "--data-path", prefix,
                           "--data-cache-path", str(tmp_path / "cache"),
-                          "--pipeline-model-parallel-size", str(pp), "--save", str(tmp_path / "run"),
-                          "--expert-model-parallel-size", str(ep), "--global-batch-size", str(ep)]
-    history = run_distributed(pp * ep, _train, argv, timeout=300)[-1]  # the last stage logs it
+                          "--save", str(tmp_path / "run"), "--global-batch-size", str(ep)] + layout
+    history = run_distributed(tp * pp * ep, _train, argv, timeout=300)[-1]  # the last stage logs
     tokens, labels = doc[None], torch.cat([doc[1:], doc[:1]])
     with torch.no_grad():
         hf_loss = torch.nn.functional.cross_entropy(model(tokens).logits[0], labels).item()

@@ -227,13 +227,18 @@ def test_torch_dist_target_loads_at_any_layout_and_exports_bitwise(mixtral, tmp_
                          "--target-ckpt-format", "torch_dist", "--target-expert-parallel-size", 2)
 
 
-def test_fused_in_memory_layout_is_read(mixtral, tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+def test_fused_in_memory_layout_is_read(family, tmp_path):
     """transformers 5's in-memory names (``mlp.gate``, ``mlp.experts.gate_up_proj`` /
     ``down_proj``), written as they are by a plain ``safetensors`` save of the state dict,
-    convert to the same checkpoint as the Hub's per-expert files."""
+    convert to the same Hub files as the per-expert ones ``save_pretrained`` wrote, for every
+    MoE family."""
     from safetensors.torch import save_file
 
-    folder, model, _, _ = mixtral
+    folder = str(tmp_path / "hub")
+    model = {"mixtral": make_mixtral, "olmoe": make_olmoe,
+             "qwen3_moe": lambda f: make_qwen_moe(f, "qwen3_moe", True),
+             "qwen2_moe": lambda f: make_qwen_moe(f, "qwen2_moe", False)}[family](folder)
     fused = tmp_path / "fused"
     fused.mkdir()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -242,6 +247,7 @@ def test_fused_in_memory_layout_is_read(mixtral, tmp_path):
     (fused / "config.json").write_text((open(os.path.join(folder, "config.json")).read()))
     convert("--loader", "hf", "--saver", "hf", "--load-dir", fused, "--save-dir", tmp_path / "out")
     original, exported = _safetensors(folder), _safetensors(tmp_path / "out")
+    assert not any("gate_up_proj" in k for k in original)  # the Hub's files are per expert
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
 

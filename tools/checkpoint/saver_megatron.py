@@ -180,10 +180,8 @@ def _save_legacy(meta: dict, stream, args):
     vocab_rows = meta["true_vocab_size"] or meta["vocab_rows"]
     padded = vocab_size_with_padding(vocab_rows, divisible_by, tp)
     optim = meta.get("optimizer") if getattr(args, "include_optimizer", False) else None
-    if optim is not None and ep > 1:
-        raise ValueError(f"--include-optimizer with --target-expert-parallel-size {ep}: the "
-                         "optimizer state is re-cut at expert-parallel size 1 only; convert the "
-                         "weights (drop --include-optimizer) and load them with --finetune")
+    if optim is not None and ep > 1:  # convert.py refuses the flags first, naming them
+        raise ValueError(f"--include-optimizer with --target-expert-parallel-size {ep}")
     if optim is not None and padded != meta["vocab_rows"]:
         raise ValueError(f"--include-optimizer: the padded vocabulary would change from "
                          f"{meta['vocab_rows']} to {padded} rows at tensor-parallel size {tp} "

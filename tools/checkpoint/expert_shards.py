@@ -22,7 +22,7 @@ def saved_expert_parallel_size(load_dir: str) -> Tuple[int, dict]:
     shard's recorded ``args`` (``expert_model_parallel_size``; 1 when absent). Returns ``(1,
     {})`` for a folder without our shards (another system's, torch_dist): the callers' own
     checks name what is wrong there."""
-    from megatron.foreign_checkpoints import first_shard, identify
+    from megatron.checkpointing.foreign import first_shard, identify
 
     tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):

@@ -1,5 +1,5 @@
 """``convert.py --saver megatron --target-ckpt-format torch_dist``: a ``release`` checkpoint in
-our distributed format (:mod:`megatron.checkpointing_torch_dist`), which ``--load`` reshards to
+our distributed format (:mod:`megatron.checkpointing.torch_dist`), which ``--load`` reshards to
 any TP / PP / EP layout.
 
 The converter first writes the TP = PP = EP = 1 legacy shard; this module builds the model of
@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from megatron import checkpoint_folder
-from megatron import checkpointing_torch_dist as torch_dist
-from megatron.checkpoint_io import load_torch_file
+from megatron.checkpointing import checkpoint_folder
+from megatron.checkpointing import torch_dist
+from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 from megatron.core import dist_checkpointing as dcp
 from megatron.core.process_groups import ProcessGroupCollection
 from megatron.inference.model_loader import model_config_from_args, moe_config_from_args

@@ -63,7 +63,7 @@ def test_mixtral_logits_equal_transformers(mixtral, tp, pp, ep, tmp_path):
 def test_mixtral_checkpoint_holds_every_expert_once(mixtral, tmp_path):
     """Our shards hold weight1 = [w1; w3] and weight2 = w2 per expert, the router as is, whole
     on every tensor rank; the printed flags carry the MoE flags."""
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 
     folder, model, _, _ = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
@@ -118,7 +118,7 @@ def test_round_trip_through_tp2_ep2_pp2_is_bitwise(mixtral, tmp_path, capsys):
     ``mp_rank_TT_PPP_EEE`` with experts 2e, 2e+1 of expert rank e, and the printed flags carry
     the expert-parallel size (with --sequence-parallel --expert-tensor-parallel-size 1, which
     training MoE at TP > 1 needs)."""
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 
     folder = mixtral[0]
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
@@ -153,7 +153,7 @@ def test_expert_parallel_shards_missing_or_disagreeing_are_refused(mixtral, tmp_
     """A missing expert-rank folder, or expert ranks holding different copies of a replicated
     tensor, stop the conversion naming the folder / tensor; --target-expert-parallel-size not
     dividing the experts, on a dense model, or with --saver hf is refused before writing."""
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
     from megatron.checkpointing import CheckpointError
 
     folder = mixtral[0]
@@ -204,7 +204,7 @@ def test_torch_dist_target_loads_at_any_layout_and_exports_bitwise(mixtral, tmp_
     """``--target-ckpt-format torch_dist``: one layout-free release whose experts lie on the
     global expert axis; loaded at TP2 x EP2 and EP4 its logits are transformers'; the loader
     reads it back to the Hub layout bitwise; a target layout with it is refused in one line."""
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     folder, _, tokens, expected = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",

@@ -36,11 +36,19 @@ def saved_expert_parallel_size(load_dir: str) -> Tuple[int, dict]:
     return int(saved.get("expert_model_parallel_size") or 1), saved
 
 
-def find_expert_shards(load_dir: str, ep: int, pp: int):
-    """``(folder, {(tp_rank, pp_rank): [path of expert rank 0..EP-1]}, tp, pp)``.
+def find_expert_shards(load_dir: str, ep: int, pp: int, tp: int):
+    """``(folder, {(tp_rank, pp_rank): [(path, same tensor rank) per expert rank 0..EP-1]}, tp,
+    pp)``.
+
+    A training run writes one folder per (tensor rank, expert rank) pair its ranks hold: at
+    expert-TP 1 the expert-parallel group runs across tensor ranks, so at TP 2 x EP 2 only
+    ``mp_rank_00_000`` and ``mp_rank_01_001`` may exist. The experts are whole on every tensor
+    rank, so expert rank e's experts are read from its folder of the lowest tensor rank when
+    tensor rank t has none; the dense tensors always come from tensor rank t's own folder.
 
     Raises:
-        CheckpointError: a (tensor rank, pipeline rank, expert rank) shard missing, naming it.
+        CheckpointError: a (tensor rank, pipeline rank) or (pipeline rank, expert rank) without
+            any shard, naming it.
     """
     folder = get_checkpoint_dir(load_dir, *read_metadata(
         os.path.join(load_dir, "latest_checkpointed_iteration.txt")))
@@ -49,23 +57,34 @@ def find_expert_shards(load_dir: str, ep: int, pp: int):
         sub = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + f"_{e:03d}"
         return os.path.join(folder, sub, "model_optim_rng.pt")
 
-    tp = 0
-    while os.path.isfile(path(tp, 0, 0)):
-        tp += 1
-    shards: Dict[Tuple[int, int], List[str]] = {}
-    for t in range(max(tp, 1)):
-        for p in range(pp):
-            shards[(t, p)] = [path(t, p, e) for e in range(ep)]
-            missing = [x for x in shards[(t, p)] if not os.path.isfile(x)]
-            if missing:
+    have = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)
+            if os.path.isfile(path(t, p, e))}
+    shards: Dict[Tuple[int, int], List[Tuple[str, bool]]] = {}
+    for p in range(pp):
+        for e in range(ep):
+            if not any((t, p, e) in have for t in range(tp)):
                 raise CheckpointError(f"{folder} is incomplete at --expert-model-parallel-size "
-                                      f"{ep}: no {os.path.relpath(missing[0], folder)} (tensor "
-                                      f"rank {t}, pipeline rank {p})")
+                                      f"{ep}: no {os.path.relpath(path(0, p, e), folder)} (nor "
+                                      f"another tensor rank's shard of expert rank {e}, "
+                                      f"pipeline rank {p})")
+        for t in range(tp):
+            if not any((t, p, e) in have for e in range(ep)):
+                raise CheckpointError(f"{folder} is incomplete: no shard of tensor rank {t}, "
+                                      f"pipeline rank {p} (mp_rank_{t:02d}*)")
+            shards[(t, p)] = [(path(t, p, e), True) if (t, p, e) in have else
+                              (path(min(u for u in range(tp) if (u, p, e) in have), p, e), False)
+                              for e in range(ep)]
     return folder, shards, tp, pp
 
 
-def read_joined(paths: List[str], key: str) -> dict:
+def own_shard(entries) -> str:
+    """The first shard of :func:`find_expert_shards`' entry that belongs to its tensor rank."""
+    return next(path for path, own in entries if own)
+
+
+def read_joined(entries, key: str) -> dict:
     """The model state ``key`` of one (tensor rank, pipeline rank) with all its experts, from
-    the shards of expert-parallel ranks 0..EP-1 (``paths``)."""
-    where = f"{os.path.dirname(os.path.dirname(paths[0]))}: "
-    return moe_layout.join_expert_shards([load_torch_file(p)[key] for p in paths], where)
+    :func:`find_expert_shards`' ``entries``."""
+    where = f"{os.path.dirname(os.path.dirname(own_shard(entries)))}: "
+    return moe_layout.join_expert_shards([load_torch_file(path)[key] for path, _ in entries], where,
+                                         own=[own for _, own in entries])

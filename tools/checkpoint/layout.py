@@ -155,6 +155,10 @@ def check_layout(meta: dict, tp: int, pp: int, ep: int = 1) -> None:
                         "tensor-parallel rank must own whole groups, replication is not supported)")
     if meta["ffn_hidden_size"] % tp and not meta.get("num_experts"):
         problems.append(f"ffn hidden size {meta['ffn_hidden_size']}")
+    if meta.get("qk_layernorm_full_width") and tp > 1:
+        raise ValueError(f"--target-tensor-parallel-size {tp}: the q/k norm over the whole "
+                         "projection (OLMoE, --qk-layernorm-full-width) spans every rank's heads "
+                         "and is not split over tensor ranks; use 1 (and EP or PP to split)")
     if problems:
         raise ValueError(f"--target-tensor-parallel-size {tp} does not divide: "
                          + "; ".join(problems) + ". Choose a tensor-parallel size dividing them")

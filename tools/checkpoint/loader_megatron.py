@@ -94,7 +94,8 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parall
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "add_qkv_bias", *MOE_ARGS)}
+        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "qk_layernorm_full_width",
+        "add_qkv_bias", *MOE_ARGS)}
     if meta["num_experts"]:
         _check_moe_args(saved, expert_parallel)
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]
@@ -147,8 +148,9 @@ def load_checkpoint(args):
     ep, ep_args = expert_shards.saved_expert_parallel_size(args.load_dir)
     if ep > 1:  # our MoE shards at EP > 1: each (tensor, pipeline) rank's experts in EP folders
         folder, joined, tp, pp = expert_shards.find_expert_shards(
-            args.load_dir, ep, int(ep_args.get("pipeline_model_parallel_size") or 1))
-        shards = {k: v[0] for k, v in joined.items()}
+            args.load_dir, ep, int(ep_args.get("pipeline_model_parallel_size") or 1),
+            int(ep_args.get("tensor_model_parallel_size") or 1))
+        shards = {k: expert_shards.own_shard(v) for k, v in joined.items()}
     else:
         folder, shards, tp, pp = find_shards(args.load_dir)
     foreign = identify(shards[(0, 0)])
@@ -223,8 +225,9 @@ def load_torch_dist(folder: str, args):
     common = torch_dist.read_common(folder)
     state = single_process_state_dict(torch_dist.read_tensors(folder))
     embedding = state["word_embeddings.weight"]
-    meta = meta_from_args(common["args"], embedding.shape[0],
-                          getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"))
+    meta = meta_from_args(common["args"], embedding.shape[0],  # global experts: any EP it ran at
+                          getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"),
+                          expert_parallel=True)
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 
@@ -261,9 +264,10 @@ def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
     ep = ours.get("expert_model_parallel_size", 1)
     if ep > 1:
         _, groups, tp, pp = expert_shards.find_expert_shards(
-            args.load_dir, ep, ours["pipeline_model_parallel_size"])
+            args.load_dir, ep, ours["pipeline_model_parallel_size"],
+            ours["tensor_model_parallel_size"])
     else:
-        groups = {key: [path] for key, path in shards.items()}
+        groups = {key: [(path, True)] for key, path in shards.items()}
     if (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]) != (tp, pp):
         raise CheckpointError(f"{args.load_dir}: args say TP={ours['tensor_model_parallel_size']}, "
                               f"PP={ours['pipeline_model_parallel_size']} but the folder holds "
@@ -275,10 +279,13 @@ def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
     meta = meta_from_args(ours, embedding.shape[0] * tp, ours["true_vocab_size"], ep > 1)
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
 
-    def rank_state(paths, key):
-        states = [megatron_lm.to_our_state_dict(load_raw(path)[key], ours, tp) for path in paths]
-        where = f"{os.path.dirname(os.path.dirname(paths[0]))}: "
-        return moe_layout.join_expert_shards(states, where) if len(states) > 1 else states[0]
+    def rank_state(entries, key):
+        states = [megatron_lm.to_our_state_dict(load_raw(path)[key], ours, tp)
+                  for path, _ in entries]
+        if len(states) == 1:
+            return states[0]
+        where = f"{os.path.dirname(os.path.dirname(expert_shards.own_shard(entries)))}: "
+        return moe_layout.join_expert_shards(states, where, own=[own for _, own in entries])
 
     stages = [[lambda t=t, p=p, key=key: rank_state(groups[(t, p)], key) for t in range(tp)]
               for key in chunks for p in range(pp)]

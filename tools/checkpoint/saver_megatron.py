@@ -21,6 +21,7 @@ consumed samples, so ``--load`` resumes training at the new layout. RNG states a
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 
@@ -38,6 +39,9 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("megatron saver")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                        help="vocabulary padding multiple (per TP rank); default: the source's, else 128")
+    group.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                       help="torch: the legacy per-rank shards at the target layout (default); "
+                            "torch_dist: the layout-free distributed format, resharded by --load")
 
 
 def check_target(args) -> None:
@@ -86,6 +90,7 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
         "qk_layernorm": bool(meta.get("qk_layernorm")),
+        "qk_layernorm_full_width": bool(meta.get("qk_layernorm_full_width")),
         "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta, ep),
     }
 
@@ -120,15 +125,51 @@ def rope_scaling_flags(scaling) -> dict:
 
 def save_checkpoint(meta: dict, stream, args) -> str:
     """Consume the loader's stream; write ``args.save_dir/release`` (with ``--include-optimizer``:
-    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts),
-    then print the ``pretrain_llama.py`` flags it needs (:mod:`tools.checkpoint.model_flags`).
-    Returns that folder.
+    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts;
+    with ``--target-ckpt-format torch_dist``: a layout-free ``release``,
+    :mod:`tools.checkpoint.torch_dist_writer`), then print the ``pretrain_llama.py`` flags it
+    needs (:mod:`tools.checkpoint.model_flags`). Returns that folder.
 
     Raises:
         ValueError: the target layout does not divide the model, or (with the optimizer) changes
-            the padded vocabulary (before anything is written).
+            the padded vocabulary, or a target layout or the optimizer with torch_dist (before
+            anything is written).
         FileExistsError: ``--save-dir`` already holds a checkpoint (:func:`check_target`).
     """
+    if getattr(args, "target_ckpt_format", "torch") == "torch_dist":
+        return _save_torch_dist(meta, stream, args)
+    final, ckpt_args = _save_legacy(meta, stream, args)
+    print(model_flags.describe(ckpt_args, args.save_dir, final), flush=True)
+    return final
+
+
+def _save_torch_dist(meta: dict, stream, args) -> str:
+    given = [f"--target-{kind}-parallel-size" for kind in ("tensor", "pipeline", "expert")
+             if (getattr(args, f"target_{kind}_parallel_size", None) or 1) != 1]
+    if given:
+        raise ValueError(f"--target-ckpt-format torch_dist is layout-free (--load reshards it to "
+                         f"any TP / PP / EP): drop {', '.join(given)}")
+    if getattr(args, "include_optimizer", False):
+        raise ValueError("--target-ckpt-format torch_dist writes the weights only: drop "
+                         "--include-optimizer (or write --target-ckpt-format torch)")
+    check_target(args)
+    from tools.checkpoint import torch_dist_writer
+
+    scratch = os.path.join(args.save_dir, ".legacy.tmp")  # the TP = PP = 1 shard, then removed
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        legacy, ckpt_args = _save_legacy(meta, stream, argparse.Namespace(
+            **dict(vars(args), save_dir=scratch, target_ckpt_format="torch")))
+        final = torch_dist_writer.write_release(
+            os.path.join(legacy, "mp_rank_00", "model_optim_rng.pt"), args.save_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(model_flags.describe(ckpt_args, args.save_dir, final), flush=True)
+    return final
+
+
+def _save_legacy(meta: dict, stream, args):
+    """:func:`save_checkpoint` in the legacy format: ``(folder, its recorded args)``."""
     tp = args.target_tensor_parallel_size or 1
     pp = args.target_pipeline_parallel_size or 1
     ep = getattr(args, "target_expert_parallel_size", None) or 1
@@ -140,10 +181,8 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     vocab_rows = meta["true_vocab_size"] or meta["vocab_rows"]
     padded = vocab_size_with_padding(vocab_rows, divisible_by, tp)
     optim = meta.get("optimizer") if getattr(args, "include_optimizer", False) else None
-    if optim is not None and ep > 1:
-        raise ValueError(f"--include-optimizer with --target-expert-parallel-size {ep}: the "
-                         "optimizer state is re-cut at expert-parallel size 1 only; convert the "
-                         "weights (drop --include-optimizer) and load them with --finetune")
+    if optim is not None and ep > 1:  # convert.py refuses the flags first, naming them
+        raise ValueError(f"--include-optimizer with --target-expert-parallel-size {ep}")
     if optim is not None and padded != meta["vocab_rows"]:
         raise ValueError(f"--include-optimizer: the padded vocabulary would change from "
                          f"{meta['vocab_rows']} to {padded} rows at tensor-parallel size {tp} "
@@ -168,8 +207,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # no half-written release.tmp left behind
         raise
-    print(model_flags.describe(ckpt_args, save, final), flush=True)
-    return final
+    return final, ckpt_args
 
 
 def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging) -> str:

@@ -561,8 +561,7 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
         if experts is not None and experts.reassembles:
-            assemble_experts(state, key, module, experts.expert_files, pg_collection.ep.rank,
-                             read)
+            assemble_experts(state, key, module, experts.expert_files, pg_collection.ep, read)
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 

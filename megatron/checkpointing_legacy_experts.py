@@ -142,12 +142,25 @@ def expert_keys(module: torch.nn.Module) -> List[str]:
 
 
 def assemble_experts(state: dict, key: str, module: torch.nn.Module, expert_files: List[str],
-                     ep_rank: int, read) -> None:
+                     ep, read) -> None:
     """Replace the expert tensors of ``state[key]`` (a model chunk's state dict) by this rank's
     slice of the global tensors: the files' ``[E_saved_local, ...]`` tensors concatenated in
-    EP order, then rows ``ep_rank * E_local ...`` (E_local: the module's). ``read(path)``
-    returns a file's state (cached by the caller)."""
+    EP order, then rows ``ep.rank * E_local ...`` (E_local: the module's; ``ep``: this run's
+    expert-parallel group). ``read(path)`` returns a file's state (cached by the caller).
+
+    Raises:
+        CheckpointError: the files hold another number of experts than the model's
+            (an ``mp_rank_*_EEE`` folder missing, or another ``--num-experts``)."""
+    from megatron.checkpoint_io import CheckpointError
+
     for name in expert_keys(module):
         local = module.get_parameter(name).shape[0]
-        whole = torch.cat([read(path)[key][name] for path in expert_files])
-        state[key][name] = whole[ep_rank * local:(ep_rank + 1) * local].clone()
+        parts = [read(path)[key][name] for path in expert_files]
+        whole = torch.cat(parts)
+        if whole.shape[0] != local * ep.size:
+            raise CheckpointError(
+                f"the legacy checkpoint's expert folders {[os.path.dirname(f) for f in expert_files]}"
+                f" hold {whole.shape[0]} experts of {key}.{name} ({[p.shape[0] for p in parts]} "
+                f"per EP rank), the model {local * ep.size}: an mp_rank_*_EEE folder is missing, "
+                "or --num-experts differs from the saving run's")
+        state[key][name] = whole[ep.rank * local:(ep.rank + 1) * local].clone()

@@ -380,6 +380,19 @@ def test_legacy_distributed_optimizer_loads_into_the_plain_optimizer_at_another_
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_legacy_missing_expert_folder_is_refused_in_one_line(tmp_path):
+    """A legacy checkpoint saved at EP=2 whose mp_rank_00_001 folder (experts 2 and 3) is gone
+    is refused at EP=1 naming the folders found, instead of loading half the experts."""
+    import shutil
+
+    folder = str(tmp_path / "ckpt")
+    run_distributed(2, _legacy_save_at, folder, 2)
+    shutil.rmtree(os.path.join(folder, "iter_0000003", "mp_rank_00_001"))
+    kind, message = run_distributed(1, _legacy_load_at, folder, 1, True)[0]
+    assert kind == "refused" and "\n" not in message
+    assert "mp_rank_00_000" in message and "hold 2 experts" in message and "missing" in message
+
+
 def test_legacy_plain_optimizer_at_another_ep_is_refused_in_one_line(tmp_path):
     run_distributed(2, _legacy_save_at, str(tmp_path / "ckpt"), 2, False)
     got = run_distributed(1, _legacy_load_at, str(tmp_path / "ckpt"), 1, False)[0]

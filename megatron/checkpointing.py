@@ -170,7 +170,8 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             os.makedirs(os.path.dirname(shard), exist_ok=True)
             # expert records on the global expert axis (checkpointing_legacy_experts.py)
             write_atomic(to_global_ranges(optimizer.parameter_state(),
-                                      expert_ranges(model_chunks, pg_collection.ep.rank)), shard)
+                                          expert_ranges(model_chunks, pg_collection.ep.rank),
+                                          pg_collection.expt_tp.rank), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
     if writes_model_file(pg_collection):

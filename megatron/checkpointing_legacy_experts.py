@@ -10,11 +10,12 @@ weights; with ``--use-distributed-optimizer`` every rank of DP x CP writes its s
 
 * the dense shards of one tensor and pipeline rank are spread over its ``_EEE`` folders;
 * the expert shards of one pipeline rank are spread over every folder of that pipeline rank
-  (the experts are whole on each tensor rank, expert-TP 1, and sharded over expert-DP, which
-  may span tensor ranks);
+  (the experts are sharded over expert-DP, which may span tensor ranks); each shard file
+  records its ``expert_tensor_rank``, and a rank reads the expert records of its own;
 * a rank loading at another EP (same TP and PP: the legacy format keeps those) takes the dense
   weights from a folder of its tensor and pipeline rank and its experts from the global tensor
-  assembled from one folder per saved EP rank.
+  assembled from one folder per saved EP rank (its own tensor rank's; at expert-TP 1, where
+  experts are whole on each tensor rank, any tensor rank's).
 
 Which single group ``mp_rank_TT_XXX`` names is ambiguous in Megatron-LM's naming (a pipeline
 rank, or an expert rank at PP = 1): :func:`saved_with_expert_folders` decides it.
@@ -118,11 +119,8 @@ def plan(folder: str, pg_collection, model_chunks, own_name: str) -> LegacyExper
     if not (saved_ep == ep.size and os.path.isfile(own_name)):
         if mine:
             model_file = os.path.join(folders[(tp.rank, pp.rank, mine[0])], MODEL_FILE)
-        by_ep = {}
-        for (t, p, e), path in sorted(folders.items()):
-            if p == pp.rank:
-                by_ep.setdefault(e, os.path.join(path, MODEL_FILE))
-        expert_files = [by_ep[e] for e in sorted(by_ep)]
+        expert_files = _expert_model_files(folders, tp.rank, pp.rank,
+                                           pg_collection.expt_tp.size)
 
     def shards(paths):
         return sorted(f for path in paths for f in glob.glob(os.path.join(
@@ -133,7 +131,36 @@ def plan(folder: str, pg_collection, model_chunks, own_name: str) -> LegacyExper
     experts = shards(path for (_, p, _), path in folders.items() if p == pp.rank)
     ranges = expert_ranges(model_chunks, ep.rank)
     return LegacyExpertPlan(model_file, expert_files, saved_ep,
-                            ShardFiles(dense, experts if ranges else [], ranges))
+                            ShardFiles(dense, experts if ranges else [], ranges,
+                                       pg_collection.expt_tp.rank))
+
+
+def _expert_model_files(folders, tp_rank: int, pp_rank: int, expert_tp: int) -> List[str]:
+    """One ``model_optim_rng.pt`` per saved EP rank of pipeline rank ``pp_rank``: its own tensor
+    rank's folder, else (experts whole on each tensor rank, expert-TP 1) any tensor rank's.
+
+    Raises:
+        CheckpointError: at expert-TP > 1, an EP rank saved only in other tensor ranks' folders
+            (their expert slices are other ones)."""
+    from megatron.checkpoint_io import CheckpointError
+
+    by_ep: Dict[int, Dict[int, str]] = {}
+    for (t, p, e), path in folders.items():
+        if p == pp_rank:
+            by_ep.setdefault(e, {})[t] = os.path.join(path, MODEL_FILE)
+    out = []
+    for e in sorted(by_ep):
+        if tp_rank in by_ep[e]:
+            out.append(by_ep[e][tp_rank])
+        elif expert_tp == 1:
+            out.append(by_ep[e][min(by_ep[e])])
+        else:
+            raise CheckpointError(
+                f"the legacy checkpoint holds the experts of expert-parallel rank {e} only in "
+                f"the folders of other tensor ranks ({sorted(by_ep[e])}), whose expert slices "
+                f"differ at --expert-tensor-parallel-size {expert_tp}; load it at the "
+                "expert-parallel layout it was saved with, or save with --ckpt-format torch_dist")
+    return out
 
 
 def expert_keys(module: torch.nn.Module) -> List[str]:

@@ -56,9 +56,12 @@ def expert_ranges(model_chunks, ep_rank: int) -> Dict[str, Tuple[int, int]]:
             for p, name in param_names(model_chunks).items() if is_expert_param(p)}
 
 
-def to_global_ranges(state: dict, ranges: Dict[str, Tuple[int, int]]) -> dict:
+def to_global_ranges(state: dict, ranges: Dict[str, Tuple[int, int]],
+                     expert_tensor_rank: int = 0) -> dict:
     """:meth:`DistributedOptimizer.parameter_state`'s ``state`` with the expert records'
-    ranges moved onto the global expert axis (in place; returned)."""
+    ranges moved onto the global expert axis and the rank's ``expert_tensor_rank`` recorded
+    (in place; returned)."""
+    state["expert_tensor_rank"] = expert_tensor_rank
     for name, rec in state["params"].items():
         if name in ranges:
             offset = ranges[name][0]
@@ -78,11 +81,25 @@ class ShardFiles:
             are whole on each tensor rank, sharded over expert-DP, which may span them).
         expert_ranges: :func:`expert_ranges` of this rank: expert records hold global ranges,
             cut here to this rank's slice and shifted to local ranges.
+        expert_tensor_rank: this rank's expert-tensor-parallel rank: the expert records of a
+            file are read only when the file's ``expert_tensor_rank`` is the same (another
+            expert-TP rank holds other slices under the same names); a file without it (saved
+            before it was recorded) only when it is in ``dense``. None: no check.
     """
 
     dense: List[str]
     expert: List[str]
     expert_ranges: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    expert_tensor_rank: int | None = None
+
+    def takes_experts_of(self, path: str, saved: dict) -> bool:
+        if path not in self.expert:
+            return False
+        if self.expert_tensor_rank is None:
+            return True
+        if "expert_tensor_rank" not in saved:
+            return path in self.dense
+        return saved["expert_tensor_rank"] == self.expert_tensor_rank
 
     def __bool__(self) -> bool:
         return bool(self.dense or self.expert)
@@ -110,15 +127,16 @@ def read_shards(paths) -> Tuple[Dict[str, list], int]:
     if not isinstance(paths, ShardFiles):
         paths = ShardFiles(list(paths), list(paths))
     ranges = paths.expert_ranges
-    dense, expert = set(paths.dense), set(paths.expert)
+    dense = set(paths.dense)
     pieces: Dict[str, list] = {}
     step = 0
     for path in dict.fromkeys(paths.dense + paths.expert):
         sd = load_torch_file(path, what="distributed-optimizer shard")
         step = max(step, int(sd["step"]))
+        experts = paths.takes_experts_of(path, sd)
         for name, rec in sd["params"].items():
             if name in ranges:
-                rec = _localize(rec, *ranges[name]) if path in expert else None
+                rec = _localize(rec, *ranges[name]) if experts else None
             elif path not in dense:
                 rec = None
             if rec is not None:

@@ -4,7 +4,7 @@ experts, top-2, load-balancing and z losses, grouped GEMM): at EP=2 over DP=4 th
 parameters, gradients and optimizer state are sharded over DP=4 and the experts' over their
 expert-DP of 2 (the ranks holding the same experts); at TP=2 (SP, expert-TP 1) x EP=2 x DP=2
 under ZeRO-3 the dense state over DP=2 and the experts' over an expert-DP of 2 that spans the
-tensor ranks; PP=2 x EP=2 x DP=2 under ZeRO-3; ZeRO-2 with --overlap-grad-reduce. 20 iterations (fp32, dropout 0, clipping on every iteration): losses, grad norms,
+tensor ranks; PP=2 x EP=2 x DP=2 and EP=2 over CP=2 x DP=2 under ZeRO-3; ZeRO-2 with --overlap-grad-reduce. 20 iterations (fp32, dropout 0, clipping on every iteration): losses, grad norms,
 validation losses and the logged router losses equal one process within rtol 1e-6. A ZeRO-3 run
 saved half-way with ``--ckpt-format torch_dist`` and resumed at EP=4 with the distributed
 optimizer continues it (the joined run equals one process)."""
@@ -13,7 +13,8 @@ import numpy as np
 
 from tests.e2e.test_moe_layouts_e2e import HALF, SP, _argv, ep
 from tests.helpers.dist import run_distributed
-from tests.helpers.pretrain import LAYOUT_ITERS, assert_close_history, layout_args, run_many
+from tests.helpers.pretrain import (LAYOUT_ITERS, assert_close_history, cp_args, layout_args,
+                                    run_many)
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 ZERO2, ZERO3 = FSDP + ["optim_grads"], FSDP + ["optim_grads_params"]
@@ -28,6 +29,7 @@ def test_moe_zero2_zero3_ep2_match_one_process(data_prefix, tmp_path_factory):
             ("zero3", _argv(data_prefix, cache, *ep(2), *ZERO3)),
             ("tp2 zero3", _argv(data_prefix, cache, *layout_args(2, 1), *SP, *ep(2), *ZERO3)),
             ("pp2 zero3", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2), *ZERO3)),
+            ("cp2 zero3", _argv(data_prefix, cache, *cp_args(2), *ep(2), *ZERO3)),
             ("zero2 overlap", _argv(data_prefix, cache, *ep(2), *ZERO2, "--overlap-grad-reduce")),
             ("zero3 first", _argv(data_prefix, cache, *ep(2), *ZERO3, "--ckpt-format",
                                   "torch_dist", "--save", ckpt, "--save-interval", str(HALF),
@@ -35,7 +37,7 @@ def test_moe_zero2_zero3_ep2_match_one_process(data_prefix, tmp_path_factory):
             ("ep4 second", _argv(data_prefix, cache, *ep(4), "--use-distributed-optimizer",
                                  "--load", ckpt))]
     got = run_distributed(4, run_many, runs, timeout=1500)[-1]
-    for name in ("zero2", "zero3", "tp2 zero3", "pp2 zero3", "zero2 overlap"):
+    for name in ("zero2", "zero3", "tp2 zero3", "pp2 zero3", "cp2 zero3", "zero2 overlap"):
         assert_close_history(got[name], one, f"MoE EP=2 {name}")
         for key in ("load_balancing_loss", "z_loss"):
             np.testing.assert_allclose(got[name][key], one[key], rtol=1e-6, err_msg=name)

@@ -49,7 +49,7 @@ class MoEStack(torch.nn.Module):
     """``layers`` residual blocks ``x + MoELayer(x)``; the experts spread over ``ep_group``."""
 
     def __init__(self, hidden, ffn, experts, topk, layers, ep_group=None, grouped_gemm=True):
-        from megatron.config.moe import MoEConfig
+        from megatron.core.transformer.moe.moe_config import MoEConfig
         from megatron.core.transformer.moe import MoELayer
 
         super().__init__()

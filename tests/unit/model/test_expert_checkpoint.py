@@ -19,7 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.distributed.expert_params import mark_expert
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.model.sharded_state import model_sharded_tensors, model_shardings
 from tests.helpers.dist import run_distributed
@@ -265,7 +265,7 @@ def _legacy_save_at(save_dir, ep, distributed=True):
 
 
 def _legacy_load_at(save_dir, ep, distributed):
-    from megatron.checkpoint_io import CheckpointUsageError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointUsageError
     from megatron.checkpointing import load_checkpoint
     from megatron.config.checkpoint import CheckpointConfig
 

@@ -18,7 +18,7 @@ iteration of 3 micro-batches:
 import pytest
 import torch
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import collectives
 from tests.helpers.dist import run_distributed

@@ -31,6 +31,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 from megatron.core.distributed.expert_params import is_expert_param
 from megatron.core.optimizer.distrib_optimizer_checkpoint import ShardFiles, expert_ranges
 
@@ -47,14 +48,12 @@ def _names(folder: str) -> List[Tuple[str, int, List[int]]]:
     return out
 
 
-def saved_with_expert_folders(folder: str, run_expert_parallel: bool) -> bool:
+def saved_with_expert_folders(folder: str, run_expert_parallel: bool, read_saved_args) -> bool:
     """Whether the legacy checkpoint ``folder`` has expert-rank folders (saved at EP > 1).
 
     ``mp_rank_TT_PPP_EEE`` says so; no ``_XXX`` says not. ``mp_rank_TT_XXX`` is read as the
     expert rank by a run at EP > 1 (as before), else from the ``args`` one shard recorded
-    (``expert_model_parallel_size``; read only in that case)."""
-    from megatron.checkpointing import read_saved_args
-
+    (``expert_model_parallel_size``, by ``read_saved_args(path)``; read only in that case)."""
     names = _names(folder)
     if any(len(groups) == 2 for _, _, groups in names):
         return True
@@ -105,14 +104,15 @@ class LegacyExpertPlan:
         return bool(self.expert_files)
 
 
-def plan(folder: str, pg_collection, model_chunks, own_name: str) -> LegacyExpertPlan:
+def plan(folder: str, pg_collection, model_chunks, own_name: str, *, shard_pattern: str,
+         read_saved_args) -> LegacyExpertPlan:
     """Where this rank reads from the legacy checkpoint ``folder``; ``own_name``: its file at
     its own layout (``checkpoint_name_of``), kept when it exists and the EP sizes agree (and
-    named in the error when nothing fits)."""
-    from megatron.checkpointing import distrib_optim_filename
-
+    named in the error when nothing fits); ``shard_pattern``: the glob of the distributed
+    optimizer's shard files in a folder; ``read_saved_args(path)``: a shard's ``args``."""
     tp, pp, ep = pg_collection.tp, pg_collection.pp, pg_collection.ep
-    folders = shard_folders(folder, saved_with_expert_folders(folder, ep.size > 1))
+    folders = shard_folders(folder, saved_with_expert_folders(folder, ep.size > 1,
+                                                              read_saved_args))
     saved_ep = 1 + max((e for _, _, e in folders), default=0)
     mine = sorted(e for (t, p, e) in folders if (t, p) == (tp.rank, pp.rank))
     model_file, expert_files = own_name, []
@@ -123,8 +123,7 @@ def plan(folder: str, pg_collection, model_chunks, own_name: str) -> LegacyExper
                                            pg_collection.expt_tp.size)
 
     def shards(paths):
-        return sorted(f for path in paths for f in glob.glob(os.path.join(
-            path, distrib_optim_filename("*"))))
+        return sorted(f for path in paths for f in glob.glob(os.path.join(path, shard_pattern)))
 
     dense = shards(folders[(tp.rank, pp.rank, e)] for e in mine) if mine else \
         shards([os.path.dirname(own_name)])
@@ -142,8 +141,6 @@ def _expert_model_files(folders, tp_rank: int, pp_rank: int, expert_tp: int) -> 
     Raises:
         CheckpointError: at expert-TP > 1, an EP rank saved only in other tensor ranks' folders
             (their expert slices are other ones)."""
-    from megatron.checkpoint_io import CheckpointError
-
     by_ep: Dict[int, Dict[int, str]] = {}
     for (t, p, e), path in folders.items():
         if p == pp_rank:
@@ -178,8 +175,6 @@ def assemble_experts(state: dict, key: str, module: torch.nn.Module, expert_file
     Raises:
         CheckpointError: the files hold another number of experts than the model's
             (an ``mp_rank_*_EEE`` folder missing, or another ``--num-experts``)."""
-    from megatron.checkpoint_io import CheckpointError
-
     for name in expert_keys(module):
         local = module.get_parameter(name).shape[0]
         parts = [read(path)[key][name] for path in expert_files]

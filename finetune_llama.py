@@ -207,17 +207,28 @@ def sft_forward_step(data, vocab_size, data_iterator, model):
 
 
 def main(argv=None):
-    """Parse and validate the flags (the SFT and DPO sections' too), then fine-tune: SFT, or DPO
-    with ``--dpo`` (:mod:`megatron.training.dpo`). Returns this rank's history (see
-    ``megatron.training.pretrain``; SFT logs ``lm loss``, DPO ``dpo loss`` and its rewards).
+    """Parse and validate the flags (the SFT, DPO and reward sections' too), then fine-tune: SFT,
+    DPO with ``--dpo`` (:mod:`megatron.training.dpo`) or a reward model with ``--reward-model``
+    (:mod:`megatron.training.reward_model`). Returns this rank's history (see
+    ``megatron.training.pretrain``; SFT logs ``lm loss``, DPO ``dpo loss``, the reward model
+    ``reward loss``, both with their rewards).
 
     Raises:
         UsageError: as ``pretrain_llama.main``, and :func:`check_sft_data`'s or
-            :func:`megatron.training.dpo.check_dpo_flags`' refusals.
+            :func:`megatron.training.dpo.check_dpo_flags`' or
+            :func:`megatron.training.reward_model.check_reward_flags`' refusals.
     """
     from megatron.training.dpo import DPO, DPO_SECTION, check_dpo_flags
+    from megatron.training.reward_model import (REWARD_SECTION, RewardModel, check_reward_flags,
+                                                reward_model_provider)
 
-    config, tokenizer = configure(argv, sections=[SFT, DPO_SECTION])
+    config, tokenizer = configure(argv, sections=[SFT, DPO_SECTION, REWARD_SECTION])
+    if config.extra["reward"].reward_model:
+        check_reward_flags(config)
+        run = RewardModel(config, tokenizer.vocab_size, pad_id=tokenizer.eod)
+        return pretrain(config, model_provider=reward_model_provider,
+                        forward_step_func=run.forward_step,
+                        datasets_provider=run.datasets_provider)
     if config.extra["dpo"].dpo:
         check_dpo_flags(config)
         run = DPO(config, tokenizer.vocab_size, pad_id=tokenizer.eod)

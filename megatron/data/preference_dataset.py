@@ -8,8 +8,9 @@ Sample ``2 i`` is the chosen side of the ``i``-th pair in the shuffled order, sa
 rejected side, so a micro-batch of an even number of rows read in order (Megatron's sequential
 sampler, ``--dataloader-type single``) holds whole pairs, chosen and rejected interleaved. Each
 row is one conversation, padded (:class:`~megatron.data.sft_dataset.SFTDataset`'s unpacked
-sample: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``), plus ``pair_index`` (int64
-``[]``, the pair's document index, the key of the cached reference log-probabilities).
+sample: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``), plus ``length`` (int64 ``[]``,
+the positions before the padding) and ``pair_index`` (int64 ``[]``, the pair's document index, the
+key of DPO's cached reference log-probabilities).
 
 A pair is kept when both sides are (2 to ``seq_length + 1`` tokens, or truncated with a response
 token left); the others are counted in :attr:`PreferenceDataset.report`. Pairs are shuffled by
@@ -110,6 +111,7 @@ class PreferenceDataset:
         sample = self.sides[side][int(self.rows[side][pair])]
         return {"tokens": sample["tokens"], "labels": sample["labels"],
                 "loss_mask": sample["loss_mask"], "position_ids": sample["position_ids"],
+                "length": np.array(sample["cu_seqlens"][1], dtype=np.int64),
                 "pair_index": np.array(self.pairs[pair], dtype=np.int64)}
 
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:

@@ -35,7 +35,6 @@ would take its partly trained weights as the reference).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -47,7 +46,8 @@ import torch.distributed as dist
 from megatron.config.sections import ConfigSection
 from megatron.core import parallel_state as ps
 from megatron.training.dpo_loss import dpo_loss, sequence_logps
-from megatron.training.logging import print_rank_0, print_rank_last
+from megatron.training.pairs import pair_batch, report_sums
+from megatron.training.logging import print_rank_last
 from megatron.usage_error import UsageError
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -94,64 +94,18 @@ def check_dpo_flags(config) -> None:
     Raises:
         UsageError: naming the flag, its value and the fix.
     """
-    from megatron.data.preference_dataset import CHOSEN, rejected_prefix
+    from megatron.training.pairs import check_pair_flags
 
-    dpo, training = config.extra["dpo"], config.training
+    dpo = config.extra["dpo"]
     if not dpo.dpo_beta > 0:
         raise UsageError(f"--dpo-beta {dpo.dpo_beta}: must be > 0 (0.1 is common)")
     if not dpo.dpo_sft_weight >= 0:
         raise UsageError(f"--dpo-sft-weight {dpo.dpo_sft_weight}: must be >= 0")
-    if training.micro_batch_size % 2:
-        raise UsageError(f"--micro-batch-size {training.micro_batch_size}: --dpo needs an even "
-                         "number of rows per micro-batch (a chosen and a rejected row per pair)")
-    if config.parallel.context_parallel_size > 1:
-        raise UsageError(f"--context-parallel-size {config.parallel.context_parallel_size}: "
-                         "--dpo does not support context parallelism; use 1")
-    if config.data.dataloader_type != "single":
-        raise UsageError(f"--dataloader-type {config.data.dataloader_type}: --dpo reads pairs in "
-                         "order (--dataloader-type single; the pairs are shuffled per epoch)")
-    if training.rampup_batch_size:
-        raise UsageError("--rampup-batch-size: not supported with --dpo (a ramp step could cut "
-                         "a pair); give a fixed --global-batch-size")
+    check_pair_flags(config, "--dpo")
     if config.checkpoint.load and not config.checkpoint.finetune:
         raise UsageError(f"--load {config.checkpoint.load} without --finetune: --dpo takes the "
                          "loaded weights as its reference model, so it starts from them afresh; "
                          "add --finetune")
-    data = config.data
-    paths = [str(p) for p in (data.data_path or ())]
-    if (data.mock_data or data.train_data_path or data.valid_data_path or data.test_data_path
-            or len(paths) != 1 or not paths[0].endswith(CHOSEN)):
-        raise UsageError(f"--data-path {' '.join(paths)}: --dpo reads exactly one "
-                         f"{{prefix}}{CHOSEN} (and --split) written by "
-                         "tools/preprocess_sft_data.py --preference-pairs")
-    for prefix in (paths[0], rejected_prefix(paths[0])):
-        for name in (prefix, prefix[:-len("_document")] + "_loss_mask_document"):
-            if not (os.path.isfile(name + ".bin") and os.path.isfile(name + ".idx")):
-                raise UsageError(f"--data-path {paths[0]}: {name}.bin/.idx is missing; write "
-                                 "the four datasets with tools/preprocess_sft_data.py "
-                                 "--preference-pairs in one run")
-
-
-def pair_batch(sample, device, vocab_size, data):
-    """``(tokens, labels, loss_mask, position_ids, pair_index)`` of a collated micro-batch of
-    :class:`~megatron.data.preference_dataset.PreferenceDataset` rows: ``[2m, s]`` int64, int64,
-    fp32, int64 and ``[m]`` int64 (one index per pair).
-
-    Raises:
-        ValueError: a token id outside the vocabulary; rows that are not whole pairs.
-    """
-    from pretrain_llama import check_token_ids
-
-    tokens = torch.as_tensor(sample["tokens"]).long()
-    labels = torch.as_tensor(sample["labels"]).long()
-    check_token_ids(torch.cat([tokens, labels]), vocab_size, data)
-    index = torch.as_tensor(sample["pair_index"]).long().reshape(-1)
-    if index.numel() % 2 or not torch.equal(index[0::2], index[1::2]):
-        raise ValueError(f"a DPO micro-batch holds rows of pairs {index.tolist()}: the rows of a "
-                         "pair must come together (chosen, rejected)")
-    return (tokens.to(device), labels.to(device),
-            torch.as_tensor(sample["loss_mask"]).float().to(device),
-            torch.as_tensor(sample["position_ids"]).long().to(device), index[0::2])
 
 
 class DPO:
@@ -172,25 +126,17 @@ class DPO:
     def datasets_provider(self, config, train_val_test_num_samples):
         """``(train, valid, test)`` :class:`PreferenceDataset` s of ``--data-path``'s pairs cut
         by ``--split``; kept for the reference pass."""
-        from finetune_llama import split_datasets
         from megatron.data.indexed_dataset import MMapIndexedDataset
-        from megatron.data.preference_dataset import PreferenceDataset
+        from megatron.training.pairs import pair_datasets
 
-        data = config.data
-
-        def make(name, documents, n):
-            return PreferenceDataset(str(data.data_path[0]), data.seq_length,
-                                     seed=config.training.seed, num_samples=n,
-                                     documents=documents, pad_id=self.pad_id)
-
-        self.datasets = split_datasets(config, train_val_test_num_samples,
-                                       "DPO ({count} preference pairs)", make)
-        self.num_documents = len(MMapIndexedDataset(str(data.data_path[0])).document_indices) - 1
+        self.datasets = pair_datasets(config, train_val_test_num_samples, self.pad_id, "DPO")
+        self.num_documents = len(MMapIndexedDataset(str(config.data.data_path[0]))
+                                 .document_indices) - 1
         return self.datasets
 
     def _forward(self, data_iterator, model):
         device = next(model.parameters()).device
-        tokens, labels, loss_mask, position_ids, index = pair_batch(
+        tokens, labels, loss_mask, position_ids, _, index = pair_batch(
             next(data_iterator), device, self.vocab_size, self.config.data)
         # One conversation per row, padding after it: plain causal attention is the document's.
         return model(tokens, position_ids, None, labels=labels), loss_mask, index
@@ -212,12 +158,10 @@ class DPO:
         losses, metrics = dpo_loss(logps[:, 0], logps[:, 1], reference[:, 0], reference[:, 1],
                                    dpo.dpo_beta, dpo.dpo_sft_weight, nll)
         pairs = torch.tensor(float(losses.numel()), device=losses.device)
-        report = torch.stack([losses.detach().sum(), *(metrics[k].sum() for k in METRICS),
-                              logps[:, 0].detach().sum(), logps[:, 1].detach().sum(), pairs])
-        dist.all_reduce(report, group=ps.get_process_groups().dp_cp.group)
         names = ("dpo loss",) + METRICS + ("logps/chosen", "logps/rejected")
-        logged = {name: (report[i], report[-1]) for i, name in enumerate(names)}
-        return losses.sum(), pairs.to(torch.int64), logged
+        sums = report_sums([losses, *(metrics[k] for k in METRICS), logps[:, 0], logps[:, 1],
+                            pairs], ps.get_process_groups().dp_cp.group)
+        return losses.sum(), pairs.to(torch.int64), dict(zip(names, sums))
 
     def _reference_loss(self, index, loss_mask, output_tensor):
         logps = sequence_logps(output_tensor, loss_mask, self.dpo.dpo_length_normalization)

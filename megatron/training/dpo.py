@@ -8,11 +8,11 @@ Data: ``--data-path {prefix}_chosen_document`` of ``tools/preprocess_sft_data.py
 rejected, ... so a micro-batch of ``--micro-batch-size`` (even) rows holds
 ``micro-batch-size / 2`` whole pairs. ``--global-batch-size`` counts rows (two per pair).
 
-Reference model: **the loaded weights, evaluated once before training**. :meth:`DPO.reference_pass`
-runs every pair of the train, validation and test splits through the pipeline (forward only, eval
-mode, no dropout) and caches the reference log-probabilities of both responses, indexed by pair, on
-the last pipeline stage (an ``[pairs, 2]`` fp32 table: 8 bytes per pair, no second model in
-memory). Each data-parallel rank computes a share; the shares are summed over the data-parallel
+Reference model: **the loaded weights, evaluated once before training**.
+:meth:`DPO.reference_pass` runs every pair the run will read (the train, validation and test
+samples) through the pipeline (forward only, eval mode, no dropout) and caches the reference
+log-probabilities of both responses, indexed by pair, on every rank (a ``[pairs, 2]`` fp32 table,
+filled on the last pipeline stage: 8 bytes per pair, no second model in memory). Each data-parallel rank computes a share; the shares are summed over the data-parallel
 group.
 
 Sequence log-probabilities: the model's per-token loss is the vocabulary-parallel cross entropy
@@ -173,8 +173,8 @@ class DPO:
         return output, partial(self._reference_loss, index, loss_mask)
 
     def reference_pass(self, model, schedule_config, pg_collection) -> None:
-        """Cache the reference log-probabilities of every pair of the splits under the loaded
-        weights (forward only, eval mode): ``self.reference`` ``[documents, 2]`` fp32 on every
+        """Cache the reference log-probabilities of every pair the run will read (the splits'
+        samples) under the loaded weights (forward only, eval mode): ``self.reference`` ``[documents, 2]`` fp32 on every
         rank (filled on the last pipeline stage, zeros elsewhere)."""
         from megatron.core.distributed.model_chunk import as_model_chunk
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -182,7 +182,8 @@ class DPO:
         start = time.perf_counter()
         training, dp = self.config.training, pg_collection.dp
         per_micro_batch = training.micro_batch_size // 2
-        pairs = [(ds, j) for ds in self.datasets if ds is not None for j in range(len(ds.pairs))]
+        # The pairs the run will read (a short run reads a part of a large split).
+        pairs = [(ds, int(j)) for ds in self.datasets if ds is not None for j in np.unique(ds.order)]
         batches = [pairs[i:i + per_micro_batch] for i in range(0, len(pairs), per_micro_batch)]
         rounds = -(-len(batches) // dp.size)
         mine = batches[dp.rank::dp.size]

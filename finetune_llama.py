@@ -123,38 +123,12 @@ def check_sft_data(config) -> None:
                          "missing; write both with tools/preprocess_sft_data.py in one run")
 
 
-def split_datasets(config, train_val_test_num_samples, what: str, make) -> tuple:
-    """``(train, valid, test)`` datasets of ``--data-path``'s documents (conversations or pairs)
-    cut by ``--split`` as Megatron-Core cuts documents: ``make(split_name, documents, samples)``
-    for each part with documents and samples asked, None for the others; built by global rank 0
-    first (index caches). ``what``: the documents' name and kind, for the log line."""
-    import numpy as np
-
-    from megatron.data.blend_config import parse_split, split_matrix
-    from megatron.data.dataset_builder import _rank_zero_first
-    from megatron.data.indexed_dataset import MMapIndexedDataset
-
-    prefix = str(config.data.data_path[0])
-    count = len(MMapIndexedDataset(prefix).document_indices) - 1
-    print_rank_0(f" > building {what.format(count=count)} train, validation, and test datasets "
-                 f"of {prefix} ...")
-
-    def build():
-        out = []
-        for name, span, n in zip(("train", "valid", "test"),
-                                 split_matrix(parse_split(config.data.split)),
-                                 train_val_test_num_samples):
-            lo, hi = (0, 0) if span is None else (round(span[0] * count), round(span[1] * count))
-            out.append(make(name, np.arange(lo, hi), n) if n > 0 and hi > lo else None)
-        return tuple(out)
-
-    return _rank_zero_first(build)
-
-
 def sft_datasets_provider(config, train_val_test_num_samples, pad_id=0):
     """``(train, valid, test)`` :class:`~megatron.data.sft_dataset.SFTDataset` s of
-    ``--data-path``'s conversations cut by ``--split`` (:func:`split_datasets`), each with the
+    ``--data-path``'s conversations cut by ``--split``
+    (:func:`megatron.data.document_splits.split_datasets`), each with the
     number of samples asked. Index caches go to ``--data-cache-path``."""
+    from megatron.data.document_splits import split_datasets
     from megatron.data.sft_dataset import SFTDataset
 
     data, sft = config.data, config.extra["sft"]
@@ -220,18 +194,19 @@ def main(argv=None):
     """
     from megatron.training.dpo import DPO, DPO_SECTION, check_dpo_flags
     from megatron.training.reward_model import (REWARD_SECTION, RewardModel, check_reward_flags,
-                                                reward_model_provider)
+                                                with_reward_head)
 
     config, tokenizer = configure(argv, sections=[SFT, DPO_SECTION, REWARD_SECTION])
+    check = partial(check_token_ids, vocab_size=tokenizer.vocab_size, data=config.data)
     if config.extra["reward"].reward_model:
         check_reward_flags(config)
-        run = RewardModel(config, tokenizer.vocab_size, pad_id=tokenizer.eod)
-        return pretrain(config, model_provider=reward_model_provider,
+        run = RewardModel(config, check, pad_id=tokenizer.eod)
+        return pretrain(config, model_provider=with_reward_head(model_provider),
                         forward_step_func=run.forward_step,
                         datasets_provider=run.datasets_provider)
     if config.extra["dpo"].dpo:
         check_dpo_flags(config)
-        run = DPO(config, tokenizer.vocab_size, pad_id=tokenizer.eod)
+        run = DPO(config, check, pad_id=tokenizer.eod)
         return pretrain(config, model_provider=model_provider, forward_step_func=run.forward_step,
                         datasets_provider=run.datasets_provider,
                         before_training=run.reference_pass)

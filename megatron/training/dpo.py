@@ -113,12 +113,12 @@ class DPO:
 
     Args:
         config: the run's frozen :class:`~megatron.config.Config` (``extra["dpo"]`` set).
-        vocab_size: the tokenizer's, to check token ids.
+        check_ids: ``check_ids(tokens)`` raises ValueError for ids outside the vocabulary.
         pad_id: padding id of the rows.
     """
 
-    def __init__(self, config, vocab_size: int, pad_id: int):
-        self.config, self.vocab_size, self.pad_id = config, vocab_size, pad_id
+    def __init__(self, config, check_ids, pad_id: int):
+        self.config, self.check_ids, self.pad_id = config, check_ids, pad_id
         self.dpo = config.extra["dpo"]
         self.datasets = ()
         self.reference = None  # [documents, 2] fp32: reference log-probabilities (chosen, rejected)
@@ -137,7 +137,7 @@ class DPO:
     def _forward(self, data_iterator, model):
         device = next(model.parameters()).device
         tokens, labels, loss_mask, position_ids, _, index = pair_batch(
-            next(data_iterator), device, self.vocab_size, self.config.data)
+            next(data_iterator), device, self.check_ids)
         # One conversation per row, padding after it: plain causal attention is the document's.
         return model(tokens, position_ids, None, labels=labels), loss_mask, index
 

@@ -55,8 +55,9 @@ def check_pair_flags(config, stage: str) -> None:
 
 def pair_datasets(config, train_val_test_num_samples, pad_id: int, what: str) -> tuple:
     """``(train, valid, test)`` :class:`PreferenceDataset` s of ``--data-path``'s pairs cut by
-    ``--split`` (``finetune_llama.split_datasets``); ``what`` names the stage in the log line."""
-    from finetune_llama import split_datasets
+    ``--split`` (:func:`megatron.data.document_splits.split_datasets`); ``what`` names the stage
+    in the log line."""
+    from megatron.data.document_splits import split_datasets
     from megatron.data.preference_dataset import PreferenceDataset
 
     data = config.data
@@ -70,19 +71,20 @@ def pair_datasets(config, train_val_test_num_samples, pad_id: int, what: str) ->
                           what + " ({count} preference pairs)", make)
 
 
-def pair_batch(sample, device, vocab_size, data):
+def pair_batch(sample, device, check_ids):
     """``(tokens, labels, loss_mask, position_ids, lengths, pair_index)`` of a collated micro-batch
     of :class:`~megatron.data.preference_dataset.PreferenceDataset` rows: ``[2m, s]`` int64,
     int64, fp32, int64, ``[2m]`` int64 and ``[m]`` int64 (one index per pair).
 
+    ``check_ids(tokens)`` refuses token ids outside the vocabulary (the entry script's
+    ``check_token_ids``).
+
     Raises:
         ValueError: a token id outside the vocabulary; rows that are not whole pairs.
     """
-    from pretrain_llama import check_token_ids
-
     tokens = torch.as_tensor(sample["tokens"]).long()
     labels = torch.as_tensor(sample["labels"]).long()
-    check_token_ids(torch.cat([tokens, labels]), vocab_size, data)
+    check_ids(torch.cat([tokens, labels]))
     index = torch.as_tensor(sample["pair_index"]).long().reshape(-1)
     if index.numel() % 2 or not torch.equal(index[0::2], index[1::2]):
         raise ValueError(f"a micro-batch holds rows of pairs {index.tolist()}: the rows of a "

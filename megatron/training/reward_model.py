@@ -58,21 +58,28 @@ def check_reward_flags(config) -> None:
     check_pair_flags(config, "--reward-model")
 
 
-def reward_model_provider(config, pg_collection, device, *, pre_process=True, post_process=True,
-                          vp_stage=None):
-    """``pretrain_llama.model_provider``'s stage with the reward head on the last one."""
-    from pretrain_llama import model_provider
-
-    model = model_provider(config, pg_collection, device, pre_process=pre_process,
-                           post_process=post_process, vp_stage=vp_stage)
-    return attach_reward_head(model, std=config.model.init_method_std)
+def with_reward_head(model_provider):
+    """``model_provider`` (the entry script's, e.g. ``pretrain_llama.model_provider``) whose last
+    stage carries the reward head (:func:`~megatron.model.reward_head.attach_reward_head`)."""
+    def provider(config, pg_collection, device, *, pre_process=True, post_process=True,
+                 vp_stage=None):
+        model = model_provider(config, pg_collection, device, pre_process=pre_process,
+                               post_process=post_process, vp_stage=vp_stage)
+        return attach_reward_head(model, std=config.model.init_method_std)
+    return provider
 
 
 class RewardModel:
-    """One reward-model run's datasets provider and forward step (the ``pretrain`` hooks)."""
+    """One reward-model run's datasets provider and forward step (the ``pretrain`` hooks).
 
-    def __init__(self, config, vocab_size: int, pad_id: int):
-        self.config, self.vocab_size, self.pad_id = config, vocab_size, pad_id
+    Args:
+        config: the run's frozen :class:`~megatron.config.Config`.
+        check_ids: ``check_ids(tokens)`` raises ValueError for ids outside the vocabulary.
+        pad_id: padding id of the rows.
+    """
+
+    def __init__(self, config, check_ids, pad_id: int):
+        self.config, self.check_ids, self.pad_id = config, check_ids, pad_id
 
     def datasets_provider(self, config, train_val_test_num_samples):
         return pair_datasets(config, train_val_test_num_samples, self.pad_id, "reward model")
@@ -81,7 +88,7 @@ class RewardModel:
         """One micro-batch of pairs: ``(scores [2m, s], loss_func)``."""
         device = next(model.parameters()).device
         tokens, _, _, position_ids, lengths, _ = pair_batch(
-            next(data_iterator), device, self.vocab_size, self.config.data)
+            next(data_iterator), device, self.check_ids)
         return model(tokens, position_ids, None), partial(self.loss_func, lengths)
 
     @staticmethod

@@ -140,9 +140,12 @@ def test_flags(dpo_prefix, tmp_path):
 def test_layouts_match_one_process(single, dpo_prefix):
     runs = [("tp2 sp", _argv(dpo_prefix, *layout_args(2, 1), "--sequence-parallel")),
             ("pp2", _argv(dpo_prefix, *layout_args(1, 2))),
+            # Interleaved: the reference pass feeds one iterator per model chunk.
+            ("pp2 vp2", _argv(dpo_prefix, *layout_args(1, 2),
+                              "--num-layers-per-virtual-pipeline-stage", "1")),
             ("dp2", _argv(dpo_prefix))]
     out = run_distributed(2, run_finetune, runs, timeout=900)[1]
-    for name in ("tp2 sp", "pp2", "dp2"):
+    for name in ("tp2 sp", "pp2", "pp2 vp2", "dp2"):
         assert_close(out[name], single["dpo"], name)
 
 

@@ -149,6 +149,7 @@ def test_layouts_match_one_process(single, dpo_prefix):
         assert_close(out[name], single["dpo"], name)
 
 
+@pytest.mark.slow
 def test_tp2_pp2_dp2_matches_one_process(single, dpo_prefix):
     """The brief's layout at once: 8 ranks."""
     runs = [("tp2 pp2 dp2", _argv(dpo_prefix, *layout_args(2, 2), "--sequence-parallel"))]

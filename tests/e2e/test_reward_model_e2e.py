@@ -99,12 +99,15 @@ def test_export_scores_equal_transformers(single, pairs_prefix, tmp_path):
 def test_layouts_match_one_process(single, pairs_prefix):
     runs = [("tp2 sp", _argv(pairs_prefix, *layout_args(2, 1), "--sequence-parallel")),
             ("pp2", _argv(pairs_prefix, *layout_args(1, 2))),
-            ("dp2", _argv(pairs_prefix))]
+            ("dp2", _argv(pairs_prefix)),
+            # The frozen vocabulary output layer stays out of the sharded optimizer state.
+            ("dp2 distributed optimizer", _argv(pairs_prefix, "--use-distributed-optimizer"))]
     out = run_distributed(2, run_finetune, runs, timeout=900)[1]
-    for name in ("tp2 sp", "pp2", "dp2"):
+    for name in ("tp2 sp", "pp2", "dp2", "dp2 distributed optimizer"):
         assert_close(out[name], single["rm"], name)
 
 
+@pytest.mark.slow
 def test_tp2_pp2_dp2_matches_one_process(single, pairs_prefix):
     """The brief's layout at once: 8 ranks."""
     runs = [("tp2 pp2 dp2", _argv(pairs_prefix, *layout_args(2, 2), "--sequence-parallel"))]

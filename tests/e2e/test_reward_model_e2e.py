@@ -113,3 +113,26 @@ def test_tp2_pp2_dp2_matches_one_process(single, pairs_prefix):
     runs = [("tp2 pp2 dp2", _argv(pairs_prefix, *layout_args(2, 2), "--sequence-parallel"))]
     out = run_distributed(8, run_finetune, runs, timeout=1200)[7]
     assert_close(out["tp2 pp2 dp2"], single["rm"], "tp2 pp2 dp2")
+
+
+def test_flags(pairs_prefix, monkeypatch):
+    from finetune_llama import SFT
+    from megatron.training.dpo import DPO_SECTION
+    from megatron.training.reward_model import REWARD_SECTION, check_reward_flags
+    from megatron.usage_error import UsageError
+    from pretrain_llama import configure
+
+    def check(*extra):
+        config, _ = configure(_argv(pairs_prefix, *extra),
+                              sections=[SFT, DPO_SECTION, REWARD_SECTION])
+        check_reward_flags(config)
+        return config
+
+    assert check().extra["reward"].reward_model
+    with pytest.raises(UsageError, match="--reward-model and --dpo: choose one"):
+        check("--dpo")
+    with pytest.raises(UsageError, match="--micro-batch-size 3: --reward-model needs an even"):
+        check("--micro-batch-size", "3", "--global-batch-size", "9")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the layout's world, checked by validation first
+    with pytest.raises(UsageError, match="--context-parallel-size 2: --reward-model does not"):
+        check("--context-parallel-size", "2")

@@ -126,9 +126,9 @@ def check_sft_data(config) -> None:
 def sft_datasets_provider(config, train_val_test_num_samples, pad_id=0):
     """``(train, valid, test)`` :class:`~megatron.data.sft_dataset.SFTDataset` s of
     ``--data-path``'s conversations cut by ``--split``
-    (:func:`megatron.data.document_splits.split_datasets`), each with the
+    (:func:`megatron.training.document_splits.split_datasets`), each with the
     number of samples asked. Index caches go to ``--data-cache-path``."""
-    from megatron.data.document_splits import split_datasets
+    from megatron.training.document_splits import split_datasets
     from megatron.data.sft_dataset import SFTDataset
 
     data, sft = config.data, config.extra["sft"]

@@ -55,9 +55,9 @@ def check_pair_flags(config, stage: str) -> None:
 
 def pair_datasets(config, train_val_test_num_samples, pad_id: int, what: str) -> tuple:
     """``(train, valid, test)`` :class:`PreferenceDataset` s of ``--data-path``'s pairs cut by
-    ``--split`` (:func:`megatron.data.document_splits.split_datasets`); ``what`` names the stage
+    ``--split`` (:func:`megatron.training.document_splits.split_datasets`); ``what`` names the stage
     in the log line."""
-    from megatron.data.document_splits import split_datasets
+    from megatron.training.document_splits import split_datasets
     from megatron.data.preference_dataset import PreferenceDataset
 
     data = config.data

@@ -1,6 +1,8 @@
 """One tokens dataset's documents (conversations, preference pairs) cut into train, validation
 and test datasets by ``--split``, as Megatron-Core cuts documents; the post-training stages'
-datasets providers (finetune_llama.py, megatron/training/pairs.py) build theirs with it."""
+datasets providers (finetune_llama.py, megatron/training/pairs.py) build theirs with it. It
+lives here, not in megatron/data/, because it logs (megatron/data/ imports nothing from
+megatron/training/)."""
 
 from __future__ import annotations
 

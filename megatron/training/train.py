@@ -246,6 +246,9 @@ class _Trainer:
                     before_optimizer_step=self.saver.wait_for_staging if self.saver else None)
             elapsed = time.perf_counter() - start
             self.progress.finish(elapsed)
+            for key, value in losses.items():  # the forward step's other losses (DPO's rewards)
+                if key != "lm loss":
+                    self.state.history.setdefault(key, []).append(value)
             if self.config.moe.moe_router_enable_expert_bias:
                 update_expert_biases(self.model, self.config.moe, self.config.model.num_layers,
                                      self.groups, self.device)
@@ -516,7 +519,8 @@ def _starting_checkpoints(checkpoint, resume=checkpointing.NOT_READ):
     return loaded, (in_save[1] if in_save is not None else None)
 
 
-def pretrain(config, *, model_provider, forward_step_func, datasets_provider) -> dict:
+def pretrain(config, *, model_provider, forward_step_func, datasets_provider,
+             before_training=None) -> dict:
     """Initialize, build, train and evaluate: Megatron-LM's ``pretrain``.
 
     Args:
@@ -527,6 +531,9 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
         forward_step_func: ``(data_iterator, model) -> (output_tensor, loss_func)``.
         datasets_provider: ``(config, [train, valid, test] samples) -> (train, valid, test)``
             datasets (None where absent).
+        before_training: ``(model_chunks, schedule_config, pg_collection)``, called once after
+            the weights are loaded and the data iterators built, before the first iteration
+            (DPO's reference pass, megatron/training/dpo.py); None: nothing.
 
     Returns:
         the run's history on this rank: ``iteration``, ``lm loss`` (per iteration, None off the
@@ -578,9 +585,12 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
                                                       state.consumed_valid_samples)
         report.print_datasets(groups)
         report.print_timings(groups, device)
+        schedule = builders.schedule_config(config, model, groups, optimizer)
+        if before_training is not None:
+            with collective_guard("the pass before training", timeout):
+                before_training(model, schedule, groups)
         trainer = _Trainer(config, groups, device, forward_step_func, model, optimizer, scheduler,
-                           iterators, builders.schedule_config(config, model, groups, optimizer),
-                           state, start_time, ckpt_group, resume=resume)
+                           iterators, schedule, state, start_time, ckpt_group, resume=resume)
         print_rank_0(f" training from iteration {state.iteration} to "
                      f"{config.training.num_iterations}")
         completed = trainer.run()

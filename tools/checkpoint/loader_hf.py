@@ -68,8 +68,11 @@ REFUSED_MODEL_TYPES = {
     "llama4_text": "Llama 4 is not supported until its own issue lands (interleaved chunked "
                    "attention, MoE on every other layer)",
 }
+# transformers 5 writes the chat template to chat_template.jinja (older ones: .json or inside
+# tokenizer_config.json); without it an exported chat model cannot render its prompts.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def add_arguments(parser) -> None:

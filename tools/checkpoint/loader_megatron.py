@@ -293,7 +293,8 @@ def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
 
 
 OUR_NAMES = {"embedding": "word_embeddings.weight", "layer": "layers.{}.", "final_norm":
-             "final_layernorm.weight", "output": "output_layer.weight"}
+             "final_layernorm.weight", "output": "output_layer.weight",
+             "reward_head": "reward_head.weight"}
 
 
 def stream_stages(stages, meta: dict, names: dict):
@@ -337,7 +338,10 @@ def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int |
                 output = unpad_vocab(states[0][names["output_replicated"]], rows)
             else:
                 output = vocab([s[names["output"]] for s in states])
-        yield "final", {"final_norm": states[0][names["final_norm"]], "output_layer": output}
+        final = {"final_norm": states[0][names["final_norm"]], "output_layer": output}
+        if names.get("reward_head") in states[0]:  # a reward model's [1, h] scalar head
+            final["reward_head"] = states[0][names["reward_head"]]
+        yield "final", final
 
 
 def stream_with_optimizer(shards, tp: int, pp: int, meta: dict):

@@ -266,7 +266,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     if moe_layout.is_moe(meta):
         mixtral_config(meta)  # refused before anything is written
         experts = moe_layout.ExpertGate(meta, "hf saver")
-    layer = 0
+    layer, reward = 0, False
     for kind, payload in stream:
         if kind == "embeddings":
             writer.add("model.embed_tokens.weight", payload["word_embeddings"].to(dtype))
@@ -291,7 +291,10 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             layer += 1
         elif kind == "final":
             writer.add("model.norm.weight", payload["final_norm"].to(dtype))
-            if payload["output_layer"] is not None:
+            if payload.get("reward_head") is not None:  # LlamaForSequenceClassification's
+                writer.add("score.weight", payload["reward_head"].to(dtype))
+                reward = True
+            elif payload["output_layer"] is not None:
                 writer.add("lm_head.weight", payload["output_layer"].to(dtype))
         writer.spill()
         del payload  # else it lives on while the loader builds the next message
@@ -300,8 +303,12 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     writer.finish()
     source = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
     _copy_tokenizer(source, folder)
+    config = hf_config(meta, dtype, folder)
+    if reward:  # a reward model: one score per sequence, read at its last non-padding token
+        config.update(architectures=["LlamaForSequenceClassification"], num_labels=1,
+                      id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(meta, dtype, folder), f, indent=2)
+        json.dump(config, f, indent=2)
     return folder
 
 

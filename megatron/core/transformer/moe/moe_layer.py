@@ -14,6 +14,13 @@ Groups (passed explicitly; None or a group of one for a single process):
   parallelism, times CP); their routing is gathered for the capacity and their counts summed for
   the losses. None when this rank holds its micro-batch's every token.
 - ``dp_group``: the data-parallel ranks whose micro-batches ``global_aux_loss`` spans.
+- ``expert_tp_group``: expert tensor parallelism (``--expert-tensor-parallel-size``,
+  Megatron-Core's ``expt_tp``): each expert's ``linear_fc1`` is split by output rows and
+  ``linear_fc2`` by input columns over it. The group's tokens (and their routing) are all-gathered
+  before dispatch, every rank of the group runs its slice of the experts on all of them, and the
+  combined per-choice outputs, partial sums over the slices, are reduce-scattered back in fp32
+  (Megatron-Core gathers over expert-TP after the all-to-all; gathering before it gives the same
+  sums and keeps the dispatcher as it is).
 
 Losses, how they are collected: each forward adds the losses' whole values (detached, reduced
 over their token set) to ``self.loss_sums`` (names as Megatron-Core logs them:
@@ -36,7 +43,11 @@ import torch
 
 from megatron.config.moe import MoEConfig
 from megatron.core.distributed.expert_params import mark_expert
-from megatron.core.process_groups import group_size
+from megatron.core.process_groups import group_rank, group_size
+from megatron.core.tensor_parallel.mappings import (all_gather_first_dim,
+                                                    gather_from_sequence_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.random import is_recomputing
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.capacity import whole_set_keep_mask
 from megatron.core.transformer.moe.experts import GroupedMLP
@@ -69,10 +80,11 @@ class MoELayer(torch.nn.Module):
                  ffn_hidden_size: Optional[int] = None,
                  layer_number: int, init_method_std: float = 0.02, num_layers: int = 1,
                  params_dtype=torch.float32, device=None, ep_group=None, token_group=None,
-                 dp_group=None):
+                 dp_group=None, expert_tp_group=None):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.ep_group, self.token_group, self.dp_group = ep_group, token_group, dp_group
+        self.expert_tp_group = expert_tp_group
         ep, experts = group_size(ep_group), config.num_experts
         if experts % ep:
             raise ValueError(f"--num-experts ({experts}) must be divisible by "
@@ -88,7 +100,9 @@ class MoELayer(torch.nn.Module):
             self.router.weight.copy_(init_block((experts, hidden_size), init_method_std, seed,
                                                 layer_number, "mlp.router"))
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, first_expert=ep_rank * local,
-                                  grouped_gemm=config.moe_grouped_gemm, **init)
+                                  grouped_gemm=config.moe_grouped_gemm,
+                                  tp_rank=group_rank(expert_tp_group),
+                                  tp_size=group_size(expert_tp_group), **init)
         for p in self.experts.parameters():  # reduced over expert-DP, the optimizer's expert part
             mark_expert(p)
         self.shared_experts = None
@@ -171,9 +185,8 @@ class MoELayer(torch.nn.Module):
         else:
             keep = torch.ones_like(indices, dtype=torch.bool)
         on_input = cfg.moe_apply_probs_on_input
-        rows, tokens_per_expert = self.token_dispatcher.dispatch(
-            x, indices, keep, capacity, input_probs=probs if on_input else None)
-        choices = self.token_dispatcher.combine(self.experts(rows, tokens_per_expert))
+        choices, tokens_per_expert = self._experts_per_choice(x, indices, keep, capacity,
+                                                              probs if on_input else None)
         choices = choices.view(s * b, cfg.moe_router_topk, h)
         if not on_input:
             choices = choices * probs.float().unsqueeze(-1)
@@ -181,10 +194,37 @@ class MoELayer(torch.nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         out = out.to(hidden.dtype)
-        self.last_losses = {}
         for name, (part, whole) in losses.items():
             if self.training and part.requires_grad:
                 out = moe_utils.MoEAuxLossAutoScaler.apply(out, part, self.aux_loss_scale)
+        if not is_recomputing():  # a full recompute's replay is not a second micro-batch
+            self._record(losses, tokens_per_expert, indices, keep)
+        return out.view(s, b, h)
+
+    def _experts_per_choice(self, x, indices, keep, capacity, input_probs):
+        """Dispatch, the local experts, combine: ``[T k, h]`` fp32 outputs per choice of the local
+        tokens (zero for a dropped choice) and the local experts' row counts. Under expert-TP the
+        group's tokens go through every rank's expert slices and the partial outputs are summed
+        back onto the rank that holds each token."""
+        etp = self.expert_tp_group
+        if group_size(etp) > 1:
+            x = gather_from_sequence_parallel_region(x, etp)
+            indices = all_gather_first_dim(indices.contiguous(), etp)
+            keep = all_gather_first_dim(keep.to(torch.uint8).contiguous(), etp).bool()
+            if input_probs is not None:
+                input_probs = gather_from_sequence_parallel_region(input_probs.contiguous(), etp)
+            if capacity is not None:  # the padding's bound: at most etp micro-batches' choices
+                capacity *= group_size(etp)
+        rows, tokens_per_expert = self.token_dispatcher.dispatch(x, indices, keep, capacity,
+                                                                 input_probs=input_probs)
+        choices = self.token_dispatcher.combine(self.experts(rows, tokens_per_expert))
+        return reduce_scatter_to_sequence_parallel_region(choices, etp), tokens_per_expert
+
+    def _record(self, losses, tokens_per_expert, indices, keep):
+        """The losses' values and routing counts of one forward, for logging."""
+        cfg = self.config
+        self.last_losses = {}
+        for name, (_, whole) in losses.items():
             self.loss_sums[name] = self.loss_sums.get(name, 0) + whole
             self.last_losses[name] = whole
         self.num_forwards += 1
@@ -198,13 +238,13 @@ class MoELayer(torch.nn.Module):
             else:
                 self.routed_counts, self.dropped_count = (self.routed_counts + routed,
                                                           self.dropped_count + dropped)
-        return out.view(s, b, h)
 
 
 def moe_token_group(pg_collection, sequence_parallel: bool):
     """The ranks that split one micro-batch's tokens inside a MoE layer (the layer's
     ``token_group``): the tensor-parallel group under sequence parallelism, the context-parallel
-    group under CP, None when this rank holds every token of its micro-batch.
+    group under CP, the tensor x context group (``tp_cp``) under both, None when this rank holds
+    every token of its micro-batch.
 
     At TP > 1 without sequence parallelism and EP = 1, every TP rank holds the whole token set
     and every expert (expert-TP 1) and computes the layer whole: no token group (the converter's
@@ -212,8 +252,7 @@ def moe_token_group(pg_collection, sequence_parallel: bool):
 
     Raises:
         ValueError: TP > 1 without sequence parallelism at EP > 1 (the TP ranks of an EP group
-            would send the same tokens to the experts; Megatron-Core requires SP too) or TP and CP
-            both > 1 (their joint group is not built).
+            would send the same tokens to the experts; Megatron-Core requires SP too).
     """
     tp, cp = pg_collection.tp, pg_collection.cp
     if tp.size > 1 and not sequence_parallel:
@@ -221,7 +260,7 @@ def moe_token_group(pg_collection, sequence_parallel: bool):
             raise ValueError("a MoE layer at TP > 1 and EP > 1 needs sequence parallelism")
         return cp.group if cp.size > 1 else None
     if tp.size > 1 and cp.size > 1:
-        raise ValueError("a MoE layer at TP > 1 and CP > 1 is not supported")
+        return pg_collection.tp_cp.group
     if tp.size > 1:
         return tp.group
     return cp.group if cp.size > 1 else None

@@ -311,8 +311,6 @@ def validate_moe(args, defaults: dict) -> None:
          f"--moe-token-drop-policy position at --context-parallel-size {cp}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss"),
         (args.rampup_batch_size is not None, "--rampup-batch-size"),
-        (args.moe_router_load_balancing_type == "global_aux_loss",
-         "--moe-router-load-balancing-type global_aux_loss"),
         (getattr(args, "use_megatron_fsdp", False), "--use-megatron-fsdp"),
     ]
     if etp > 1 and (args.save is not None or args.load is not None):

@@ -69,12 +69,13 @@ class TransformerLayer(torch.nn.Module):
         # through MoEAuxLossAutoScaler, so it returns the plain [s, b, h] output).
         if moe_config is not None and is_moe_layer(moe_config, layer_number):
             self.mlp_kind = "moe"
-            ep, etp = pg_collection.ep, pg_collection.expt_tp
+            ep, etp, dp = pg_collection.ep, pg_collection.expt_tp, pg_collection.dp
             self.mlp = MoELayer(moe_config, hidden_size=config.hidden_size, seed=config.seed,
                                 layer_number=layer_number, init_method_std=config.init_method_std,
                                 num_layers=config.num_layers, params_dtype=config.params_dtype,
                                 device=device, ep_group=ep.group if ep.size > 1 else None,
                                 expert_tp_group=etp.group if etp.size > 1 else None,
+                                dp_group=dp.group if dp.size > 1 else None,
                                 token_group=moe_token_group(pg_collection,
                                                             self.sequence_parallel))
         else:

@@ -8,6 +8,9 @@ of 4, grouped GEMM), in as few iterations and micro-batches as exercise the path
   (DP = 2), and expert-TP 2 at TP = 1 (the expert-TP group spans two DP ranks' micro-batches);
 - TP x CP (TP = 2 with SP, CP = 2) and EP = 2 folded over CP = 2 alone;
 - the sequence-wise load-balancing loss at EP = 2 x CP = 2 and TP = 2 x CP = 2;
+- the global-batch load-balancing loss (``global_aux_loss``): at one process with 1, 2 or 4
+  sequences per micro-batch, equal to the plain loss of one micro-batch holding the whole global
+  batch (the independent oracle), and at DP = 2, EP = 2 over CP = 2, EP = 2 x PP = 2 x DP = 2;
 - full and selective recompute (with the expert bias, whose counts the replay must not add to);
 - a router skewed so that every token picks experts 0 and 1 (EP rank 1 receives no token)
   with capacity 1.0 under both drop policies, and with padding to capacity.
@@ -27,12 +30,14 @@ SHORT = ["--train-iters", str(ITERS), "--global-batch-size", "4", "--eval-interv
          "--eval-iters", "1", "--log-interval", "1"]
 ETP2 = ["--expert-tensor-parallel-size", "2"]
 SEQ_AUX = ["--moe-router-load-balancing-type", "seq_aux_loss"]
+GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1"]
 SELECTIVE = ["--recompute-granularity", "selective"]
 POSITION = ["--moe-token-drop-policy", "position"]
 PAD = ["--moe-pad-expert-input-to-capacity"]
-ROUTER_LOGS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+ROUTER_LOGS = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+               "z_loss")
 COUNTS = ("tokens per expert min", "tokens per expert max", "dropped tokens")
 
 
@@ -58,8 +63,25 @@ def single(data_prefix, tmp_path_factory):
             ("bias", _argv(data_prefix, cache, *SIGMOID, *BIAS)),
             ("full recompute", _argv(data_prefix, cache, *FULL)),
             ("selective recompute", _argv(data_prefix, cache, *SELECTIVE)),
-            ("full recompute bias", _argv(data_prefix, cache, *SIGMOID, *BIAS, *FULL))]
+            ("full recompute bias", _argv(data_prefix, cache, *SIGMOID, *BIAS, *FULL)),
+            ("global", _argv(data_prefix, cache, *GLOBAL)),
+            ("global mbs1", _argv(data_prefix, cache, *GLOBAL, "--micro-batch-size", "1")),
+            ("global mbs4", _argv(data_prefix, cache, *GLOBAL, "--micro-batch-size", "4")),
+            ("aux mbs4", _argv(data_prefix, cache, "--micro-batch-size", "4"))]
     return run_distributed(1, run_many, runs, timeout=900)[0]
+
+
+def test_moe_global_aux_loss_is_the_global_batch_loss(single):
+    """``global_aux_loss`` with 2 or 4 micro-batches per iteration is the plain loss of one
+    micro-batch holding the whole global batch: the same value (logged), gradient (grad norm)
+    and training; it is not what averaging the per-micro-batch losses gives."""
+    whole = single["aux mbs4"]
+    for name in ("global", "global mbs1", "global mbs4"):
+        assert_close_history(single[name], whole, f"MoE {name} vs one micro-batch")
+        np.testing.assert_allclose(single[name]["global_load_balancing_loss"],
+                                   whole["load_balancing_loss"], rtol=1e-6, err_msg=name)
+    averaged = np.asarray(single["dropless"]["load_balancing_loss"])
+    assert np.max(np.abs(averaged / whole["load_balancing_loss"] - 1)) > 1e-4
 
 
 def test_moe_recompute_equals_no_recompute(single):
@@ -82,10 +104,13 @@ def test_moe_two_rank_layouts_match_one_process(single, data_prefix, tmp_path_fa
             ("ep2 cp2", _argv(data_prefix, cache, *cp_args(2), *ep(2))),
             ("ep2 cp2 seq aux", _argv(data_prefix, cache, *cp_args(2), *ep(2), *SEQ_AUX)),
             ("ep2 full recompute bias", _argv(data_prefix, cache, *ep(2), *SIGMOID, *BIAS,
-                                              *FULL))]
+                                              *FULL)),
+            ("global dp2", _argv(data_prefix, cache, *GLOBAL)),
+            ("global ep2 cp2", _argv(data_prefix, cache, *cp_args(2), *ep(2), *GLOBAL))]
     got = run_distributed(2, run_many, runs, timeout=1200)[-1]
     want = {"etp2 dp2 capacity": "capacity", "ep2 cp2 seq aux": "seq aux",
-            "ep2 full recompute bias": "bias"}
+            "ep2 full recompute bias": "bias", "global dp2": "global",
+            "global ep2 cp2": "global"}
     for name, _ in runs:
         _assert_equal_runs(got[name], single[want.get(name, "dropless")], name)
 
@@ -104,10 +129,12 @@ def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_f
                                                 "--expert-tensor-parallel-size", "1",
                                                 *CAPACITY)),
             ("tp2 cp2 seq aux selective", _argv(data_prefix, cache, *tp2, *cp_args(2),
-                                                *SEQ_AUX, *SELECTIVE))]
+                                                *SEQ_AUX, *SELECTIVE)),
+            ("global ep2 pp2 dp2", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2),
+                                         *GLOBAL))]
     got = run_distributed(4, run_many, runs, timeout=1500)[-1]
     for name, _ in runs:
-        want = "capacity" if "capacity" in name else "seq aux" if "seq aux" in name else "dropless"
+        want = next((w for w in ("capacity", "seq aux", "global") if w in name), "dropless")
         _assert_equal_runs(got[name], single[want], name)
 
 

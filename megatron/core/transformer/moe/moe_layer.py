@@ -13,7 +13,8 @@ Groups (passed explicitly; None or a group of one for a single process):
 - ``token_group``: the ranks over which one micro-batch's tokens are split (TP under sequence
   parallelism, times CP); their routing is gathered for the capacity and their counts summed for
   the losses. None when this rank holds its micro-batch's every token.
-- ``dp_group``: the data-parallel ranks whose micro-batches ``global_aux_loss`` spans.
+- ``dp_group``: the data-parallel group (without CP): with ``token_group``, the ranks whose
+  tokens make the global batch that ``global_aux_loss`` spans.
 - ``expert_tp_group``: expert tensor parallelism (``--expert-tensor-parallel-size``,
   Megatron-Core's ``expt_tp``): each expert's ``linear_fc1`` is split by output rows and
   ``linear_fc2`` by input columns over it. The group's tokens (and their routing) are all-gathered
@@ -128,6 +129,28 @@ class MoELayer(torch.nn.Module):
         # choices per expert ``[E]`` int64 and dropped choices; None until the first forward.
         self.routed_counts: Optional[torch.Tensor] = None
         self.dropped_count: Optional[torch.Tensor] = None
+        # global_aux_loss: the global batch's choices per expert [E] and its micro-batches, set
+        # by the iteration's counting pass (start/finish_global_count); None: not counted.
+        self.global_counts: Optional[torch.Tensor] = None
+        self.global_micro_batches = 0
+
+    @property
+    def uses_global_counts(self) -> bool:
+        cfg = self.config
+        return cfg.moe_router_load_balancing_type == "global_aux_loss" and cfg.moe_aux_loss_coeff > 0
+
+    def start_global_count(self) -> None:
+        """Before the counting pass (:mod:`megatron.training.moe_global_counts`)."""
+        self.global_counts, self.global_micro_batches = None, 0
+        self._counting = None
+
+    def finish_global_count(self) -> None:
+        """After it: the counts summed over the token group and the data-parallel group."""
+        counts = self._counting
+        if counts is None:  # no forward reached this layer (cannot happen in a schedule)
+            counts = torch.zeros(self.config.num_experts, dtype=torch.int64)
+        counts = moe_utils.reduce_counts(counts, self.token_group)
+        self.global_counts = moe_utils.reduce_counts(counts, self.dp_group)
 
     def _loss_parts(self, logits, indices, seq_shape):
         """``{name: (part with graph, whole value detached)}`` of the enabled losses."""
@@ -151,7 +174,11 @@ class MoELayer(torch.nn.Module):
                 counts = moe_utils.reduce_counts(moe_utils.tokens_per_expert(indices, experts),
                                                  self.token_group)
                 group, balanced_tokens = [self.token_group], tokens
-                if kind == "global_aux_loss":
+                if kind == "global_aux_loss" and self.training and self.global_counts is not None:
+                    # the global batch's counts (the iteration's counting pass): N = choices / k
+                    counts, balanced_tokens = self.global_counts, int(self.global_counts.sum()) // k
+                    group.append(self.dp_group)
+                elif kind == "global_aux_loss":  # no counting pass: this step's DP micro-batches
                     counts = moe_utils.reduce_counts(counts, self.dp_group)
                     balanced_tokens = tokens * group_size(self.dp_group)
                     group.append(self.dp_group)
@@ -176,7 +203,12 @@ class MoELayer(torch.nn.Module):
         s, b, h = hidden.shape
         x = hidden.reshape(s * b, h)
         logits, probs, indices = self.router(x)
-        losses = self._loss_parts(logits, indices, (s, b))
+        counting = moe_utils.is_counting_pass()
+        if counting:
+            counted = moe_utils.tokens_per_expert(indices, cfg.num_experts)
+            self._counting = counted if self._counting is None else self._counting + counted
+            self.global_micro_batches += 1
+        losses = {} if counting else self._loss_parts(logits, indices, (s, b))
         capacity = None
         if cfg.moe_expert_capacity_factor is not None:
             keep, capacity = whole_set_keep_mask(indices, probs, cfg.num_experts,
@@ -196,10 +228,23 @@ class MoELayer(torch.nn.Module):
         out = out.to(hidden.dtype)
         for name, (part, whole) in losses.items():
             if self.training and part.requires_grad:
-                out = moe_utils.MoEAuxLossAutoScaler.apply(out, part, self.aux_loss_scale)
-        if not is_recomputing():  # a full recompute's replay is not a second micro-batch
+                out = moe_utils.MoEAuxLossAutoScaler.apply(out, part, self._scale(name))
+        if not (is_recomputing() or counting):  # a replay is not a second micro-batch
             self._record(losses, tokens_per_expert, indices, keep)
         return out.view(s, b, h)
+
+    def _global(self, name) -> bool:
+        return name == LOSS_NAMES["global_aux_loss"] and self.training and \
+            self.global_counts is not None
+
+    def _scale(self, name):
+        """The gradient injected for loss ``name``: ``aux_loss_scale`` (training's ``CP / M``:
+        each micro-batch's loss is averaged as the lm loss is); the global batch's loss is one
+        loss of the iteration, whose parts the M micro-batches and DP ranks sum: times ``M x DP``,
+        so that after DDP's ``1 / (DP x CP)`` its gradient is the sum of the parts'."""
+        if not self._global(name):
+            return self.aux_loss_scale
+        return self.aux_loss_scale * (self.global_micro_batches * group_size(self.dp_group))
 
     def _experts_per_choice(self, x, indices, keep, capacity, input_probs):
         """Dispatch, the local experts, combine: ``[T k, h]`` fp32 outputs per choice of the local
@@ -225,6 +270,8 @@ class MoELayer(torch.nn.Module):
         cfg = self.config
         self.last_losses = {}
         for name, (_, whole) in losses.items():
+            if self._global(name):  # logged as the iteration's whole loss: M forwards' parts
+                whole = whole * self.global_micro_batches
             self.loss_sums[name] = self.loss_sums.get(name, 0) + whole
             self.last_losses[name] = whole
         self.num_forwards += 1

@@ -102,8 +102,6 @@ def test_ranges(files, flag, value):
     ("--context-parallel-size 2 --moe-expert-capacity-factor 1 --moe-token-drop-policy position",
      "--moe-token-drop-policy position at --context-parallel-size 2"),
     ("--calculate-per-token-loss", "--calculate-per-token-loss"),
-    ("--moe-router-load-balancing-type global_aux_loss",
-     "--moe-router-load-balancing-type global_aux_loss"),
 ])
 def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, flag):
     with pytest.raises(UsageError, match=f"--num-experts with {flag} is not supported yet") as e:
@@ -147,6 +145,7 @@ def test_expert_parallelism_without_experts_is_one_line(files):
      "--attention-dropout 0", 2),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 1),
     ("--recompute-activations --moe-router-load-balancing-type seq_aux_loss", 1),
+    ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01", 1),
 ])
 def test_expert_layouts_proven_pass(files, extra, etp):
     args = check(base_argv(files) + ["--num-experts", "4"] + extra.split())

@@ -10,7 +10,8 @@ of 4, grouped GEMM), in as few iterations and micro-batches as exercise the path
 - the sequence-wise load-balancing loss at EP = 2 x CP = 2 and TP = 2 x CP = 2;
 - the global-batch load-balancing loss (``global_aux_loss``): at one process with 1, 2 or 4
   sequences per micro-batch, equal to the plain loss of one micro-batch holding the whole global
-  batch (the independent oracle), and at DP = 2, EP = 2 over CP = 2, EP = 2 x PP = 2 x DP = 2;
+  batch (the independent oracle), and at DP = 2, EP = 2 over CP = 2, EP = 2 x PP = 2 x DP = 2
+  with the distributed optimizer;
 - full and selective recompute (with the expert bias, whose counts the replay must not add to);
 - a router skewed so that every token picks experts 0 and 1 (EP rank 1 receives no token)
   with capacity 1.0 under both drop policies, and with padding to capacity.
@@ -130,8 +131,9 @@ def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_f
                                                 *CAPACITY)),
             ("tp2 cp2 seq aux selective", _argv(data_prefix, cache, *tp2, *cp_args(2),
                                                 *SEQ_AUX, *SELECTIVE)),
-            ("global ep2 pp2 dp2", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2),
-                                         *GLOBAL))]
+            ("global ep2 pp2 dp2 distopt", _argv(data_prefix, cache, *layout_args(1, 2),
+                                                 *ep(2), *GLOBAL,
+                                                 "--use-distributed-optimizer"))]
     got = run_distributed(4, run_many, runs, timeout=1500)[-1]
     for name, _ in runs:
         want = next((w for w in ("capacity", "seq aux", "global") if w in name), "dropless")

@@ -65,8 +65,10 @@ def _logits_rank(tp, pp, load_dir, tokens):
     from megatron.model import get_layer_numbers
     from megatron.model.llama import LlamaModel
 
-    groups = ps.initialize_model_parallel(tp, pp)
     saved = checkpoint_args(load_dir)
+    # the shards hold whole experts (expert-TP 1, recorded in their args); the default is TP
+    groups = ps.initialize_model_parallel(
+        tp, pp, expert_tensor_parallel_size=saved.get("expert_tensor_parallel_size", 1))
     config = model_config_from_args(saved)
     moe = MoEConfig(num_experts=saved["num_experts"], moe_ffn_hidden_size=saved["moe_ffn_hidden_size"],
                     moe_router_topk=saved["moe_router_topk"],

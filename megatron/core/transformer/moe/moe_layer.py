@@ -133,11 +133,7 @@ class MoELayer(torch.nn.Module):
         # by the iteration's counting pass (start/finish_global_count); None: not counted.
         self.global_counts: Optional[torch.Tensor] = None
         self.global_micro_batches = 0
-
-    @property
-    def uses_global_counts(self) -> bool:
-        cfg = self.config
-        return cfg.moe_router_load_balancing_type == "global_aux_loss" and cfg.moe_aux_loss_coeff > 0
+        self._counting: Optional[torch.Tensor] = None
 
     def start_global_count(self) -> None:
         """Before the counting pass (:mod:`megatron.training.moe_global_counts`)."""

@@ -306,6 +306,12 @@ def validate_moe(args, defaults: dict) -> None:
         raise UsageError(f"--num-experts {args.num_experts} with --moe-layer-freq "
                          f"{list(args.moe_layer_freq)}: no layer is MoE; mark one layer 1 or "
                          "remove --num-experts")
+    modules = set(args.recompute_modules or ())
+    if args.recompute_granularity == "selective" and modules and modules <= {"act", "mlp"} \
+            and all(args.moe_layer_freq):
+        raise UsageError(f"--recompute-modules {' '.join(sorted(modules))} recomputes nothing "
+                         "when every layer is MoE (the experts have no selective recompute): add "
+                         "core_attn or layernorm, or use --recompute-granularity full")
     refused = [
         (cp > 1 and args.moe_token_drop_policy == "position",
          f"--moe-token-drop-policy position at --context-parallel-size {cp}"),

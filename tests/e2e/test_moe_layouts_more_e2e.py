@@ -11,7 +11,8 @@ of 4, grouped GEMM), in as few iterations and micro-batches as exercise the path
 - the global-batch load-balancing loss (``global_aux_loss``): at one process with 1, 2 or 4
   sequences per micro-batch, equal to the plain loss of one micro-batch holding the whole global
   batch (the independent oracle), and at DP = 2, EP = 2 over CP = 2, EP = 2 x PP = 2 x DP = 2
-  with the distributed optimizer;
+  with the distributed optimizer, and with 2 virtual stages per rank (1 sequence per
+  micro-batch);
 - full and selective recompute (with the expert bias, whose counts the replay must not add to);
 - a router skewed so that every token picks experts 0 and 1 (EP rank 1 receives no token)
   with capacity 1.0 under both drop policies, and with padding to capacity.
@@ -133,7 +134,10 @@ def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_f
                                                 *SEQ_AUX, *SELECTIVE)),
             ("global ep2 pp2 dp2 distopt", _argv(data_prefix, cache, *layout_args(1, 2),
                                                  *ep(2), *GLOBAL,
-                                                 "--use-distributed-optimizer"))]
+                                                 "--use-distributed-optimizer")),
+            ("global ep2 pp2 virtual", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2),
+                                             *GLOBAL, "--num-layers-per-virtual-pipeline-stage",
+                                             "1", "--micro-batch-size", "1"))]
     got = run_distributed(4, run_many, runs, timeout=1500)[-1]
     for name, _ in runs:
         want = next((w for w in ("capacity", "seq aux", "global") if w in name), "dropless")

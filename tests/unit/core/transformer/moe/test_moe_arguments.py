@@ -122,6 +122,8 @@ def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, f
     ("--moe-token-dispatcher-type flex", "flex is not supported"),
     ("--moe-router-bias-update-rate 0.1", "needs --moe-router-enable-expert-bias"),
     ("--moe-layer-freq [0,0,0,0]", "no layer is MoE"),
+    ("--recompute-granularity selective --recompute-modules act mlp",
+     "--recompute-modules act mlp recomputes nothing when every layer is MoE"),
 ])
 def test_expert_layouts_not_built_are_one_line(files, extra, match):
     with pytest.raises(UsageError, match=match) as e:
@@ -146,6 +148,7 @@ def test_expert_parallelism_without_experts_is_one_line(files):
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 1),
     ("--recompute-activations --moe-router-load-balancing-type seq_aux_loss", 1),
     ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01", 1),
+    ("--recompute-granularity selective --recompute-modules mlp --moe-layer-freq [1,0,1,0]", 1),
 ])
 def test_expert_layouts_proven_pass(files, extra, etp):
     args = check(base_argv(files) + ["--num-experts", "4"] + extra.split())

@@ -14,8 +14,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.config.moe import MoEConfig
 from megatron.core.tensor_parallel.random import is_recomputing
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.moe_utils import (is_counting_pass, reduce_counts,
                                                      updated_expert_bias)
 

@@ -317,7 +317,8 @@ def validate_moe(args, defaults: dict) -> None:
          f"--moe-token-drop-policy position at --context-parallel-size {cp}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss"),
         (args.rampup_batch_size is not None, "--rampup-batch-size"),
-        (getattr(args, "use_megatron_fsdp", False), "--use-megatron-fsdp"),
+        (etp > 1 and getattr(args, "use_megatron_fsdp", False),
+         f"--use-megatron-fsdp at --expert-tensor-parallel-size {etp}"),
     ]
     if etp > 1 and (args.save is not None or args.load is not None):
         raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} (default TP) with "

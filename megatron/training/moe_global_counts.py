@@ -83,7 +83,7 @@ def count_global_batch(forward_step_func, data_iterator, model, *, num_microbatc
 
 
 def needs_global_counts(moe_config) -> bool:
-    """Whether the run's MoE section (:class:`~megatron.config.moe.MoEConfig`, or None) asks for
+    """Whether the run's MoE section (:class:`~megatron.core.transformer.moe.moe_config.MoEConfig`, or None) asks for
     the counting pass: every rank decides alike (the pass communicates across stages)."""
     return (moe_config is not None and moe_config.is_moe and moe_config.moe_aux_loss_coeff > 0
             and moe_config.moe_router_load_balancing_type == "global_aux_loss")

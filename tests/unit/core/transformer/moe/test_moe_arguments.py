@@ -102,6 +102,8 @@ def test_ranges(files, flag, value):
     ("--context-parallel-size 2 --moe-expert-capacity-factor 1 --moe-token-drop-policy position",
      "--moe-token-drop-policy position at --context-parallel-size 2"),
     ("--calculate-per-token-loss", "--calculate-per-token-loss"),
+    ("--expert-tensor-parallel-size 2 --use-megatron-fsdp",
+     "--use-megatron-fsdp at --expert-tensor-parallel-size 2"),
 ])
 def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, flag):
     with pytest.raises(UsageError, match=f"--num-experts with {flag} is not supported yet") as e:

@@ -146,7 +146,9 @@ def load_args_from_checkpoint(args) -> list[str]:
 
     layout = ()
     if torch_dist.is_torch_dist_checkpoint(folder):
-        saved = dict(torch_dist.read_common(folder).get("args") or {})
+        from megatron.checkpointing.foreign import megatron_lm_dist
+        saved = (megatron_lm_dist.saved_args(folder) if megatron_lm_dist.is_megatron_lm(folder)
+                 else dict(torch_dist.read_common(folder).get("args") or {}))
         # It loads at any layout: the run's parallel sizes stay its own.
         layout = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size")

@@ -30,6 +30,9 @@ def checkpoint_args(load_dir: str) -> dict:
     from megatron.checkpointing import torch_dist
 
     if torch_dist.is_torch_dist_checkpoint(folder):
+        from megatron.checkpointing.foreign import megatron_lm_dist
+        if megatron_lm_dist.is_megatron_lm(folder):
+            return dict(megatron_lm_dist.saved_args(folder), ckpt_format="torch_dist")
         common = torch_dist.read_common(folder)
         return dict(common.get("args") or {}, ckpt_format="torch_dist",
                     true_vocab_size=common.get("true_vocab_size"))

@@ -209,14 +209,19 @@ def load_torch_dist(folder: str, args):
     tensors read whole in this process, streamed as one TP = PP = 1 stage (fused QKV and
     gate/up rebuilt from their global q/k/v and gate/up tensors)."""
     from megatron.checkpointing import torch_dist
-
-    if getattr(args, "include_optimizer", False):
-        raise CheckpointError(f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load "
-                              "reads it, optimizer included, at any TP/PP/DP layout; convert its "
-                              "weights only (drop --include-optimizer)")
-    _refuse_overrides(args)
+    from megatron.checkpointing.foreign import megatron_lm_dist
     from megatron.model.sharded_state import single_process_state_dict
 
+    foreign = megatron_lm_dist.is_megatron_lm(folder)
+    if getattr(args, "include_optimizer", False):
+        raise CheckpointError(
+            f"{folder} is a torch_dist checkpoint of Megatron-LM: its optimizer state is not "
+            "converted; convert its weights only (drop --include-optimizer)" if foreign else
+            f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load reads it, optimizer "
+            "included, at any TP/PP/DP layout; convert its weights only (drop --include-optimizer)")
+    if foreign:
+        return load_megatron_lm_torch_dist(folder, args)
+    _refuse_overrides(args)
     common = torch_dist.read_common(folder)
     state = single_process_state_dict(torch_dist.read_tensors(folder))
     embedding = state["word_embeddings.weight"]
@@ -227,15 +232,42 @@ def load_torch_dist(folder: str, args):
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 
 
+def load_megatron_lm_torch_dist(folder: str, args):
+    """``(meta, stream)`` of a Megatron-LM ``torch_dist`` checkpoint
+    (:mod:`megatron.checkpointing.foreign.megatron_lm_dist`): read whole in this process, our
+    global tensors streamed as one TP = PP = 1 stage."""
+    from megatron.checkpointing.foreign import megatron_lm_dist
+    from megatron.model.sharded_state import single_process_state_dict
+
+    notes = []
+    ours, tensors = megatron_lm_dist.whole_model(folder, foreign_overrides(args), notes)
+    for note in notes:
+        print(f" {note}")
+    state = single_process_state_dict(tensors)
+    embedding = state["word_embeddings.weight"]
+    meta = meta_from_args(ours, embedding.shape[0], ours["true_vocab_size"])
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
+
+
 def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
     """``(meta, stream)`` of a Megatron-LM checkpoint (``foreign``: its first shard), each shard
-    mapped to our names and QKV order by :func:`megatron_lm.to_our_state_dict`."""
+    mapped to our names and QKV order by :func:`megatron_lm.to_our_state_dict`; a MoE one saved
+    at expert-parallel size > 1 (its ``mp_rank_TT[_PPP]_EEE`` folders, told from pipeline stages
+    by its args) with each (tensor, pipeline) rank's expert shards joined."""
     if foreign.system != MEGATRON_LM:
         raise CheckpointError(f"{args.load_dir} is {describe(foreign)}: use --loader megatron-llama")
     if getattr(args, "include_optimizer", False):
         raise CheckpointError(f"{args.load_dir} is {describe(foreign)}: its optimizer state is not "
                               "converted; convert the weights only (drop --include-optimizer)")
     ours = megatron_lm_args(foreign, foreign_overrides(args))
+    ep = ours.get("expert_model_parallel_size", 1)
+    if ep > 1:
+        _, groups, tp, pp = expert_shards.find_expert_shards(
+            args.load_dir, ep, ours["pipeline_model_parallel_size"],
+            ours["tensor_model_parallel_size"])
+    else:
+        groups = {key: [(path, True)] for key, path in shards.items()}
     if (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]) != (tp, pp):
         raise CheckpointError(f"{args.load_dir}: args say TP={ours['tensor_model_parallel_size']}, "
                               f"PP={ours['pipeline_model_parallel_size']} but the folder holds "
@@ -244,10 +276,19 @@ def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
         print(f" {note}")
     chunks = megatron_lm.model_keys(foreign.state)
     embedding = megatron_lm.top_tensor(foreign.state[chunks[0]], "word_embeddings.weight")
-    meta = meta_from_args(ours, embedding.shape[0] * tp, ours["true_vocab_size"])
+    meta = meta_from_args(ours, embedding.shape[0] * tp, ours["true_vocab_size"], ep > 1)
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-    stages = [[lambda t=t, p=p, key=key: megatron_lm.to_our_state_dict(
-        load_raw(shards[(t, p)])[key], ours, tp) for t in range(tp)] for key in chunks for p in range(pp)]
+
+    def rank_state(entries, key):
+        states = [megatron_lm.to_our_state_dict(load_raw(path)[key], ours, tp)
+                  for path, _ in entries]
+        if len(states) == 1:
+            return states[0]
+        where = f"{os.path.dirname(os.path.dirname(expert_shards.own_shard(entries)))}: "
+        return moe_layout.join_expert_shards(states, where, own=[own for _, own in entries])
+
+    stages = [[lambda t=t, p=p, key=key: rank_state(groups[(t, p)], key) for t in range(tp)]
+              for key in chunks for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
 
 

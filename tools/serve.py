@@ -276,14 +276,12 @@ def serve_http(app, host: str, port: int, loop) -> threading.Thread:
 
 
 def main(argv=None) -> int:
-    from megatron.core import parallel_state as ps
     from megatron.inference.engine import Engine
     from megatron.inference.engine.openai_protocol import Limits
     from megatron.inference.engine.serving_loop import ServingLoop
-    from megatron.inference.model_loader import checkpoint_args, load_model_for_inference
-    from megatron.training.initialize import initialize_distributed, select_device, shutdown
+    from megatron.inference.launch import eod_of, open_checkpoint
+    from megatron.inference.model_loader import checkpoint_args
     from megatron.usage_error import UsageError
-    from tools.generate import eod_of, layout_error, tokenizer_of
 
     args = parse_args(argv)
     try:
@@ -291,28 +289,20 @@ def main(argv=None) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UsageError(f"tools/serve.py needs FastAPI and uvicorn ({e}): pip install -e .[serve]")
-    saved = checkpoint_args(args.load)
-    validate(args, saved)
+    validate(args, checkpoint_args(args.load))
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    error = layout_error(saved, args.load, world, tool="tools/serve.py", exact=True)
-    if error:  # found by every rank alike: rank 0 says it, every rank exits 2
-        raise UsageError(error)
-    tokenizer = tokenizer_of(args, saved)
-    device = select_device(args.distributed_backend)
-    created = initialize_distributed(args.distributed_backend)
+    opened = open_checkpoint(args.load, args, distributed_backend=args.distributed_backend,
+                             tool="tools/serve.py", exact=True)
+    model, groups, tokenizer, device = opened.model, opened.groups, opened.tokenizer, opened.device
     try:
-        groups = ps.initialize_model_parallel(saved.get("tensor_model_parallel_size", 1),
-                                              saved.get("pipeline_model_parallel_size", 1))
-        model, saved = load_model_for_inference(args.load, groups, device=device)
         torch.set_grad_enabled(False)
         engine = Engine(model, groups, num_blocks=kv_blocks(args, model, groups),
                         block_size=args.block_size, max_batch_size=args.max_batch_size,
                         max_tokens_per_step=args.max_tokens_per_step,
                         prefill_chunk=args.prefill_chunk,
-                        vocab_size=saved.get("true_vocab_size") or tokenizer.vocab_size,
+                        vocab_size=opened.vocab_size,
                         eod=eod_of(tokenizer), detokenize=tokenizer.detokenize,
                         packed=args.packed, device=device)
         if not engine.is_leader:
@@ -341,7 +331,7 @@ def main(argv=None) -> int:
         http.join(timeout=10)
         return 0
     finally:
-        shutdown(created)
+        opened.close()
 
 
 def command(argv=None) -> int:

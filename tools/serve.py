@@ -56,7 +56,30 @@ def parse_args(argv=None):
     lim.add_argument("--max-new-tokens-limit", type=int, default=512, help="largest max_tokens")
     lim.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     lim.add_argument("--max-body-bytes", type=int, default=2 ** 20, help="largest request body")
+    no = p.add_argument_group("not built (refused: vLLM's flags, named so that asking says so)")
+    for flag in NOT_BUILT:
+        no.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+# vLLM's flags for what this server does not do, and the one line that refuses each.
+NOT_BUILT = {
+    "--speculative-model": "speculative decoding is not built (every token is one forward of the "
+                           "model itself)",
+    "--num-speculative-tokens": "speculative decoding is not built (every token is one forward "
+                                "of the model itself)",
+    "--enable-prefix-caching": "prefix caching is not built (no KV-cache blocks are shared "
+                               "between requests: each computes its own prompt)",
+}
+
+
+def refuse_not_built(args) -> None:
+    """One line for a flag of :data:`NOT_BUILT` (before anything is read)."""
+    from megatron.usage_error import UsageError
+
+    for flag, why in NOT_BUILT.items():
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise UsageError(f"{flag}: {why}; see docs/serving.md 'Not built'")
 
 
 def validate(args, saved: dict) -> None:
@@ -284,6 +307,7 @@ def main(argv=None) -> int:
     from megatron.usage_error import UsageError
 
     args = parse_args(argv)
+    refuse_not_built(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

@@ -1,7 +1,7 @@
 """The lm-evaluation-harness backend ``megatron_llama3d`` against the harness's own HF backend.
 
 A random LLaMA (tests.helpers.convert.make_hf) with a byte-pair tokenizer trained in the test is
-converted to our format at TP=2 x PP=2 and back to HF (``tools/checkpoint/convert.py``). Three
+converted to our format at PP=2 and TP=2 x PP=2 (slow) and back to HF (``tools/checkpoint/convert.py``). Three
 tasks, one per request type (multiple choice: ``loglikelihood``; ``loglikelihood_rolling``;
 ``generate_until``), are task YAMLs over a JSON-lines file written by the test: the harness's
 built-in tasks fetch their data from the Hub when they run (none ships its documents in the
@@ -74,26 +74,36 @@ def model(tmp_path_factory):
     make_hf(str(hf))
     os.remove(hf / "tokenizer.model")  # make_hf's stand-in: the trained tokenizer instead
     make_tokenizer(str(hf))
-    convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf, "--save-dir", root / "tp2pp2",
-            "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+    for name, tp, pp in (("pp2", 1, 2), ("tp2pp2", 2, 2)):
+        convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf, "--save-dir",
+                root / name, "--target-tensor-parallel-size", tp,
+                "--target-pipeline-parallel-size", pp)
     convert("--loader", "megatron", "--saver", "hf", "--load-dir", root / "tp2pp2", "--save-dir",
             export)
     return {"root": root, "hf": str(hf), "export": str(export), "ckpt": str(root / "tp2pp2"),
             "tasks": make_tasks(str(tasks)), "cache": str(root / "datasets")}
 
 
-def test_tp2_pp2_scores_equal_the_hf_backend_on_the_export(model):
+@pytest.fixture(scope="module")
+def reference(model):
+    """``lm_eval --model hf`` on the HF export, in this process."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     _offline(model["cache"])
-    reference = _plain(lm_eval.simple_evaluate(
+    return _plain(lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={model['export']},dtype=float32", device="cpu",
         tasks=list(TASKS), batch_size=1, bootstrap_iters=0,
         task_manager=TaskManager(include_path=model["tasks"])))
-    out = run_distributed(4, _ours, model["ckpt"], model["hf"], model["tasks"], model["cache"],
-                          timeout=900)
-    assert out[1:] == [None] * 3
+
+
+@pytest.mark.slow  # the HF backend's run and ours: 6 to 12 minutes on a loaded 2-core machine
+@pytest.mark.parametrize("layout", ["pp2", "tp2pp2"])
+def test_scores_equal_the_hf_backend_on_the_export(model, reference, layout):
+    world = 2 if layout == "pp2" else 4
+    out = run_distributed(world, _ours, str(model["root"] / layout), model["hf"], model["tasks"],
+                          model["cache"], timeout=900)
+    assert out[1:] == [None] * (world - 1)
     ours = out[0]
     for task in TASKS:
         want, got = reference["results"][task], ours["results"][task]
@@ -114,6 +124,7 @@ def test_tp2_pp2_scores_equal_the_hf_backend_on_the_export(model):
     assert any(a[0] for a in ours["answers"]["tiny_until"])
 
 
+@pytest.mark.slow  # a fresh interpreter importing the harness: minutes on a loaded machine
 def test_the_command_line_runs_the_registered_model(model, tmp_path):
     """``python -m megatron.inference.lm_eval_harness --model megatron_llama3d ...`` (the
     harness's own command line with the model registered), one process on a TP=1 checkpoint."""

@@ -80,6 +80,20 @@ def _ep2_rank(load_dir):
     try:
         out = _scenarios(opened.model, opened.groups)
         out["ep"] = opened.groups.ep.size
+        # Engine.score (the harness backend's log-likelihoods: full forwards without cache) on
+        # the greedy requests' own prompt + tokens
+        from megatron.inference.engine import Engine
+
+        engine = Engine(opened.model, opened.groups, num_blocks=8)
+        if engine.is_leader:
+            greedy = [i for i, s in enumerate(PARAMS) if s.greedy]
+            out["score"] = (greedy, engine.score(
+                [PROMPTS[i] + out["alone"][i][0] for i in greedy],
+                [len(out["alone"][i][0]) for i in greedy]))
+            engine.shutdown()
+        else:
+            while engine.follow():
+                pass
         out["expert weights"] = [layer.experts.weight1.shape[0]
                                  for layer in _moe_layers(opened.model)]
         return out
@@ -146,6 +160,11 @@ def test_moe_at_ep2_equals_one_process(ep1, checkpoints):
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), rtol=0,
                                    atol=2e-5)
     assert all(len(t) == s.max_tokens for (t, _), s in zip(leader["alone"], PARAMS))
+    greedy, scores = leader["score"]
+    assert len(greedy) == 2
+    for i, (total, is_greedy) in zip(greedy, scores):
+        assert is_greedy  # the tokens were the arg-max
+        assert total == pytest.approx(sum(ep1["alone"][i][1]), abs=1e-4)
 
 
 def test_generate_tool_at_ep1_and_ep2(checkpoints):

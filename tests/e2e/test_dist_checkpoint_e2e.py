@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron import checkpointing as ckpt
-from megatron import checkpointing_torch_dist as torch_dist
+from megatron.checkpointing import torch_dist
 from megatron.core.dist_checkpointing import read_metadata, tensor_shapes
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import UNTIED, e2e_argv, layout_args, run_many

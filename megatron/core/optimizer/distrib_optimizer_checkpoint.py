@@ -22,7 +22,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megatron.checkpoint_io import load_torch_file
+from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 from megatron.core.optimizer.param_groups import get_param_groups
 from megatron.core.distributed.distributed_data_parallel import unwrap_chunk
 

@@ -19,7 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.distributed.expert_params import mark_expert
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.model.sharded_state import model_sharded_tensors, model_shardings
 from tests.helpers.dist import run_distributed

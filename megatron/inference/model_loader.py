@@ -61,7 +61,7 @@ def model_config_from_args(saved: dict) -> ModelConfig:
 
 
 def moe_config_for_inference(saved: dict):
-    """The :class:`~megatron.config.moe.MoEConfig` a mixture-of-experts checkpoint's stored
+    """The :class:`~megatron.core.transformer.moe.moe_config.MoEConfig` a mixture-of-experts checkpoint's stored
     arguments give for generation, None for a dense checkpoint.
 
     Routing is the trained one (top-k, score function, expert bias, groups, shared expert), but
@@ -73,7 +73,7 @@ def moe_config_for_inference(saved: dict):
     """
     import dataclasses
 
-    from megatron.config.moe import MoEConfig
+    from megatron.core.transformer.moe.moe_config import MoEConfig
 
     if not saved.get("num_experts"):
         return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.initialization import normal_block_init, scaled_std
+from megatron.core.transformer.initialization import is_meta_device, normal_block_init, scaled_std
 from megatron.core.transformer.swiglu import swiglu
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,8 +66,10 @@ class GroupedMLP(torch.nn.Module):
         self.first_expert = first_expert
         self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype, hidden_size,
                                                                     ffn_hidden_size)
-        w1 = torch.empty(num_local_experts, 2 * ffn_hidden_size, hidden_size)
-        w2 = torch.empty(num_local_experts, hidden_size, ffn_hidden_size)
+        # On the meta device (a checkpoint's weights, or the planner's inventory) nothing is drawn.
+        draw_on = "meta" if is_meta_device(device) else "cpu"
+        w1 = torch.empty(num_local_experts, 2 * ffn_hidden_size, hidden_size, device=draw_on)
+        w2 = torch.empty(num_local_experts, hidden_size, ffn_hidden_size, device=draw_on)
         for i in range(num_local_experts):
             expert = first_expert + i
             normal_block_init(init_method_std, seed, layer_number, "mlp.experts.linear_fc1",

@@ -35,7 +35,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron.core.distributed.expert_params import mark_expert
-from megatron.core.process_groups import group_size
+from megatron.core.process_groups import group_rank, group_size
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.capacity import whole_set_keep_mask
@@ -80,7 +80,7 @@ class MoELayer(torch.nn.Module):
         local = experts // ep
         if ffn_hidden_size is None:
             ffn_hidden_size = config.moe_ffn_hidden_size
-        ep_rank = torch.distributed.get_rank(ep_group) if ep > 1 else 0
+        ep_rank = group_rank(ep_group) if ep > 1 else 0
         init = dict(seed=seed, layer_number=layer_number, init_method_std=init_method_std,
                     num_layers=num_layers, params_dtype=params_dtype, device=device)
         self.router = TopKRouter(config, hidden_size, params_dtype=params_dtype, device=device)

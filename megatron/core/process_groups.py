@@ -120,13 +120,28 @@ CREATION_ORDER = ("data", "data_context", "context", "model", "tensor", "pipelin
                   "tensor_expert_pipeline", "tensor_context")
 
 
+@dataclass(frozen=True)
+class PlannedGroup:
+    """A group of a layout that is only planned, not created: its size and this rank's place in
+    it, no communicator. Modules built on the meta device with planned groups
+    (:func:`megatron.planner.inventory.build_meta_stage`) have the shapes of that rank's shard;
+    they must never run (a collective on a planned group fails in ``torch.distributed``)."""
+
+    size: int
+    rank: int = 0
+
+
 def group_size(group) -> int:
     """Number of ranks of ``group``; 1 for None (a world of one)."""
+    if isinstance(group, PlannedGroup):
+        return group.size
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This process's rank inside ``group``; 0 for None (a world of one)."""
+    if isinstance(group, PlannedGroup):
+        return group.rank
     return 0 if group is None else dist.get_rank(group)
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.utils import set_tensor_model_parallel_attributes
-from megatron.core.transformer.initialization import normal_block_init, scaled_std
+from megatron.core.transformer.initialization import is_meta_device, normal_block_init, scaled_std
 from megatron.core.transformer.swiglu import swiglu
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -79,12 +79,15 @@ class GroupedMLP(torch.nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         f = ffn_hidden_size // tp_size  # this expert-TP rank's slice of the width
         self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype, hidden_size, f)
-        w1 = torch.empty(num_local_experts, 2 * f, hidden_size)
-        w2 = torch.empty(num_local_experts, hidden_size, f)
-        full1 = torch.empty(2 * ffn_hidden_size, hidden_size)
-        full2 = torch.empty(hidden_size, ffn_hidden_size)
+        # On the meta device (a checkpoint's weights, or the planner's inventory) nothing is drawn.
+        meta = is_meta_device(device)
+        draw_on = "meta" if meta else "cpu"
+        w1 = torch.empty(num_local_experts, 2 * f, hidden_size, device=draw_on)
+        w2 = torch.empty(num_local_experts, hidden_size, f, device=draw_on)
+        full1 = torch.empty(2 * ffn_hidden_size, hidden_size, device=draw_on)
+        full2 = torch.empty(hidden_size, ffn_hidden_size, device=draw_on)
         cols = slice(tp_rank * f, (tp_rank + 1) * f)
-        for i in range(num_local_experts):
+        for i in range(num_local_experts if not meta else 0):
             # the whole expert is drawn, then sliced: the weights do not depend on expert-TP
             expert = first_expert + i
             normal_block_init(init_method_std, seed, layer_number, "mlp.experts.linear_fc1",

@@ -93,7 +93,7 @@ class MoELayer(torch.nn.Module):
         local = experts // ep
         if ffn_hidden_size is None:
             ffn_hidden_size = config.moe_ffn_hidden_size
-        ep_rank = torch.distributed.get_rank(ep_group) if ep > 1 else 0
+        ep_rank = group_rank(ep_group) if ep > 1 else 0
         init = dict(seed=seed, layer_number=layer_number, init_method_std=init_method_std,
                     num_layers=num_layers, params_dtype=params_dtype, device=device)
         self.router = TopKRouter(config, hidden_size, params_dtype=params_dtype, device=device)

@@ -118,7 +118,15 @@ def check_dpo_flags(config, vocab_size: Optional[int] = None) -> None:
         raise UsageError(f"--dpo-sft-weight {dpo.dpo_sft_weight}: must be >= 0")
     check_pair_flags(config, "--dpo")
     if resumes(config):
-        read_reference(config.checkpoint.load, run_meta(config, None, vocab_size))
+        from megatron.checkpointing import resume_point
+
+        load = config.checkpoint.load
+        read_reference(load, run_meta(config, None, vocab_size))
+        if resume_point(load) is None:  # else the run would train its initial weights
+            raise UsageError(f"--load {load} without --finetune resumes a DPO run, but the folder "
+                             "holds its reference table and no checkpoint yet (the run stopped "
+                             "before its first save); start it again with --load "
+                             "REFERENCE_CHECKPOINT --finetune")
 
 
 class DPO:

@@ -21,7 +21,8 @@ Format: a NumPy ``.npz`` read with ``allow_pickle=False`` (nothing in it runs):
 
 A resumed run refuses (one line, exit 2) a missing file, or one whose ``data_path``,
 ``documents``, ``seq_length``, ``length_normalization`` or ``vocab_size`` differ from its own, or
-that lacks a pair the resumed run reads.
+that lacks a pair the resumed run reads; and a ``--load`` with the table but no checkpoint
+(:func:`megatron.training.dpo.check_dpo_flags`).
 """
 
 from __future__ import annotations

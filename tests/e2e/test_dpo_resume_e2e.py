@@ -5,8 +5,8 @@ partly trained weights.
 
 Oracle: the straight run. Bitwise equality (fp32, the same layout, the same sums): DPO losses,
 sequence log-probabilities, rewards, grad norms, the final validation values and the final
-weights (legacy checkpoints, every shard). One process and PP=2 with ``--ckpt-format torch``, DP=2
-with ``torch_dist``. A recomputed reference would differ: its rewards would start at 0 (asserted).
+weights (legacy checkpoints, every shard). One process, PP=2 and TP=2 with ``--ckpt-format torch``,
+DP=2 with ``torch_dist``. A recomputed reference would differ: its rewards would start at 0 (asserted).
 """
 
 import os
@@ -104,17 +104,20 @@ def test_resume_dp2_torch_dist(dpo_prefix, tmp_path):
     _assert_resumed(out, tmp_path, legacy=False)
 
 
-def test_resume_pp2(dpo_prefix, tmp_path):
-    """PP=2: the table is filled on the last stage (rank 1), which writes it; both stages'
-    weight shards are compared."""
-    runs = [(name, argv + layout_args(1, 2)) for name, argv in _runs(dpo_prefix, tmp_path, "torch")]
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
+def test_resume_model_parallel(dpo_prefix, tmp_path, tp, pp):
+    """PP=2: the table is filled on the last stage (rank 1), which writes it; TP=2: tensor-parallel
+    rank 0 writes it. Both ranks' weight shards are compared."""
+    runs = [(name, argv + layout_args(tp, pp))
+            for name, argv in _runs(dpo_prefix, tmp_path, "torch")]
     out = run_distributed(2, run_finetune, runs, timeout=900)[1]
     _assert_resumed(out, tmp_path, legacy=True)
     assert len(os.listdir(tmp_path / "halves" / "iter_0000004")) == 2
 
 
 def test_resume_refusals(dpo_prefix, tmp_path, capsys):
-    """A missing table, one of another run, and pairs it lacks: one line, exit 2."""
+    """A missing table, one of another run, one without a checkpoint, and pairs it lacks: one
+    line, exit 2."""
     import finetune_llama
     from megatron.training.dpo_reference import check_pairs, save_reference
     from megatron.usage_error import UsageError
@@ -133,6 +136,15 @@ def test_resume_refusals(dpo_prefix, tmp_path, capsys):
     assert finetune_llama.command(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "computed for --seq-length 1, this run has" in err[0]
+    # A table and no checkpoint (stopped before the first save): training would start from the
+    # initial weights against the reference's table.
+    with open(folder / "dpo_reference.npz", "rb") as f:
+        data = dict(np.load(f, allow_pickle=False))
+    meta["seq_length"] = 16
+    save_reference(str(folder), data["table"], data["pairs"], meta)
+    assert finetune_llama.command(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no checkpoint yet" in err[0]
     with pytest.raises(UsageError, match=r"reads 2 preference pairs .* \(first: document 7\)"):
         check_pairs(str(folder), np.arange(7), np.arange(9))
     shutil.rmtree(folder)

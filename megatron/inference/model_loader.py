@@ -64,21 +64,31 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
 
 
-def moe_config_from_args(saved: dict):
-    """The :class:`~megatron.config.MoEConfig` of a MoE checkpoint's stored arguments (routed
-    experts on every layer, as the converters write them), None for a dense one."""
+def moe_config_for_inference(saved: dict):
+    """The :class:`~megatron.core.transformer.moe.moe_config.MoEConfig` a mixture-of-experts checkpoint's stored
+    arguments give for generation, None for a dense checkpoint.
+
+    Routing is the trained one (top-k, score function, expert bias, groups, shared expert), but
+    **dropless**: ``moe_expert_capacity_factor`` is None whatever the run trained with. A
+    capacity is taken over the tokens of one forward, so with it a token's experts would depend
+    on the other tokens of its step (the other requests, the chunking of its prompt); dropless,
+    each token's experts and weights are a function of that token alone (Megatron-Core's
+    inference runs dropless too). No router loss is computed (coefficients 0).
+    """
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_config import MoEConfig
+
     if not saved.get("num_experts"):
         return None
-    from megatron.config import MoEConfig
-
-    return MoEConfig(num_experts=saved["num_experts"],
-                     moe_ffn_hidden_size=saved.get("moe_ffn_hidden_size") or saved["ffn_hidden_size"],
-                     moe_router_topk=saved.get("moe_router_topk", 2),
-                     moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
-                     moe_shared_expert_intermediate_size=saved.get(
-                         "moe_shared_expert_intermediate_size"),
-                     moe_shared_expert_gate=bool(saved.get("moe_shared_expert_gate")),
-                     moe_layer_freq=(1,) * saved["num_layers"])
+    names = {f.name for f in dataclasses.fields(MoEConfig)}
+    values = {k: v for k, v in saved.items() if k in names and v is not None}
+    freq = values.get("moe_layer_freq", 1)
+    values["moe_layer_freq"] = tuple(freq) if isinstance(freq, (list, tuple)) else freq
+    values.update(moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+                  moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                  moe_router_load_balancing_type="none")
+    return MoEConfig(**values)
 
 
 def load_model_for_inference(load_dir: str, pg_collection, device=None):
@@ -90,7 +100,8 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
             checkpoint's TP and PP sizes (any sizes for a ``--ckpt-format torch_dist`` one) and
             context-parallel size 1 (a checkpoint trained with ``--context-parallel-size`` holds the
             same weights at every CP size: generation loads it at CP = 1; the KV-cache decoding
-            does not split sequences).
+            does not split sequences); for a mixture-of-experts checkpoint, its expert-parallel
+            size (:func:`moe_config_for_inference`: routing runs dropless).
         device: where the parameters go (default CPU).
 
     Returns:
@@ -129,7 +140,7 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
                        pre_process=pg_collection.is_pipeline_first_stage(),
                        post_process=pg_collection.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(config.num_layers, pp, pg_collection.pp.rank),
-                       device=device, moe_config=moe_config_from_args(saved))
+                       device=device, moe_config=moe_config_for_inference(saved))
     load_checkpoint([model], None, None, CheckpointConfig(load=load_dir, finetune=True),
                     pg_collection, run_flags=saved)
     return model.eval(), saved

@@ -108,7 +108,9 @@ def _logits_rank(tp, pp, load_dir, tokens, ep=1):
     from megatron.inference import forward_logits
     from megatron.inference.model_loader import load_model_for_inference
 
-    groups = ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    # the converter writes whole experts (expert-TP 1); the groups' default would be TP
+    groups = ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                          expert_tensor_parallel_size=1)
     model, _ = load_model_for_inference(load_dir, groups)
     logits = forward_logits(model, tokens, pg_collection=groups)
     first_tp = groups.tp.rank == 0

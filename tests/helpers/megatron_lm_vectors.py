@@ -53,7 +53,8 @@ def _load_and_forward(argv, tokens):
     p = config.parallel
     groups = ps.initialize_model_parallel(
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size)
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size)
     model = pretrain_llama.model_provider(config, groups, torch.device("cpu"),
                                           pre_process=groups.is_pipeline_first_stage(),
                                           post_process=groups.is_pipeline_last_stage())

@@ -19,7 +19,7 @@ from megatron.checkpointing import torch_dist
 from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 from megatron.core import dist_checkpointing as dcp
 from megatron.core.process_groups import ProcessGroupCollection
-from megatron.inference.model_loader import model_config_from_args, moe_config_from_args
+from megatron.inference.model_loader import model_config_from_args, moe_config_for_inference
 from megatron.model import get_layer_numbers
 from megatron.model.llama import LlamaModel
 from megatron.model.sharded_state import model_sharded_tensors
@@ -39,7 +39,7 @@ def write_release(shard: str, save_dir: str) -> str:
     config = model_config_from_args(saved)
     model = LlamaModel(config, pg_collection=groups, pre_process=True, post_process=True,
                        layer_numbers=get_layer_numbers(config.num_layers, 1, 0),
-                       moe_config=moe_config_from_args(saved))
+                       moe_config=moe_config_for_inference(saved))
     model.load_state_dict(state["model"], strict=True)
     boxes = dcp.balance_writers_by_group(model_sharded_tensors([model], groups), 0)
     final = checkpoint_folder.get_checkpoint_dir(save_dir, 0, release=True)

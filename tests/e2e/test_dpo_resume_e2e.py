@@ -99,9 +99,17 @@ def test_resume_one_process(dpo_prefix, tmp_path, capsys):
 
 
 def test_resume_dp2_torch_dist(dpo_prefix, tmp_path):
-    out = run_distributed(2, run_finetune, _runs(dpo_prefix, tmp_path, "torch_dist"),
-                          timeout=900)[1]
+    """DP=2, torch_dist, the resume saving into another folder: the table is copied there."""
+    runs = _runs(dpo_prefix, tmp_path, "torch_dist")
+    runs[-1] = ("resumed", runs[-1][1] + ["--save", str(tmp_path / "resumed")])
+    out = run_distributed(2, run_finetune, runs, timeout=900)[1]
     _assert_resumed(out, tmp_path, legacy=False)
+    tables = []
+    for name in ("halves", "resumed"):
+        with np.load(tmp_path / name / "dpo_reference.npz", allow_pickle=False) as f:
+            tables.append({key: f[key] for key in ("table", "pairs", "meta")})
+    for key in ("table", "pairs", "meta"):
+        assert np.array_equal(tables[0][key], tables[1][key]), key
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])

@@ -57,7 +57,31 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         rope_scaling=saved.get("rope_scaling"),
         untie_embeddings_and_output_weights=saved.get("untie_embeddings_and_output_weights", True),
         qk_layernorm=bool(saved.get("qk_layernorm")), add_qkv_bias=bool(saved.get("add_qkv_bias")),
-        params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
+        params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"],
+        **llama4_attention_fields(saved))
+
+
+def moe_config_from_args(saved: dict):
+    """The :class:`~megatron.config.MoEConfig` of a MoE checkpoint's stored arguments (the
+    fields named like its flags' dests), or None for a dense one."""
+    if not saved.get("num_experts"):
+        return None
+    import dataclasses
+    from megatron.config import MoEConfig
+    values = {f.name: saved[f.name] for f in dataclasses.fields(MoEConfig)
+              if saved.get(f.name) is not None}
+    if isinstance(values.get("moe_layer_freq"), list):
+        values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
+    return MoEConfig(**values)
+
+
+def llama4_attention_fields(saved: dict) -> dict:
+    """Llama 4's attention fields recorded in ``saved`` (none for other models)."""
+    from megatron.model.chunked_attention import ATTENTION_FIELDS
+    out = {k: saved[k] for k in ATTENTION_FIELDS if saved.get(k) is not None}
+    if "no_rope_freq" in out:
+        out["no_rope_freq"] = tuple(out["no_rope_freq"])
+    return out
 
 
 def load_model_for_inference(load_dir: str, pg_collection, device=None):
@@ -104,7 +128,7 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
                        pre_process=pg_collection.is_pipeline_first_stage(),
                        post_process=pg_collection.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(config.num_layers, pp, pg_collection.pp.rank),
-                       device=device)
+                       device=device, moe_config=moe_config_from_args(saved))
     load_checkpoint([model], None, None, CheckpointConfig(load=load_dir, finetune=True),
                     pg_collection, run_flags=saved)
     return model.eval(), saved

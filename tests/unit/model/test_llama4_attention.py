@@ -24,10 +24,13 @@ from megatron.model.llama import LlamaModel
 from tests.helpers.dist import run_distributed
 from tests.helpers.groups import current_groups
 from tests.helpers.model import small_config
-from tests.unit.model.test_attention_mask import (S, _assert_same, _loss_and_grads,
-                                                  _NoSquareTensors, _packed, _weights)
+from tests.unit.model.test_attention_mask import (EODS, S, _assert_same, _loss_and_grads,
+                                                  _NoSquareTensors, _packed, _weights,
+                                                  packed_and_alone)
 
 CHUNK = 5
+# The documents of the packed row (test_attention_mask's row 0: EOD at 5, 13, 27)
+PACKED_DOCUMENTS = list(zip([0] + [e + 1 for e in EODS[0]], [e + 1 for e in EODS[0]] + [S]))
 
 
 def llama4_config(**changes):
@@ -108,23 +111,9 @@ def test_no_rope_freq_follows_megatron_core():
 
 def test_packed_documents_equal_each_document_alone():
     """Chunks restart at each document and NoPE temperatures follow the reset positions."""
-    config = llama4_config()
-    model = LlamaModel(config, pg_collection=current_groups())
-    tokens, labels, positions, mask = _packed(config)
-    tokens, labels, positions = tokens[:1], labels[:1], positions[:1]
-    mask = AttentionMask.from_document_ids(mask.document_ids[:1])
-    weights = _weights(tokens.shape)
-    with _NoSquareTensors(S) as spy:
-        packed = _loss_and_grads(model, tokens, positions, mask, labels, weights)
-    assert spy.found == []
-    losses, grads = [], {}
-    for a, e in mask.documents(0):
-        loss, g = _loss_and_grads(model, tokens[:, a:e], None, None, labels[:, a:e],
-                                  weights[:, a:e])
-        losses.append(loss)
-        grads = {n: grads.get(n, 0) + g[n] for n in g}
-    assert max(e - a for a, e in mask.documents(0)) > CHUNK  # chunks inside a document
-    _assert_same(packed, (torch.cat(losses, dim=1), grads), "packed vs alone")
+    packed, alone = packed_and_alone(llama4_config(), spy_length=S)
+    assert max(e - a for a, e in PACKED_DOCUMENTS) > CHUNK  # chunks inside a document
+    _assert_same(packed, alone, "packed vs alone")
 
 
 def _cp_rank(config, cp, with_documents):

@@ -119,6 +119,41 @@ def write_mlp(i: int, layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]
     return out
 
 
+def is_llama4(saved: dict) -> bool:
+    """Whether recorded args are Llama 4's: converted from it, or trained with its router
+    (``--moe-apply-probs-on-input``, which only Llama 4 among the exported families has)."""
+    return saved.get("hf_architecture") == MODEL_TYPE or bool(saved.get("moe_apply_probs_on_input"))
+
+
+def meta_from_args(saved: dict) -> dict:
+    """The Llama-4-only metadata of a checkpoint's recorded ``saved`` args (per-layer patterns
+    as tuples).
+
+    Raises:
+        CheckpointError: MoE settings Llama 4 does not have (naming the setting).
+    """
+    from megatron.checkpointing import CheckpointError
+    n = saved["num_layers"]
+    freq = saved.get("moe_layer_freq", 1)
+    pattern = tuple(freq) if isinstance(freq, (list, tuple)) else tuple(
+        int(i % freq == 0) for i in range(n))
+    for key, want in (("moe_router_score_function", "sigmoid"), ("moe_apply_probs_on_input", True),
+                      ("moe_router_topk", 1), ("expert_model_parallel_size", 1),
+                      ("expert_tensor_parallel_size", 1)):
+        if saved.get(key, want) != want:
+            raise CheckpointError(f"--{key.replace('_', '-')} {saved[key]!r} in the checkpoint's "
+                                  f"args is not Llama 4's ({want!r}); not converted")
+    no_rope = saved.get("no_rope_freq")
+    return {"moe_layer_freq": pattern,
+            "no_rope_freq": tuple(no_rope) if no_rope is not None else (0,) * n,
+            "moe_ffn_hidden_size": saved.get("moe_ffn_hidden_size") or saved["ffn_hidden_size"]}
+
+
+def _int_if_whole(x):
+    """transformers types ``floor_scale`` as an int (tokens)."""
+    return int(x) if float(x).is_integer() else x
+
+
 def hf_config(meta: dict) -> dict:
     """The Llama-4-only ``config.json`` fields of ``meta`` (the inverse of
     :func:`meta_from_config`)."""
@@ -133,7 +168,7 @@ def hf_config(meta: dict) -> dict:
         "attention_chunk_size": meta.get("attention_chunk_size"),
         "use_qk_norm": bool(meta.get("qk_l2_norm")),
         "attn_temperature_tuning": bool(meta.get("attn_temperature_tuning")),
-        "floor_scale": meta.get("attn_temperature_floor_scale", 8192.0),
+        "floor_scale": _int_if_whole(meta.get("attn_temperature_floor_scale", 8192.0)),
         "attn_scale": meta.get("attn_temperature_scale", 0.1),
         "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.0,
     }

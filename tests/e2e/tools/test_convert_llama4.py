@@ -6,6 +6,7 @@ layout gives transformers' logits at TP1, TP2 and PP2, and its first training lo
 round trip is bitwise."""
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -72,3 +73,70 @@ def test_llama4_logits_equal_transformers(llama4, tp, pp, tmp_path):
             "--target-pipeline-parallel-size", pp)
     logits = megatron_logits(str(tmp_path / "ckpt"), tp, pp, tokens)
     assert_logits_match(logits, expected, atol=3e-5)  # measured 1.1e-5 of logits up to 5
+
+
+def test_round_trip_is_bitwise(llama4, tmp_path):
+    folder, model, tokens, expected = llama4
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "a", "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2)
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "a", "--save-dir",
+            tmp_path / "hf")
+    original, exported = safetensors_tensors(folder), safetensors_tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["model_type"], config["moe_layers"], config["no_rope_layers"],
+            config["attention_chunk_size"]) == ("llama4_text", [1, 3], [1, 0, 1, 0], CHUNK)
+    reloaded = transformers.Llama4ForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    reloaded.config._attn_implementation = "eager"
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, expected)
+
+
+SEQ = 18
+TRAIN_FLAGS = ["--seq-length", str(SEQ), "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", str(VOCAB - 1), "--micro-batch-size", "1",
+               "--global-batch-size", "1", "--train-iters", "1", "--lr", "0", "--min-lr", "0",
+               "--split", "100,0,0", "--log-interval", "1", "--eval-iters", "0", "--seed", "5",
+               "--num-workers", "0", "--finetune"]
+
+
+def _train(argv):
+    import pretrain_llama
+    return pretrain_llama.main(argv)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, pp):
+    """Trained with the flags the converter prints; the training checkpoint exports back
+    bitwise."""
+    from megatron.inference.model_loader import checkpoint_args
+    from tools.checkpoint.model_flags import pretrain_flags
+
+    folder, model, _, _ = llama4
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "ours", "--target-pipeline-parallel-size", pp)
+    printed = capsys.readouterr().out
+    flags = pretrain_flags(checkpoint_args(str(tmp_path / "ours")))
+    for flag in ("--rotary-interleaved", "--qk-l2-norm", "--no-rope-freq [0,1,0,1]",
+                 f"--attention-chunk-size {CHUNK}", "--attn-temperature-tuning",
+                 "--moe-layer-freq [0,1,0,1]", "--moe-apply-probs-on-input",
+                 "--moe-router-score-function sigmoid"):
+        assert shlex.join(flag.split()) in printed and flag in " ".join(flags), flag
+    prefix = str(tmp_path / "data")
+    doc = one_document_dataset(prefix, SEQ, VOCAB)
+    tokenizer = flags.index("--tokenizer-type") if "--tokenizer-type" in flags else len(flags)
+    argv = flags[:tokenizer] + TRAIN_FLAGS + [
+        "--load", str(tmp_path / "ours"), "--data-path", prefix,
+        "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run")]
+    history = run_distributed(pp, _train, argv, timeout=300)[-1]  # the last stage logs the loss
+    tokens, labels = doc[None], torch.cat([doc[1:], doc[:1]])
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(model(tokens).logits[0], labels).item()
+    assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "run",
+            "--save-dir", tmp_path / "back")
+    original, exported = safetensors_tensors(folder), safetensors_tensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)

@@ -13,6 +13,7 @@ import torch
 
 from tests.helpers.convert import (assert_logits_match, convert, megatron_logits,
                                    one_document_dataset, safetensors_tensors)
+from megatron.core import parallel_state as ps
 from tests.helpers.dist import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -140,3 +141,35 @@ def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, pp):
     original, exported = safetensors_tensors(folder), safetensors_tensors(tmp_path / "back")
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
+
+
+def _generate_rank(load_dir, prompts, new):
+    from megatron.inference.generation import generate
+    from megatron.inference.model_loader import load_model_for_inference
+
+    groups = ps.initialize_model_parallel(1, 1)
+    model, saved = load_model_for_inference(load_dir, groups)
+    return generate(model, prompts, new, greedy=True, vocab_size=saved["true_vocab_size"],
+                    pg_collection=groups)
+
+
+def test_greedy_generation_with_the_kv_cache_equals_transformers(llama4, tmp_path):
+    """Prompts of 6 tokens and 14 new ones: the KV-cache steps cross chunk boundaries (4, 8, 12,
+    16) and NoPE temperature steps (every 4 positions)."""
+    folder, model, tokens, _ = llama4
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "ckpt")
+    prompts, new = tokens[:, :6], 14
+    got = run_distributed(1, _generate_rank, str(tmp_path / "ckpt"), prompts.tolist(), new)[0]
+    with torch.no_grad():
+        expected = model.generate(prompts, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == expected.tolist()
+    # and transformers' greedy continuation without a cache (each step the whole sequence)
+    with torch.no_grad():
+        full = [list(p) for p in prompts.tolist()]
+        for _ in range(new):
+            logits = model(torch.tensor(full)).logits[:, -1]
+            for row, t in zip(full, logits.argmax(-1).tolist()):
+                row.append(t)
+    assert full == got

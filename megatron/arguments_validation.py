@@ -145,10 +145,11 @@ def _validate_llama_architecture(args):
     if args.causal_lm:
         args.untie_embeddings_and_output_weights = True
     low, high = args.rope_scaling_low_freq_factor, args.rope_scaling_high_freq_factor
-    if args.use_rope_scaling and not high > low:
-        raise UsageError(f"--rope-scaling-high-freq-factor ({high}) must be above "
+    if args.use_rope_scaling and not high >= low:
+        raise UsageError(f"--rope-scaling-high-freq-factor ({high}) must be at least "
                          f"--rope-scaling-low-freq-factor ({low}) with --use-rope-scaling (Llama "
-                         "3.1's smooth band lies between them); Llama 3.1 uses 4 and 1")
+                         "3.1's smooth band lies between them); Llama 3.1 uses 4 and 1, Llama 4 "
+                         "Scout 1 and 1")
 
 
 def _validate_llama4_attention(args):

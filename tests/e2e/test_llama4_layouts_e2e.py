@@ -46,19 +46,30 @@ def test_the_attention_flags_change_the_run(single):
     assert single["plain"]["lm loss"][1:] != single["documents"]["lm loss"][1:]
 
 
-def test_llama4_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("llama4_layouts_cache4"))
-    runs = [("ep4", _argv(data_prefix, cache, *ATTENTION, *ep(4))),
-            ("ep2 tp2", _argv(data_prefix, cache, *ATTENTION, *layout_args(2, 1), *SP, *ep(2))),
-            ("pp2 virtual", _argv(data_prefix, cache, *ATTENTION, *layout_args(1, 2), *ep(2),
-                                  "--num-layers-per-virtual-pipeline-stage", "1")),
-            ("ep2 dp2 distopt", _argv(data_prefix, cache, *ATTENTION, *ep(2), *DISTOPT)),
-            ("ep2 cp2", _argv(data_prefix, cache, *ATTENTION, *cp_args(2), *ep(2))),
-            ("cp2 documents", _argv(data_prefix, cache, *ATTENTION, *cp_args(2), *DOCUMENTS))]
+def _four_ranks(single, runs):
     got = run_distributed(4, run_many, runs, timeout=1800)[-1]
     for name, _ in runs:
         want = single["documents" if "documents" in name else "plain"]
         assert_close_history(got[name], want, f"Llama 4 {name}")
+
+
+def test_llama4_ep_tp_pp_match_one_process(single, data_prefix, tmp_path_factory):
+    """EP=4, TP=2 x EP=2 (SP, expert-TP 1), PP=2 x EP=2 with 2 virtual stages each."""
+    cache = str(tmp_path_factory.mktemp("llama4_layouts_cache4"))
+    _four_ranks(single, [
+        ("ep4", _argv(data_prefix, cache, *ATTENTION, *ep(4))),
+        ("ep2 tp2", _argv(data_prefix, cache, *ATTENTION, *layout_args(2, 1), *SP, *ep(2))),
+        ("pp2 virtual", _argv(data_prefix, cache, *ATTENTION, *layout_args(1, 2), *ep(2),
+                              "--num-layers-per-virtual-pipeline-stage", "1"))])
+
+
+def test_llama4_dp_cp_match_one_process(single, data_prefix, tmp_path_factory):
+    """DP=2 x EP=2 with the distributed optimizer, CP=2 x EP=2, CP=2 with packed documents."""
+    cache = str(tmp_path_factory.mktemp("llama4_layouts_cache4b"))
+    _four_ranks(single, [
+        ("ep2 dp2 distopt", _argv(data_prefix, cache, *ATTENTION, *ep(2), *DISTOPT)),
+        ("ep2 cp2", _argv(data_prefix, cache, *ATTENTION, *cp_args(2), *ep(2))),
+        ("cp2 documents", _argv(data_prefix, cache, *ATTENTION, *cp_args(2), *DOCUMENTS))])
 
 
 @pytest.mark.slow

@@ -220,7 +220,7 @@ def configure(argv=None, sections=()):
     Raises:
         UsageError: a flag, or a file a flag names, is wrong (one line naming it and the fix).
     """
-    from megatron.checkpoint_io import CheckpointError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
     from megatron.config import build_config
     from megatron.data.token_range import check_token_ranges
     from megatron.tokenizer import build_tokenizer

@@ -1,4 +1,4 @@
-"""What the CRC check of :func:`megatron.checkpoint_io.load_torch_file` costs on a checkpoint file.
+"""What the CRC check of :func:`megatron.core.dist_checkpointing.checkpoint_io.load_torch_file` costs on a checkpoint file.
 
 A ``model_optim_rng.pt``-like file of fp32 tensors (100 MB; 8 MB with ``--quick``) is written to a
 temporary folder, then loaded repeatedly with and without the check, the page cache warm (the
@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from megatron.checkpoint_io import load_torch_file, verify_checksums  # noqa: E402
+from megatron.core.dist_checkpointing.checkpoint_io import (  # noqa: E402
+    load_torch_file, verify_checksums)
 
 
 def _median_seconds(fn, rounds: int) -> float:

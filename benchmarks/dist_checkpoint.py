@@ -163,7 +163,7 @@ def _load(model, optimizer, config, group) -> None:
 def _save_and_load(fmt, model, optimizer, group, workdir, with_optimizer, results) -> int:
     """One save and one load in format ``fmt``: appends ``(seconds, peak GiB)`` to
     ``results[fmt]`` and ``results[fmt + " load"]``; the checkpoint's bytes."""
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     args = _args(os.path.join(workdir, fmt), with_optimizer, fmt)
     shutil.rmtree(args.save, ignore_errors=True)
@@ -185,7 +185,7 @@ def measure(size: dict, with_optimizer: bool, workdir: str, repeats: int = 1) ->
     """The rows of one run (see the module docstring), medians of ``repeats`` rounds, each
     round the disk, then each format's save and load in turn (a shared machine drifts: the
     ratios are paired). Needs a world of one."""
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     model, optimizer, params = build(size)
     group = torch_dist.checkpoint_group()
@@ -222,7 +222,7 @@ def measure(size: dict, with_optimizer: bool, workdir: str, repeats: int = 1) ->
 def _async_stall(model, optimizer, group, workdir, with_optimizer, step, baseline, sync_seconds):
     """The loop's wait for one ``--async-save`` save against the synchronous save's (a save
     blocks the loop for all of its time), and the training steps' slowdown meanwhile."""
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     args = _args(os.path.join(workdir, "async"), with_optimizer, "torch_dist", async_save=True)
     saver = torch_dist.TorchDistSaver(args.save, group, torch.device("cpu"), async_save=True)

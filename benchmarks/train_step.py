@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.model.flops import num_floating_point_operations  # noqa: E402
-from megatron.model.initialization import from_fused_layout  # noqa: E402
+from megatron.core.transformer.initialization import from_fused_layout  # noqa: E402
 from megatron.model.llama import LlamaModel  # noqa: E402
 from megatron.training.mfu import measure_peak_tflops  # noqa: E402
 from benchmarks.gemm_ceiling import gemm_ceiling_step  # noqa: E402

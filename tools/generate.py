@@ -143,7 +143,7 @@ def command(argv=None) -> int:
     """The command line: a wrong flag or input (a missing, damaged or refused checkpoint or
     tokenizer) is one line ``generate.py: error: ...`` and status 2 (argparse's convention), on
     rank 0 when every rank found it alike; anything else is a crash and keeps its traceback."""
-    from megatron.checkpoint_io import CheckpointError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
     from megatron.usage_error import UsageError, run_command
 
     return run_command("generate.py", main, argv,

@@ -24,9 +24,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.arguments_moe import _layer_freq_arg, moe_layer_pattern  # noqa: E402
+from megatron.arguments.moe import _layer_freq_arg, moe_layer_pattern  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
-from megatron.config.moe import MoEConfig  # noqa: E402
+from megatron.core.transformer.moe.moe_config import MoEConfig  # noqa: E402
 from megatron.usage_error import UsageError  # noqa: E402
 from megatron.planner.cost import Hardware, config_for_tp, rank_layouts  # noqa: E402
 from megatron.planner.memory import RECOMPUTE_CHOICES, estimate_memory  # noqa: E402

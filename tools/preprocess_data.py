@@ -176,7 +176,7 @@ _W: Dict = {}
 
 def _init_worker(args: argparse.Namespace, tokenizer=None, in_pool: bool = False) -> None:
     if in_pool:  # the main process handles Ctrl-C and SIGTERM and ends the pool itself
-        from megatron.training.launch import die_with_parent
+        from megatron.data.loader_workers import die_with_parent
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -347,7 +347,7 @@ def main(argv=None) -> int:
 def command(argv=None) -> int:
     """The command line: a wrong flag, checkpoint or tokenizer is one line
     ``serve.py: error: ...`` and status 2."""
-    from megatron.checkpoint_io import CheckpointError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
     from megatron.usage_error import UsageError, run_command
 
     return run_command("serve.py", main, argv,

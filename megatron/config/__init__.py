@@ -1,7 +1,7 @@
 """The frozen configuration of a run, built once by ``main()`` and passed down.
 
 One :class:`Config` carries a section per concern, each a frozen dataclass whose field names are
-the argparse ``dest`` names of ``megatron/arguments.py`` (a grep leads from a flag to the code
+the argparse ``dest`` names of ``megatron/arguments/parser.py`` (a grep leads from a flag to the code
 that uses it) and whose field docstrings give the flag, the unit and the default:
 
 - :class:`ModelConfig` (``model.py``): what ``LlamaModel`` reads;
@@ -32,7 +32,7 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.saved_args import checkpoint_args
 from megatron.config.sections import ConfigSection

@@ -23,7 +23,7 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import TrainingConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, SchedulerConfig
@@ -51,7 +51,7 @@ FLAGS_NOT_IN_CONFIG = {
     "auto_detect_ckpt_format": "no effect: --load always detects the format it reads",
     "use_checkpoint_args": "main() applies it to the namespace before validation "
                            "(megatron.arguments.load_args_from_checkpoint)",
-    # Accepted without effect and reported once (megatron.arguments_validation.IGNORED_FLAGS):
+    # Accepted without effect and reported once (megatron.arguments.validation.IGNORED_FLAGS):
     "distributed_checkpointing": "no effect: every DP rank always writes its optimizer shard",
     "use_flash_attn": "no effect: attention runs through torch SDPA",
     "masked_softmax_fusion": "no effect: no fused softmax kernel (SDPA)",
@@ -163,7 +163,7 @@ def build_model_config(args, padded_vocab_size: Optional[int] = None,
 
 def build_training_config(args) -> TrainingConfig:
     """The :class:`TrainingConfig` of validated ``args`` (needs ``args.data_parallel_size``)."""
-    from megatron.training.microbatches import num_microbatches, train_iterations
+    from megatron.core.num_microbatches_calculator import num_microbatches, train_iterations
 
     rampup = getattr(args, "rampup_batch_size", None)
     rampup = None if rampup is None else tuple(int(x) for x in rampup)

@@ -80,7 +80,7 @@ def check_section(section: ConfigSection, builtin_dests: Iterable[str]) -> None:
     shadowed = sorted(dests & set(builtin_dests))
     if shadowed:
         raise ValueError(f"config section {section.name!r}: flags {shadowed} are built-in "
-                         "flags already (megatron/arguments.py); name yours differently")
+                         "flags already (megatron/arguments/parser.py); name yours differently")
 
 
 def build_sections(args, sections: Iterable[ConfigSection], builtin_dests: Iterable[str]) -> dict:

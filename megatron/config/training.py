@@ -18,11 +18,11 @@ class TrainingConfig:
     num_microbatches: int
     """Derived: micro-batches per iteration at the full global batch,
     ``global_batch_size // (micro_batch_size x DP)``
-    (:func:`megatron.training.microbatches.num_microbatches`)."""
+    (:func:`megatron.core.num_microbatches_calculator.num_microbatches`)."""
     num_iterations: int
     """Derived: iterations of the run, ``--train-iters``, or with ``--train-samples`` those of
     the ramp-up plus the remaining samples in whole global batches
-    (:func:`megatron.training.microbatches.train_iterations`)."""
+    (:func:`megatron.core.num_microbatches_calculator.train_iterations`)."""
     rampup_batch_size: Optional[tuple] = None
     """``--rampup-batch-size START INCR SAMPLES``: global batch ramp-up (three ints), None (the
     default) for a constant batch."""

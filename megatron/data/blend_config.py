@@ -1,6 +1,6 @@
 """The one parser of ``--data-path`` / ``--{train,valid,test}-data-path`` blends and ``--split``.
 
-Argument validation (``megatron/arguments_validation.py``) and the dataset builder
+Argument validation (``megatron/arguments/validation.py``) and the dataset builder
 (``megatron/data/dataset_builder.py``) both call these functions, so whatever validation accepts
 is built exactly as it was read. No torch and no file access here.
 

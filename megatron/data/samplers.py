@@ -130,7 +130,7 @@ class MegatronPretrainingRandomSampler:
 
 
 def _seed_worker(seed: int, worker_id: int) -> None:
-    from megatron.training.launch import guard_loader_worker
+    from megatron.data.loader_workers import guard_loader_worker
 
     guard_loader_worker()  # ignore the launcher's SIGTERM/SIGINT, die with the rank (issue 31)
     random.seed(seed + worker_id)
@@ -168,7 +168,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, *, micro_batch
     if dataset is None:
         return None
     if num_workers > 0:  # its workers ignore SIGTERM: a crash must not wait for them (issue 31)
-        from megatron.training.launch import kill_loader_workers_at_exit
+        from megatron.data.loader_workers import kill_loader_workers_at_exit
         kill_loader_workers_at_exit()
     if dataloader_type == "single":
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,

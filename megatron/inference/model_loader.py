@@ -27,7 +27,7 @@ def checkpoint_args(load_dir: str) -> dict:
     if found is None:
         raise CheckpointError(f"--load {load_dir} has no latest_checkpointed_iteration.txt")
     folder = get_checkpoint_dir(load_dir, *found)
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     if torch_dist.is_torch_dist_checkpoint(folder):
         common = torch_dist.read_common(folder)

@@ -18,7 +18,8 @@ from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention_mask import AttentionMask, masked_attention
 from megatron.model.chunked_attention import (chunked_attention, chunked_cache_mask, chunked_mask,
                                               is_nope_layer, l2_norm)
-from megatron.model.initialization import fused_init_method, normal_block_init, scaled_std
+from megatron.core.transformer.initialization import (fused_init_method, normal_block_init,
+                                                      scaled_std)
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import apply_rotary_pos_emb
@@ -65,7 +66,7 @@ class SelfAttention(torch.nn.Module):
 
     ``query_key_value`` is a ColumnParallelLinear ``h -> (nh + 2 ng) d`` whose rows on each rank
     are ``[Q heads of the rank; K groups of the rank; V groups of the rank]``
-    (:mod:`megatron.model.initialization`); ``dense`` is a RowParallelLinear ``nh d -> h`` with
+    (:mod:`megatron.core.transformer.initialization`); ``dense`` is a RowParallelLinear ``nh d -> h`` with
     the scaled init. Query head ``i`` reads key/value group ``i // (nh / ng)`` (as HuggingFace's
     ``repeat_kv``), which keeps every rank's heads with their own groups.
 

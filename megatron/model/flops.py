@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from megatron.config import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 
 
 def moe_layers(moe: Optional[MoEConfig], num_layers: int) -> List[bool]:

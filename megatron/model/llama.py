@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.model.attention import check_attention_config, check_attention_mask
 from megatron.model.attention_mask import AttentionMask
 from megatron.model.chunked_attention import attention_temperature
-from megatron.model.initialization import init_vocab_rows, normal_block_init
+from megatron.core.transformer.initialization import init_vocab_rows, normal_block_init
 from megatron.model.recompute import forward_layers
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
@@ -79,7 +79,7 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
         layer_numbers: global 1-based numbers of the stage's layers (default: all);
             see :func:`megatron.model.get_layer_numbers`.
         device: device of the parameters (default: CPU).
-        moe_config: the MoE section (:class:`~megatron.config.moe.MoEConfig`) for a
+        moe_config: the MoE section (:class:`~megatron.core.transformer.moe.moe_config.MoEConfig`) for a
             mixture-of-experts model, None for a dense one (see ``TransformerLayer``).
 
     Raises:

@@ -6,51 +6,16 @@ Shapes: s = sequence, b = micro-batch, h = hidden, f = ffn_hidden_size, T = tens
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                   TensorParallelGroupMixin)
 from megatron.core.tensor_parallel.random import checkpoint
-from megatron.model.initialization import fused_init_method, normal_block_init, scaled_std
+from megatron.core.transformer.swiglu import swiglu
+from megatron.core.transformer.initialization import (fused_init_method, normal_block_init,
+                                                      scaled_std)
 from megatron.model.recompute import recompute_active, selective_modules
-
-
-class _SwiGLUFunction(torch.autograd.Function):
-    """``silu(gate) * up`` for ``gate_up = [gate, up]`` (last dim), keeping only ``gate_up``.
-
-    Autograd of the composite keeps ``silu(gate)`` too and assembles the input gradient from two
-    halves with a concatenation; here ``silu(gate)`` is recomputed in backward and both halves
-    are written into one gradient tensor (``d up = dy silu(gate)``, ``d gate = silu'(gate) dy up``).
-    """
-
-    @staticmethod
-    def forward(ctx, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        ctx.save_for_backward(gate_up)
-        return F.silu(gate).mul_(up)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (gate_up,) = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        grad = torch.empty_like(gate_up)
-        grad_gate, grad_up = grad.chunk(2, dim=-1)
-        torch.mul(grad_output, F.silu(gate), out=grad_up)
-        torch.ops.aten.silu_backward.grad_input(grad_output * up, gate, grad_input=grad_gate)
-        return grad
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up [..., 2f] = [gate, up]``: ``[..., f]``, same dtype.
-
-    Under ``torch.compile`` the plain expression is traced (the compiler fuses it by itself).
-    """
-    if torch.compiler.is_compiling():
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return _SwiGLUFunction.apply(gate_up)
 
 
 class SwiGLUMLP(TensorParallelGroupMixin, torch.nn.Module):

@@ -16,8 +16,9 @@ The contract of an MLP block, whatever builds it:
   changing the language-model loss the schedule sees (Megatron-Core's ``MoEAuxLossAutoScaler``),
   and records its value in :data:`AUX_LOSSES` for logging.
 
-Which builder a layer gets: :func:`mlp_kind` (``"dense"``, the SwiGLU MLP, for every layer today;
-a MoE layer pattern such as Megatron-Core's ``--moe-layer-freq`` is a rule added there).
+Which builder a layer gets: :func:`mlp_kind`: ``"moe"`` (a
+:class:`~megatron.core.transformer.moe.MoELayer`, built with the run's MoE section) on the layers
+Megatron-Core's ``--moe-layer-freq`` names, else ``"dense"`` (the SwiGLU MLP).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable, Dict, List
 import torch
 
 from megatron.config import ModelConfig
+from megatron.core.transformer.moe import MoELayer, is_moe_layer, moe_token_group
 
 MLPBuilder = Callable[..., torch.nn.Module]
 
@@ -48,24 +50,30 @@ def register_mlp(kind: str, builder: MLPBuilder) -> None:
     _BUILDERS[kind] = builder
 
 
-def mlp_kind(config: ModelConfig, layer_number: int) -> str:
-    """The MLP kind of global 1-based layer ``layer_number``: ``"dense"`` for every layer."""
-    del config, layer_number
+def mlp_kind(config: ModelConfig, layer_number: int, moe_config=None) -> str:
+    """The MLP kind of global 1-based layer ``layer_number``: ``"moe"`` where ``moe_config``
+    (the run's MoE section, None for a dense model) names the layer, else ``"dense"``."""
+    del config
+    if moe_config is not None and is_moe_layer(moe_config, layer_number):
+        return "moe"
     return "dense"
 
 
 def build_mlp(config: ModelConfig, layer_number: int, *, pg_collection, device=None,
-              kind: str | None = None) -> torch.nn.Module:
-    """The MLP block of layer ``layer_number`` (``kind`` overrides :func:`mlp_kind`).
+              kind: str | None = None, moe_config=None) -> torch.nn.Module:
+    """The MLP block of layer ``layer_number`` (``kind`` overrides :func:`mlp_kind`); the
+    ``"moe"`` builder also gets ``moe_config``.
 
     Raises:
         ValueError: no builder registered for the kind.
     """
-    kind = mlp_kind(config, layer_number) if kind is None else kind
+    kind = mlp_kind(config, layer_number, moe_config) if kind is None else kind
     if kind not in _BUILDERS:
         raise ValueError(f"no MLP builder registered for {kind!r} (layer {layer_number}); "
                          f"known: {', '.join(sorted(_BUILDERS))}")
-    return _BUILDERS[kind](config, layer_number, pg_collection=pg_collection, device=device)
+    extra = {"moe_config": moe_config} if kind == "moe" else {}
+    return _BUILDERS[kind](config, layer_number, pg_collection=pg_collection, device=device,
+                           **extra)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -97,4 +105,16 @@ def _dense(config, layer_number, *, pg_collection, device=None):
     return SwiGLUMLP(config, layer_number, pg_collection=pg_collection, device=device)
 
 
+def _moe(config, layer_number, *, pg_collection, device=None, moe_config):
+    # It records its router losses itself (MoEAuxLossAutoScaler): the plain [s, b, h] output.
+    ep = pg_collection.ep
+    sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
+    return MoELayer(moe_config, hidden_size=config.hidden_size, seed=config.seed,
+                    layer_number=layer_number, init_method_std=config.init_method_std,
+                    num_layers=config.num_layers, params_dtype=config.params_dtype,
+                    device=device, ep_group=ep.group if ep.size > 1 else None,
+                    token_group=moe_token_group(pg_collection, sequence_parallel))
+
+
 register_mlp("dense", _dense)
+register_mlp("moe", _moe)

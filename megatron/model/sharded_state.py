@@ -32,7 +32,7 @@ a dense parameter is partitioned over ``tp`` and replicated over ``dp_cp``; an e
 
 A tensor-parallel partition is its slice of the global tensor along the parameter's
 ``partition_dim``; the fused weights, whose rows on rank r are ``[q_r; k_r; v_r]`` and
-``[gate_r; up_r]`` (:mod:`megatron.model.initialization`), are split into their logical blocks,
+``[gate_r; up_r]`` (:mod:`megatron.core.transformer.initialization`), are split into their logical blocks,
 each a contiguous slice of its own global tensor (modules declare theirs with
 ``fused_row_blocks()``). Parameters not partitioned over TP (norms) are written by TP rank 0; the
 tied embedding's copy on the last pipeline stage (``word_embeddings_for_head``) is the same

@@ -16,7 +16,6 @@ from megatron.model.attention import SelfAttention
 from megatron.model.attention_mask import AttentionMask
 from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.model.mlp_factory import attach_aux_loss, build_mlp, mlp_kind
-from megatron.core.transformer.moe import MoELayer, is_moe_layer, moe_token_group
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 
@@ -64,22 +63,11 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, pg_collection=pg_collection,
                                             device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        # The MLP of this layer's kind (megatron.model.mlp_factory: dense SwiGLU, or a plug-in);
-        # a layer --moe-layer-freq names holds a MoELayer (it records its router losses itself,
-        # through MoEAuxLossAutoScaler, so it returns the plain [s, b, h] output).
-        if moe_config is not None and is_moe_layer(moe_config, layer_number):
-            self.mlp_kind = "moe"
-            ep = pg_collection.ep
-            self.mlp = MoELayer(moe_config, hidden_size=config.hidden_size, seed=config.seed,
-                                layer_number=layer_number, init_method_std=config.init_method_std,
-                                num_layers=config.num_layers, params_dtype=config.params_dtype,
-                                device=device, ep_group=ep.group if ep.size > 1 else None,
-                                token_group=moe_token_group(pg_collection,
-                                                            self.sequence_parallel))
-        else:
-            self.mlp_kind = mlp_kind(config, layer_number)
-            self.mlp = build_mlp(config, layer_number, pg_collection=pg_collection, device=device,
-                                 kind=self.mlp_kind)
+        # The MLP of this layer's kind (megatron.model.mlp_factory: dense SwiGLU, a MoELayer on
+        # the layers --moe-layer-freq names, or a plug-in).
+        self.mlp_kind = mlp_kind(config, layer_number, moe_config)
+        self.mlp = build_mlp(config, layer_number, pg_collection=pg_collection, device=device,
+                             kind=self.mlp_kind, moe_config=moe_config)
         self.recompute_norms = "layernorm" in selective_modules(config)
 
     def _norm_then(self, norm, block, hidden, *args):

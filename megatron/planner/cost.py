@@ -47,7 +47,7 @@ from typing import Iterator, List, Optional
 from megatron.config import ModelConfig
 from megatron.model.flops import num_floating_point_operations
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.planner.memory import RECOMPUTE_CHOICES, MemoryEstimate, estimate_memory, param_numels
 from megatron.planner.moe import (alltoall_bytes_per_iteration, expert_data_parallel_size, is_moe,
                                   stage_expert_numels, stage_moe_layers)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megatron.config import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.planner.memory import param_numels
 from megatron.planner.moe import is_moe, stage_expert_numels, stage_moe_layers
 

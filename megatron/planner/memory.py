@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.config import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
 from megatron.model.flops import active_ffn_hidden_size
 from megatron.planner.moe import (expert_data_parallel_size, is_moe, moe_dense_numels,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from megatron.config import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.model.flops import moe_layers
 
 

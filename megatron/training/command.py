@@ -36,7 +36,7 @@ def data_error_line(exc: BaseException) -> str:
 
 def run_training_command(prog: str, main, argv=None) -> int:
     """``main(argv)`` under the rules of the module docstring; returns the exit status."""
-    from megatron.checkpoint_io import CheckpointSaveError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointSaveError
     from megatron.data.indexed_dataset import IndexedDatasetError
     from megatron.training.train import NonFiniteTrainingError
 

@@ -155,7 +155,7 @@ def count_parameters(model_chunks) -> tuple[int, int, int]:
 
 def format_parameter_counts(rows: Iterable[tuple], moe=None) -> List[str]:
     """Megatron-LM's per-(tensor, pipeline)-rank parameter lines, then the total; for a
-    mixture-of-experts model (``moe``: its :class:`~megatron.config.moe.MoEConfig`) per
+    mixture-of-experts model (``moe``: its :class:`~megatron.core.transformer.moe.moe_config.MoEConfig`) per
     (tensor, pipeline, expert) rank, with the experts' share, and the active parameters.
 
     Active parameters (what one token passes through): the dense ones plus top-k / E of the

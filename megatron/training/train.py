@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, save_folder
-from megatron import checkpointing_torch_dist as torch_dist
+from megatron import checkpointing
+from megatron.checkpointing import save_folder, torch_dist
 from megatron.config import checkpoint_args
 from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -32,7 +32,7 @@ from megatron.training.logging import (IterationProgress, TensorBoardLogger,
                                        memory_report, print_rank_0, print_rank_last)
 from megatron.training.compile import compile_transformer_layers
 from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
-from megatron.training.microbatches import build_num_microbatches_calculator
+from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.training.moe_bias import update_expert_biases
 from megatron.training.moe_logging import moe_iteration_metrics, reset_moe_metrics
 from megatron.training.resilience import ExitConditions, collective_guard
@@ -182,7 +182,7 @@ class _Trainer:
 
     def __init__(self, config, pg_collection, device, forward_step_func, model, optimizer,
                  scheduler, iterators, schedule_config, state: TrainState, start_time: float,
-                 checkpoint_group=None):
+                 checkpoint_group=None, *, resume=checkpointing.NOT_READ):
         self.config, self.groups, self.device = config, pg_collection, device
         # Progress lines within long iterations on rank 0 (counts the training forward steps).
         self.progress = IterationProgress(
@@ -211,7 +211,7 @@ class _Trainer:
                                    start_time, device)
         self.timeout = config.parallel.distributed_timeout_minutes
         self.nan_streak = 0  # consecutive non-finite iterations (nonfinite_iteration)
-        self.last_good, self.newest_in_save = _starting_checkpoints(config.checkpoint)
+        self.last_good, self.newest_in_save = _starting_checkpoints(config.checkpoint, resume)
         self.protected = None  # the checkpoint --keep-last-checkpoints keeps (see save())
         self.trouble_at = None  # the latest non-finite iteration
         self.saver = None  # --ckpt-format torch_dist: keeps the pending --async-save
@@ -433,7 +433,7 @@ class _Trainer:
 
     def finalize_save(self, blocking: bool) -> None:
         """``--async-save``: publish the pending checkpoint once every rank has written it (one
-        all-reduce per iteration while one is pending; see megatron/checkpointing_torch_dist.py)."""
+        all-reduce per iteration while one is pending; see megatron/checkpointing/torch_dist.py)."""
         if self.saver is None or self.saver.pending is None:
             return
         pending = self.saver.pending
@@ -468,15 +468,11 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_c
     :class:`~megatron.config.CheckpointConfig`) under ``config.save``: legacy, or torch_dist with
     ``saver`` (made here when None: synchronous). ``protect``: folders ``--keep-last-checkpoints``
     keeps (either format). Returns the published folder, or None for an asynchronous save."""
-    consumed = dict(consumed_train_samples=state.consumed_train_samples,
-                    consumed_valid_samples=state.consumed_valid_samples)
-    if config.ckpt_format != "torch_dist":
-        return checkpointing.save_checkpoint(state.iteration, model, optimizer, scheduler, config,
-                                             pg_collection, run_flags=run_flags, protect=protect,
-                                             **consumed)
-    return saver.save(state.iteration, model, optimizer, scheduler, config,
-                      torch_dist.Layout.of(pg_collection, optimizer), run_flags=run_flags,
-                      protect=protect, **consumed)
+    return checkpointing.save_checkpoint(state.iteration, model, optimizer, scheduler, config,
+                                         pg_collection, run_flags=run_flags, protect=protect,
+                                         saver=saver,
+                                         consumed_train_samples=state.consumed_train_samples,
+                                         consumed_valid_samples=state.consumed_valid_samples)
 
 
 def _convert_checkpoint(config, state: TrainState, model, optimizer, scheduler, pg_collection,
@@ -495,14 +491,19 @@ def _convert_checkpoint(config, state: TrainState, model, optimizer, scheduler, 
                  f"--load {target}")
 
 
-def _starting_checkpoints(checkpoint):
+def _starting_checkpoints(checkpoint, resume=checkpointing.NOT_READ):
     """``(last_good, newest_in_save)`` at the start of a run (a
     :class:`~megatron.config.CheckpointConfig`): the checkpoint ``--load`` names (iteration,
     folder, the folder with its tracker), the run's starting point; and the newest checkpoint
-    folder in ``--save``, which ``--keep-last-checkpoints`` could delete."""
+    folder in ``--save``, which ``--keep-last-checkpoints`` could delete. ``resume``: ``--load``'s
+    tracker as :func:`megatron.checkpointing.resume_point` read it (also ``--save``'s when the
+    same folder), not read again."""
     def named(root):
         try:
-            found = checkpointing.find_checkpoint(root) if root else None
+            if resume is not checkpointing.NOT_READ and root and root == checkpoint.load:
+                found = resume
+            else:
+                found = checkpointing.find_checkpoint(root) if root else None
         except checkpointing.CheckpointError:
             return None
         if found is None:
@@ -541,11 +542,16 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
     try:
         # Before the model is built: an unusable --save, or one another job holds, stops here.
         lock = save_folder.hold_save_folder(config, device)
+        # --load's tracker, read once here and passed down (initial weights, the load, the
+        # checkpoints --keep-last-checkpoints must keep).
+        resume = (checkpointing.resume_point(config.checkpoint.load) if config.checkpoint.load
+                  else None)
         report.print_layout(groups, config)
         with report.phase("model-and-optimizer-setup"):
             model, optimizer, scheduler = builders.setup_model_and_optimizer(
                 config, model_provider, groups, device,
-                weights_from_checkpoint=checkpointing.weights_will_be_loaded(config.checkpoint))
+                weights_from_checkpoint=checkpointing.weights_will_be_loaded(config.checkpoint,
+                                                                             resume))
         report.print_parameters(model, groups, getattr(config, "moe", None))
         if config.training.compile:
             print_rank_0(f" --compile: {compile_transformer_layers(model)} transformer layers "
@@ -558,7 +564,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
                 loaded = checkpointing.load_checkpoint(model, optimizer, scheduler,
                                                        config.checkpoint, groups,
                                                        run_flags=checkpoint_args(config),
-                                                       group=ckpt_group)
+                                                       group=ckpt_group, found=resume)
             state.iteration = loaded["iteration"]
             state.consumed_train_samples = loaded["consumed_train_samples"]
             state.consumed_valid_samples = loaded["consumed_valid_samples"]
@@ -574,7 +580,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
         report.print_timings(groups, device)
         trainer = _Trainer(config, groups, device, forward_step_func, model, optimizer, scheduler,
                            iterators, builders.schedule_config(config, model, groups, optimizer),
-                           state, start_time, ckpt_group)
+                           state, start_time, ckpt_group, resume=resume)
         print_rank_0(f" training from iteration {state.iteration} to "
                      f"{config.training.num_iterations}")
         completed = trainer.run()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron import checkpointing as ckpt
-from megatron import checkpointing_torch_dist as torch_dist
+from megatron.checkpointing import torch_dist
 from megatron.core.dist_checkpointing import read_metadata, tensor_shapes
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import UNTIED, e2e_argv, layout_args, run_many
@@ -190,8 +190,9 @@ def test_bf16_distributed_optimizer_resumes_exactly(two_ranks):
 # Reading the latest checkpoint while a newer one is being written --------------------------------
 
 def _train_with_a_held_write(argv, gate, marker):
-    """Train; the background write of the second checkpoint stops after its first record until
-    ``gate`` exists (``marker`` says it is held)."""
+    """Train; each rank's background write of the second checkpoint stops after its first record
+    until ``gate`` exists (``marker.<rank>`` says that rank's write is held)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint.filesystem as fs
 
     import pretrain_llama
@@ -201,7 +202,7 @@ def _train_with_a_held_write(argv, gate, marker):
     def held(*args, **kwargs):
         result = real(*args, **kwargs)
         if os.path.exists(marker + ".first"):  # the first checkpoint is published
-            open(marker, "w").close()
+            open(f"{marker}.{dist.get_rank()}", "w").close()
             while not os.path.exists(gate):
                 time.sleep(0.05)
         return result
@@ -222,8 +223,8 @@ def test_latest_checkpoint_reads_while_a_newer_one_is_written(data_prefix, tmp_p
         while ckpt.find_checkpoint(save) is None:
             time.sleep(0.05)
         open(marker + ".first", "w").close()
-        while not os.path.exists(marker):
-            time.sleep(0.05)
+        while not all(os.path.exists(f"{marker}.{rank}") for rank in range(2)):
+            time.sleep(0.05)  # both ranks hold their writes: under load one may start late
         seen["tracker"] = ckpt.find_checkpoint(save)
         seen["staged"] = sorted(os.listdir(os.path.join(save, "iter_0000006.tmp")))
         seen["weights"] = torch_dist.read_tensors(os.path.join(save, "iter_0000003"))

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from megatron import checkpointing as ckpt
-from megatron import checkpointing_torch_dist as torch_dist
+from megatron.checkpointing import torch_dist
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import UNTIED, e2e_argv, run_many
 

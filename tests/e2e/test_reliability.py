@@ -121,7 +121,7 @@ def test_partial_or_corrupt_checkpoint_names_file_and_last_complete(tmp_path, ho
 def _rng_round_trip():
     import random
 
-    from megatron import rng_state
+    from megatron.checkpointing import rng_state
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
 
@@ -157,7 +157,9 @@ def _fill_disk_after_first_save():
     """From the second checkpoint file on, rank 0's writes fail as on a full disk."""
     import errno
 
-    real, calls = ckpt.write_atomic, [0]
+    from megatron.checkpointing import legacy
+
+    real, calls = legacy.write_atomic, [0]
 
     def writer(obj, path):
         calls[0] += 1
@@ -165,7 +167,7 @@ def _fill_disk_after_first_save():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(obj, path)
 
-    ckpt.write_atomic = writer
+    legacy.write_atomic = writer
 
 
 def _runs(cases):
@@ -366,7 +368,7 @@ def test_full_disk_during_save_stops_with_clear_error_and_keeps_previous(dp2_run
     assert "failed on another rank; the previous checkpoint" in results[1]["full disk"]["error"]
     assert open(os.path.join(full, ckpt.TRACKER_FILENAME)).read() == "1"
     assert sorted(os.listdir(full)) == ["iter_0000001", ckpt.TRACKER_FILENAME]
-    assert ckpt._looks_complete(os.path.join(full, "iter_0000001"))
+    assert ckpt.looks_complete(os.path.join(full, "iter_0000001"))
 
 
 @pytest.mark.parametrize("extra, message", [

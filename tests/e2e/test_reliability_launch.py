@@ -137,7 +137,7 @@ def test_sigkill_during_an_async_torch_dist_write_keeps_the_previous_checkpoint(
     second checkpoint; the first stays published and complete, the half-written one is never
     read, and the restart resumes from the first with the undisturbed run's losses (dropout
     on: RNG states restored too)."""
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     root, argv, reference = setup
     save = str(root / "async_ckpt")

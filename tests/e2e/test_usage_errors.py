@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from megatron import save_folder
+from megatron.checkpointing import save_folder
 from tests.helpers.dist import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.reliability import tiny_argv, write_dataset

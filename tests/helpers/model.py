@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.config import ModelConfig
-from megatron.model.initialization import to_fused_layout
+from megatron.core.transformer.initialization import to_fused_layout
 from megatron.model.llama import LlamaModel
 
 transformers = pytest.importorskip("transformers")

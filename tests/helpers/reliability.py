@@ -6,7 +6,7 @@ import os
 import numpy as np
 import torch
 
-from megatron import checkpoint_folder
+from megatron.checkpointing import checkpoint_folder
 from megatron import checkpointing as ckpt
 
 

@@ -4,7 +4,7 @@ required), and ``--help`` shows them."""
 import re
 
 from megatron.arguments import build_parser, parser_defaults
-from megatron.arguments_help import REQUIRED
+from megatron.arguments.help import REQUIRED
 
 
 def _flags():

@@ -1,4 +1,4 @@
-"""megatron.arguments_ranges: every int/float flag has a range; NaN, infinity and out-of-range
+"""megatron.arguments.ranges: every int/float flag has a range; NaN, infinity and out-of-range
 values are refused before any other rule reads them, naming the flag, the value and the fix."""
 
 import math
@@ -7,7 +7,7 @@ import re
 import pytest
 
 from megatron.arguments import build_parser, parse_args, parser_defaults, validate_args
-from megatron.arguments_ranges import RANGES, Range, flag_of
+from megatron.arguments.ranges import RANGES, Range, flag_of
 from megatron.usage_error import UsageError
 
 ARGV = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 "

@@ -1,4 +1,4 @@
-"""megatron/checkpoint_io.py: the one reader of torch.save files. Damaged files are found by their
+"""megatron/core/dist_checkpointing/checkpoint_io.py: the one reader of torch.save files. Damaged files are found by their
 zip CRCs (which torch.load does not check), pickles naming code are refused naming the file and
 the globals, and no message suggests weights_only=False."""
 
@@ -9,7 +9,8 @@ import pickle
 import pytest
 import torch
 
-from megatron.checkpoint_io import UnreadableFileError, load_torch_file, verify_checksums
+from megatron.core.dist_checkpointing.checkpoint_io import (UnreadableFileError, load_torch_file,
+                                                          verify_checksums)
 from tests.helpers.checkpoint import flip_storage_byte
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron import checkpointing as ckpt
+from megatron.checkpointing import legacy
 from megatron.arguments import load_args_from_checkpoint
 from megatron.config import CheckpointConfig
 from megatron.config.saved_args import plain
@@ -61,7 +62,7 @@ def test_expert_parallel_folders_follow_megatron_and_have_one_writer(world, tp, 
         want = [f"{groups.tp.rank:02d}"] + ([f"{groups.pp.rank:03d}"] if pp > 1 else []) + (
             [f"{groups.ep.rank:03d}"] if ep > 1 else [])
         assert parts == want, (rank, name)
-        names.setdefault(name, []).append(ckpt.writes_model_file(groups))
+        names.setdefault(name, []).append(legacy.writes_model_file(groups))
     assert len(names) == folders
     assert all(writers.count(True) == 1 for writers in names.values()), names
 
@@ -128,7 +129,7 @@ def _failing_save(save_dir):
     if torch.distributed.get_rank() == 1:
         def full_disk(obj, path):
             raise OSError(28, "No space left on device")
-        ckpt.write_atomic = full_disk
+        legacy.write_atomic = full_disk
     try:
         ckpt.save_checkpoint(2, model, opt, sched, config, current_groups(), run_flags={},
                              consumed_train_samples=16, consumed_valid_samples=0)

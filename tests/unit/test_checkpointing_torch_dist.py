@@ -1,4 +1,4 @@
-"""megatron.checkpointing_torch_dist's plain parts: the common file of a checkpoint read and
+"""megatron.checkpointing.torch_dist's plain parts: the common file of a checkpoint read and
 refused naming it."""
 
 import re
@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from megatron import checkpointing_torch_dist as torch_dist
-from megatron.checkpoint_io import CheckpointError
+from megatron.checkpointing import torch_dist
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 
 
 @pytest.mark.parametrize("version", ["1", [1], 1.5, True, {"v": 1}])

@@ -13,7 +13,7 @@ import pytest
 
 from megatron import config as cfg
 from megatron.arguments import build_parser, parser_defaults
-from megatron.arguments_validation import IGNORED_FLAGS
+from megatron.arguments.validation import IGNORED_FLAGS
 from megatron.config.saved_args import plain
 from tests.helpers.arguments import base_argv, check
 from tests.helpers.paths import ROOT
@@ -120,13 +120,14 @@ def test_checkpoint_args_keep_megatron_names_and_values(files, extra):
 
 
 PACKAGES_BELOW_PRETRAIN = ["megatron/training", "megatron/core", "megatron/model",
-                           "megatron/data", "megatron/inference", "megatron/checkpointing.py",
-                           "megatron/checkpointing_torch_dist.py"]
+                           "megatron/data", "megatron/inference", "megatron/checkpointing/__init__.py",
+                           "megatron/checkpointing/legacy.py",
+                           "megatron/checkpointing/torch_dist.py"]
 
 
 def test_nothing_below_pretrain_reads_the_namespace():
     """``grep -nw "args\\." megatron/training megatron/core megatron/model megatron/data
-    megatron/inference megatron/checkpointing.py`` finds nothing (``kwargs.get`` is no read of it)."""
+    megatron/inference megatron/checkpointing/{__init__,legacy,torch_dist}.py`` finds nothing (``kwargs.get`` is no read of it)."""
     namespace_read = re.compile(r"(?<![\w])args\.")
     found = []
     for entry in PACKAGES_BELOW_PRETRAIN:

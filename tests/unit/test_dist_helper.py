@@ -17,7 +17,7 @@ def _leave_traces(path):
     import numpy as np
     import torch.distributed as dist
 
-    import megatron.checkpointing as ckpt
+    import megatron.checkpointing.legacy as ckpt
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
     seen = {"env": os.environ.get("LEFT_BY_A_TASK"), "cwd": os.getcwd(), "torch": torch.rand(2).tolist(),

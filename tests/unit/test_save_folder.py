@@ -1,5 +1,5 @@
-"""megatron.save_folder: an unusable --save is refused before training; one job per folder (the
-lock file); megatron.checkpoint_folder.checkpoints_to_remove keeps the last good checkpoint."""
+"""megatron.checkpointing.save_folder: an unusable --save is refused before training; one job per folder (the
+lock file); megatron.checkpointing.checkpoint_folder.checkpoints_to_remove keeps the last good checkpoint."""
 
 import json
 import re
@@ -11,9 +11,9 @@ from collections import namedtuple
 
 import pytest
 
-from megatron import save_folder as sf
-from megatron.checkpoint_io import CheckpointError
-from megatron.checkpoint_folder import checkpoints_to_remove
+from megatron.checkpointing import save_folder as sf
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+from megatron.checkpointing.checkpoint_folder import checkpoints_to_remove
 from megatron.usage_error import UsageError
 
 

@@ -146,7 +146,7 @@ def command(argv=None) -> int:
     """The command line: a wrong flag or input (a missing or refused file, a layout that does not
     divide the model, a damaged checkpoint) is one line ``convert.py: error: ...`` and status 2
     (argparse's convention); anything else is a crash and keeps its traceback."""
-    from megatron.checkpoint_io import CheckpointError
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
     from megatron.usage_error import UsageError, run_command
 
     return run_command("convert.py", lambda a: print(f"saved {main(a)}"), argv,

@@ -6,7 +6,7 @@ embedding / output layer with the *true* vocabulary rows ``[V, h]``. Our checkpo
 Megatron-LLaMA's) hold, per tensor-parallel rank r of T:
 
 - ``query_key_value``: ``[Q heads of rank r; K groups of rank r; V groups of rank r]``
-  (:func:`megatron.model.initialization.to_fused_layout`);
+  (:func:`megatron.core.transformer.initialization.to_fused_layout`);
 - ``dense_h_to_4h``: ``[gate rows of rank r; up rows of rank r]``;
 - ``dense`` / ``dense_4h_to_h``: column (input) partitions; embedding / output layer: row
   partitions of the vocabulary padded to ``padded_vocab_size`` with zero rows.
@@ -24,8 +24,8 @@ from typing import Dict, List
 
 import torch
 
-from megatron import checkpoint_io
-from megatron.model.initialization import from_fused_layout, to_fused_layout
+from megatron.core.dist_checkpointing import checkpoint_io
+from megatron.core.transformer.initialization import from_fused_layout, to_fused_layout
 
 # Logical per-layer tensor names, in the order converters stream them.
 LAYER_KEYS = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down")
@@ -159,10 +159,10 @@ def check_layout(meta: dict, tp: int, pp: int) -> None:
 def load_torch_file(path: str) -> dict:
     """A weights file (``pytorch_model*.bin``, a Megatron shard), memory-mapped when it is in the
     zip format, so only the tensors actually read are paged in
-    (:func:`megatron.checkpoint_io.load_torch_file`: CRCs checked, tensors and plain values only).
+    (:func:`megatron.core.dist_checkpointing.checkpoint_io.load_torch_file`: CRCs checked, tensors and plain values only).
 
     Raises:
-        megatron.checkpoint_io.UnreadableFileError: missing, damaged or refused (names the file).
+        megatron.core.dist_checkpointing.checkpoint_io.UnreadableFileError: missing, damaged or refused (names the file).
     """
     return checkpoint_io.load_torch_file(path, what="weights file", mmap=True)
 

@@ -2,7 +2,7 @@
 ``pytorch_model*.bin``, tokenizer files), streamed tensor by tensor.
 
 Safetensors are read lazily through ``safetensors.safe_open``; ``.bin`` files with
-``torch.load(weights_only=True, mmap=True)`` after a CRC check (:mod:`megatron.checkpoint_io`).
+``torch.load(weights_only=True, mmap=True)`` after a CRC check (:mod:`megatron.core.dist_checkpointing.checkpoint_io`).
 A folder asking to run its own code (``auto_map``, ``*.py``) is refused, as are index entries
 pointing outside the folder (:mod:`megatron.hf_folder`). Config fields we do not implement are refused
 (:func:`meta_from_hf_config`), never dropped.

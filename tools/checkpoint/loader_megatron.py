@@ -1,6 +1,6 @@
 """Loader ``--loader megatron`` (alias ``megatron-lm``): checkpoints in Megatron's legacy layout
 (``--ckpt-format torch``) at any TP/PP: ours, and NVIDIA Megatron-LM's (Megatron-Core or
-legacy-model tensor names, found from the first shard; :mod:`megatron.foreign_checkpoints`).
+legacy-model tensor names, found from the first shard; :mod:`megatron.checkpointing.foreign`).
 
 Reads the tracker (``release`` or an iteration), finds the layout from the ``mp_rank_*`` folders,
 takes the model shape from the stored ``args`` and streams one pipeline stage at a time (its
@@ -22,9 +22,9 @@ import torch
 
 from megatron.config import rope_scaling_from_args
 from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
-from megatron.foreign_checkpoints import (MEGATRON_LM, describe, identify, megatron_lm,
+from megatron.checkpointing.foreign import (MEGATRON_LM, describe, identify, megatron_lm,
                                           megatron_lm_args)
-from megatron.foreign_checkpoints.safe_pickle import load_raw
+from megatron.core.dist_checkpointing.safe_pickle import load_raw
 from megatron.model.chunked_attention import ATTENTION_FIELDS
 from tools.checkpoint import llama4_layout, moe_layout, optimizer_state
 from tools.checkpoint.saver_megatron import MOE_ARGS
@@ -138,7 +138,7 @@ def _check_moe_args(saved: dict) -> None:
 
 def load_checkpoint(args):
     """``(meta, stream)`` of the checkpoint under ``args.load_dir`` (see ``convert.py``)."""
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     tracker = os.path.join(args.load_dir, "latest_checkpointed_iteration.txt")
     if os.path.isfile(tracker):
@@ -193,7 +193,7 @@ def load_torch_dist(folder: str, args):
     """``(meta, stream)`` of one of our ``--ckpt-format torch_dist`` checkpoints: its global
     tensors read whole in this process, streamed as one TP = PP = 1 stage (fused QKV and
     gate/up rebuilt from their global q/k/v and gate/up tensors)."""
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     if getattr(args, "include_optimizer", False):
         raise CheckpointError(f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load "

@@ -13,7 +13,7 @@ replicated on every tensor-parallel rank, last stage). Weights may be fp32, bf16
 
 ``args`` is a ``types.SimpleNamespace`` (the conversion tool: 14 fields, no norm epsilon) or the
 training run's ``argparse.Namespace`` (with ``megatron.core.enums.ModelType``); both are read as
-plain data (:mod:`megatron.foreign_checkpoints.safe_pickle`), never by running the pickle. What
+plain data (:mod:`megatron.core.dist_checkpointing.safe_pickle`), never by running the pickle. What
 the args do not say:
 
 - the norm epsilon (the tool stores none): ``--norm-epsilon``, else the conversion fails naming it;
@@ -25,9 +25,9 @@ the args do not say:
 from __future__ import annotations
 
 from megatron.checkpointing import CheckpointError
-from megatron.foreign_checkpoints import MEGATRON_LLAMA, describe, identify
-from megatron.foreign_checkpoints.megatron_lm import setting
-from megatron.foreign_checkpoints.safe_pickle import flatten, load_raw
+from megatron.checkpointing.foreign import MEGATRON_LLAMA, describe, identify
+from megatron.checkpointing.foreign.megatron_lm import setting
+from megatron.core.dist_checkpointing.safe_pickle import flatten, load_raw
 from tools.checkpoint.layout import DTYPES
 from tools.checkpoint.loader_megatron import (add_foreign_arguments, find_shards, meta_from_args,
                                               stream_stages)

@@ -16,7 +16,7 @@ import shutil
 
 import torch
 
-from megatron.checkpoint_io import load_torch_file
+from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 from megatron.hf_folder import refuse_custom_code
 from tools.checkpoint import llama4_layout, moe_layout
 from tools.checkpoint.layout import DTYPES

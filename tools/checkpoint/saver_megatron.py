@@ -22,8 +22,9 @@ import shutil
 
 import torch
 
-from megatron.checkpoint_io import load_torch_file
-from megatron.checkpointing import CHECKPOINT_VERSION, get_checkpoint_name, get_checkpoint_tracker_filename
+from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
+from megatron.checkpointing import (CHECKPOINT_VERSION, get_checkpoint_name,
+                                    get_checkpoint_tracker_filename)
 from megatron.tokenizer import vocab_size_with_padding
 from megatron.model.chunked_attention import ATTENTION_FIELDS
 from tools.checkpoint import model_flags, moe_layout, optimizer_state

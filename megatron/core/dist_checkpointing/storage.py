@@ -13,7 +13,7 @@ no state-dict flattening or pickled Python objects are involved.
 Nothing in the files is executed: ``.metadata`` is a pickle, read here by an unpickler that builds
 only DCP's metadata classes, torch sizes and dtypes, and refuses anything else naming the file and
 the global; each box is a ``torch.save`` archive whose CRC-32s are checked before
-``torch.load(weights_only=True)`` (:mod:`megatron.checkpoint_io`: a flipped bit is refused, not
+``torch.load(weights_only=True)`` (:mod:`megatron.core.dist_checkpointing.checkpoint_io`: a flipped bit is refused, not
 loaded); file names in the metadata must be plain ``__R_K.distcp`` names inside the checkpoint
 folder. Each stored record is read once however many wanted boxes overlap it.
 
@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron.checkpoint_io import save_to_file
+from megatron.core.dist_checkpointing.checkpoint_io import save_to_file
 from megatron.core.dist_checkpointing.errors import (METADATA_FILE, CheckpointFormatError,
                                                      CheckpointWriteError)
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -476,9 +476,10 @@ class _Reader(FileSystemReader):
 
 
 def _load_record(data: bytes, path: str, index: MetadataIndex, offset: int) -> torch.Tensor:
-    """One stored box: its CRCs checked (:mod:`megatron.checkpoint_io`), then
+    """One stored box: its CRCs checked (:mod:`megatron.core.dist_checkpointing.checkpoint_io`), then
     ``torch.load(weights_only=True)``."""
-    from megatron.checkpoint_io import UnreadableFileError, verify_bytes_checksums
+    from megatron.core.dist_checkpointing.checkpoint_io import (UnreadableFileError,
+                                                              verify_bytes_checksums)
 
     name = f"{path} (the record of {index.fqn} at byte {offset})"
     try:

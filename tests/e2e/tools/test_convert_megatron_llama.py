@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import CheckpointError
-from megatron.foreign_checkpoints.safe_pickle import load_raw
+from megatron.core.dist_checkpointing.safe_pickle import load_raw
 from tests.helpers.convert import assert_reproduces, convert, hf_logits, megatron_logits
 
 pytest.importorskip("transformers")
@@ -157,7 +157,7 @@ def test_missing_epsilon_fails_naming_the_flag(vectors, tmp_path):
 
 
 def test_pickles_read_as_plain_data(vectors):
-    from megatron.foreign_checkpoints import MEGATRON_LLAMA, identify
+    from megatron.checkpointing.foreign import MEGATRON_LLAMA, identify
 
     v1 = identify(os.path.join(vectors["v1"][0], "release", "mp_rank_01", "model_optim_rng.pt"))
     assert v1.system == MEGATRON_LLAMA and v1.args["params_dtype"] == "torch.float32"

@@ -100,7 +100,7 @@ def test_mixtral_logits_equal_transformers(mixtral, tp, pp, tmp_path):
 def test_mixtral_checkpoint_holds_every_expert_once(mixtral, tmp_path):
     """Our shards hold weight1 = [w1; w3] and weight2 = w2 per expert, the router as is, whole
     on every tensor rank; the printed flags carry the MoE flags."""
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 
     folder, model, _, _ = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",

@@ -1,4 +1,4 @@
-"""The Megatron-LM mapping (:mod:`megatron.foreign_checkpoints.megatron_lm`) and ``--load`` of
+"""The Megatron-LM mapping (:mod:`megatron.checkpointing.foreign.megatron_lm`) and ``--load`` of
 Megatron-LM checkpoints, on the genuine ones of ``../shared/data/megatron-lm-reference``: the
 per-group fused QKV is reordered to ours, the values their args lose come from flags or fail
 naming the field, other architectures, layouts and model flags are refused naming what differs,
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import CheckpointError
-from megatron.foreign_checkpoints import identify, megatron_lm
+from megatron.checkpointing.foreign import identify, megatron_lm
 from tests.helpers.convert import megatron_lm_reference, megatron_lm_shard
 from tests.helpers.dist import run_distributed
 
@@ -95,7 +95,7 @@ def test_optimizer_state_needs_finetune(shared_data, tmp_path):
     import argparse
     import shutil
 
-    from megatron.foreign_checkpoints.safe_pickle import load_raw, to_plain
+    from megatron.core.dist_checkpointing.safe_pickle import load_raw, to_plain
 
     src = os.path.join(megatron_lm_reference(shared_data), "mcore-tp1pp1")
     shutil.copytree(src, tmp_path / "m1", ignore=shutil.ignore_patterns("*.pt"))
@@ -112,7 +112,7 @@ def test_optimizer_state_needs_finetune(shared_data, tmp_path):
 def test_run_flags_must_match_the_checkpoint(shared_data):
     import argparse
 
-    from megatron.foreign_checkpoints import check_run_matches
+    from megatron.checkpointing.foreign import check_run_matches
 
     ours = megatron_lm.our_args(identify(megatron_lm_shard(megatron_lm_reference(shared_data), "mcore-tp1pp1")).args, "M1")
     run = dict(num_layers=4, hidden_size=64, ffn_hidden_size=176, num_attention_heads=8,
@@ -132,8 +132,8 @@ def test_a_tensor_shape_contradicting_the_args_is_named():
     (a multi-line "size mismatch" RuntimeError) or in a reshape."""
     import torch
 
-    from megatron.checkpoint_io import CheckpointError
-    from megatron.foreign_checkpoints import megatron_lm
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+    from megatron.checkpointing.foreign import megatron_lm
 
     config = {"hidden_size": 8, "ffn_hidden_size": 12, "num_attention_heads": 4,
               "num_query_groups": 2, "kv_channels": 2, "untie_embeddings_and_output_weights": True}

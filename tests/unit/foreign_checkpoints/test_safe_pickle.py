@@ -1,4 +1,4 @@
-"""megatron/foreign_checkpoints/safe_pickle.py reads through megatron/checkpoint_io.py: another
+"""megatron/core/dist_checkpointing/safe_pickle.py reads through megatron/core/dist_checkpointing/checkpoint_io.py: another
 system's shard (a pickled argparse.Namespace beside its tensors) loads, and the same shard with a
 flipped byte in a tensor is refused naming the file and the record."""
 
@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from megatron.checkpoint_io import UnreadableFileError
-from megatron.foreign_checkpoints.safe_pickle import load_raw
+from megatron.core.dist_checkpointing.checkpoint_io import UnreadableFileError
+from megatron.core.dist_checkpointing.safe_pickle import load_raw
 from tests.helpers.checkpoint import flip_storage_byte
 
 

@@ -4,7 +4,7 @@ generator; an expert's block drawn alone is the one every layout draws."""
 
 import torch
 
-from megatron.model.initialization import (derive_seed, from_fused_layout, init_block,
+from megatron.core.transformer.initialization import (derive_seed, from_fused_layout, init_block,
                                            normal_block_init)
 from megatron.model.llama import LlamaModel
 from tests.helpers.groups import current_groups

@@ -39,8 +39,10 @@ def test_every_layer_is_dense_swiglu_today():
 
 
 def test_unknown_kind_and_double_registration_are_refused(penalty_kind):
-    with pytest.raises(ValueError, match="no MLP builder registered for 'moe'.*known: dense"):
-        mlp_factory.build_mlp(small_config(), 1, pg_collection=current_groups(), kind="moe")
+    with pytest.raises(ValueError,
+                       match="no MLP builder registered for 'expert-choice'.*known: dense, moe"):
+        mlp_factory.build_mlp(small_config(), 1, pg_collection=current_groups(),
+                              kind="expert-choice")
     with pytest.raises(ValueError, match="already registered"):
         mlp_factory.register_mlp(penalty_kind, _SquaredPenaltyMLP)
 
@@ -50,7 +52,7 @@ def test_aux_loss_joins_backward_with_weight_one(penalty_kind, monkeypatch, reco
     """Oracle: the same weights with the dense MLP, the penalty computed by forward hooks and
     added to the loss by hand."""
     config = small_config(recompute_granularity=recompute)
-    monkeypatch.setattr(transformer, "mlp_kind", lambda c, n: penalty_kind)
+    monkeypatch.setattr(transformer, "mlp_kind", lambda c, n, moe_config=None: penalty_kind)
     plugged = LlamaModel(config, pg_collection=current_groups())
     monkeypatch.undo()
     assert [type(l.mlp) for l in plugged.layers] == [_SquaredPenaltyMLP] * 2

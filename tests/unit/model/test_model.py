@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megatron.model import get_layer_numbers
 from megatron.model.attention_mask import AttentionMask
-from megatron.model.initialization import from_fused_layout, to_fused_layout
+from megatron.core.transformer.initialization import from_fused_layout, to_fused_layout
 from megatron.model.llama import LlamaModel
 from tests.helpers.groups import current_groups
 from tests.helpers.model import LLAMA3_SCALING, batch, copy_hf_into_ours, hf_model, small_config

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.model.attention_mask import AttentionMask
-from megatron.model.initialization import from_fused_layout
+from megatron.core.transformer.initialization import from_fused_layout
 from tests.helpers.dist import run_distributed
 from tests.helpers.groups import current_groups
 from tests.helpers.model import batch, small_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.model.flops import moe_layers, num_floating_point_operations
 from tests.unit.model.test_model import small_config

@@ -5,7 +5,7 @@ exactly one writer."""
 
 import torch
 
-from megatron.model.initialization import from_fused_layout
+from megatron.core.transformer.initialization import from_fused_layout
 from tests.helpers.dist import run_distributed
 from tests.helpers.groups import current_groups
 from tests.helpers.model import small_config

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import ModelConfig
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core import parallel_state as ps
 from megatron.planner.memory import estimate_memory, param_numels
 from megatron.planner.moe import (alltoall_bytes_per_iteration, expert_data_parallel_size,

@@ -154,8 +154,10 @@ def test_a_loader_worker_ignores_the_launcher_s_signals():
 
     ready = multiprocessing.get_context("fork").Event()
 
+    from megatron.data import loader_workers
+
     def worker():
-        launch.guard_loader_worker()
+        loader_workers.guard_loader_worker()
         ready.set()
         time.sleep(60)
 

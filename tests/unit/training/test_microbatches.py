@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.training.microbatches import (ConstantNumMicroBatches,
+from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatches,
                                             RampupBatchsizeNumMicroBatches,
                                             build_num_microbatches_calculator, num_microbatches,
                                             train_iterations)

@@ -1,7 +1,7 @@
 """The start-up report's parameter lines of a mixture-of-experts model at EP = 2, against the
 parameters of the same layer built whole in one process."""
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.training.startup_report import count_parameters, format_parameter_counts

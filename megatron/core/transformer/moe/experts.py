@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model.initialization import normal_block_init, scaled_std
-from megatron.model.mlp import swiglu
+from megatron.core.transformer.initialization import normal_block_init, scaled_std
+from megatron.core.transformer.swiglu import swiglu
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -34,17 +34,17 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron.config.moe import MoEConfig
 from megatron.core.distributed.expert_params import mark_expert
 from megatron.core.process_groups import group_size
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.capacity import whole_set_keep_mask
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.router import TopKRouter, scores_for_aux_loss
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
                                                             MoEAlltoAllTokenDispatcher)
-from megatron.model.initialization import init_block
+from megatron.core.transformer.initialization import init_block
 
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
@@ -54,7 +54,7 @@ class MoELayer(torch.nn.Module):
     """Router, local experts, dispatcher and optional shared expert of one layer.
 
     Args:
-        config: the MoE section (:class:`~megatron.config.moe.MoEConfig`).
+        config: the MoE section (:class:`~megatron.core.transformer.moe.moe_config.MoEConfig`).
         hidden_size: h. ffn_hidden_size: each expert's width; default
             ``config.moe_ffn_hidden_size`` (``--moe-ffn-hidden-size``).
         seed / layer_number / init_method_std / num_layers: the initialisation; the router from

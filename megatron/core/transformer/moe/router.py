@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.moe_utils import reduce_counts, updated_expert_bias
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model.initialization import init_block, scaled_std
-from megatron.model.mlp import swiglu
+from megatron.core.transformer.initialization import init_block, scaled_std
+from megatron.core.transformer.swiglu import swiglu
 
 
 class SharedExpertMLP(torch.nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe import MoELayer
 
 H, F_EXPERT = 16, 12

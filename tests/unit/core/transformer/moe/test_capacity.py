@@ -4,7 +4,7 @@ choices contribute nothing."""
 import pytest
 import torch
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe import MoELayer
 from megatron.core.transformer.moe.capacity import get_capacity, keep_mask
 

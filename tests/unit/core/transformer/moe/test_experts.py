@@ -77,7 +77,7 @@ def test_widths_the_kernel_refuses_take_the_loop():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_layer_in_half_precision_grouped_equals_loop_and_tracks_fp32(dtype):
-    from megatron.config.moe import MoEConfig
+    from megatron.core.transformer.moe.moe_config import MoEConfig
     from megatron.core.transformer.moe import MoELayer
 
     def layer(params_dtype, grouped):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe import MoELayer, collect_aux_losses
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_utils import set_aux_loss_scale

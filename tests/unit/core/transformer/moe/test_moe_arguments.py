@@ -4,7 +4,7 @@ combinations, and the MoEConfig section built by build_config."""
 import pytest
 
 from megatron.arguments import parse_args, parser_defaults
-from megatron.arguments_moe import moe_layer_pattern, parse_layer_freq, validate_moe_flags
+from megatron.arguments.moe import moe_layer_pattern, parse_layer_freq, validate_moe_flags
 from megatron.config import MoEConfig, build_config
 from megatron.usage_error import UsageError
 from tests.helpers.arguments import base_argv, check

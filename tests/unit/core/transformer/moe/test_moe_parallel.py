@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe import MoELayer
 from tests.helpers.dist import run_distributed
 

@@ -4,7 +4,7 @@ same weights (transformers 5: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3,
 import pytest
 import torch
 
-from megatron.config.moe import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.router import group_limited_topk, route
 from tests.unit.core.transformer.moe.hf_blocks import FAMILIES, H, hf_route, our_layer
 

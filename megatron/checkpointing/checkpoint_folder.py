@@ -3,8 +3,8 @@
 ``iter_XXXXXXX.tmp/`` and publishing by rename then tracker replacement,
 ``--keep-last-checkpoints``.
 
-Both :mod:`megatron.checkpointing` (``--ckpt-format torch``) and
-:mod:`megatron.checkpointing_torch_dist` (``torch_dist``) build on this module, which imports
+Both :mod:`megatron.checkpointing.legacy` (``--ckpt-format torch``) and
+:mod:`megatron.checkpointing.torch_dist` (``torch_dist``) build on this module, which imports
 neither of them.
 """
 
@@ -17,9 +17,9 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from megatron import save_folder
-from megatron.checkpoint_io import (CheckpointError, CheckpointSaveError, CheckpointUsageError,
-                                    save_to_file)
+from megatron.checkpointing import save_folder
+from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, CheckpointSaveError,
+                                                          CheckpointUsageError, save_to_file)
 from megatron.core.optimizer.lr_scheduler import ScheduleMismatchError
 from megatron.usage_error import UsageError
 
@@ -55,6 +55,33 @@ def read_metadata(tracker_filename: str) -> tuple[int, bool]:
     except ValueError:
         raise CheckpointError(f"{tracker_filename} must hold an iteration number or 'release', "
                               f"found {text[:40]!r}") from None
+
+
+def _file_kind(path: str) -> str:
+    """What ``path`` is, from ``lstat`` only (a named pipe is never opened)."""
+    import stat
+
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "symbolic link to nothing" if not os.path.exists(path) else "symbolic link to no regular file"
+    # the lock file's kinds, the same words
+    return next((name for test, name in save_folder._KINDS if test(mode)), "special file")
+
+
+def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
+    """``(iteration, release)`` named by the tracker file of ``load_dir``, or None if absent.
+
+    Raises:
+        CheckpointError: the tracker exists but is no regular file (a named pipe, a folder, a
+            broken link: never opened, a pipe would block), or does not name an iteration.
+    """
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        if not os.path.lexists(tracker):
+            return None
+        # Not "absent": a run would silently train from scratch beside the checkpoints.
+        raise CheckpointError(f"{tracker} is a {_file_kind(tracker)}, not a tracker file")
+    return read_metadata(tracker)
 
 
 def complete_checkpoints(checkpoints_path: str) -> list[str]:
@@ -106,7 +133,7 @@ def write_atomic(obj, path: str) -> None:
 
     Raises:
         OSError: a write failed (a full disk, a file-size limit: ``[Errno 28] No space left on
-            device: 'PATH'``, :func:`megatron.checkpoint_io.save_to_file`); ``path.tmp`` is
+            device: 'PATH'``, :func:`megatron.core.dist_checkpointing.checkpoint_io.save_to_file`); ``path.tmp`` is
             removed.
     """
     tmp = path + ".tmp"
@@ -182,7 +209,7 @@ def agree_on_load_error(error, device, what: str) -> None:
 
 def prepare_staging(save_dir: str, staging: str) -> None:
     """Rank 0, before a save of either format writes anything: check that ``save_dir`` is still
-    this job's (:func:`megatron.save_folder.check_not_held_by_another_job`), remove ``staging``
+    this job's (:func:`megatron.checkpointing.save_folder.check_not_held_by_another_job`), remove ``staging``
     (the leftover of a save of this iteration killed earlier) and create it afresh.
 
     Raises:

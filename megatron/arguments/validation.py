@@ -3,7 +3,7 @@
 Each ``_validate_*`` function checks one concern and raises
 :class:`~megatron.usage_error.UsageError` (a ``ValueError``) naming the flag, its value and the
 fix, e.g. ``--num-attention-heads (32) must be divisible by --tensor-model-parallel-size (3)``;
-the ranges of the numbers come first (:mod:`megatron.arguments_ranges`), so no rule reads a NaN or
+the ranges of the numbers come first (:mod:`megatron.arguments.ranges`), so no rule reads a NaN or
 a negative size. A ``ValueError`` of a rule this module borrows (the model's attention and
 recompute rules, the data builder's checks) leaves :func:`validate` as a ``UsageError`` too. Nothing here creates a process group or writes a file; the only
 file-system access is checking that input files exist and reading each dataset's ``.idx``.
@@ -19,8 +19,8 @@ import os
 import warnings
 from typing import List
 
-from megatron.arguments_moe import validate_moe
-from megatron.arguments_ranges import check_ranges
+from megatron.arguments.moe import validate_moe
+from megatron.arguments.ranges import check_ranges
 from megatron.usage_error import UsageError
 
 # dest -> (flag as users write it, the feature and issue that will build it).
@@ -201,7 +201,7 @@ def _validate_model_shape(args):
 
 def _validate_parallel_layout(args, world_size):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = getattr(args, "context_parallel_size", 1)  # >= 1: megatron.arguments_ranges
+    cp = getattr(args, "context_parallel_size", 1)  # >= 1: megatron.arguments.ranges
     model = tp * pp * cp
     if world_size < 1 or world_size % model:
         with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""
@@ -306,7 +306,7 @@ def _validate_virtual_pipeline(args):
 def _validate_interleaved_microbatches(args):
     """The interleaved schedule runs micro-batches in groups of PP: their number (every step of
     a ramp-up included) must be divisible by PP (Megatron-LM's rule)."""
-    from megatron.training.microbatches import num_microbatches
+    from megatron.core.num_microbatches_calculator import num_microbatches
 
     if args.virtual_pipeline_model_parallel_size is None:
         return
@@ -382,7 +382,7 @@ def _validate_rampup(args):
     whole micro-batches on every data-parallel rank."""
     if args.rampup_batch_size is None:
         return
-    from megatron.training.microbatches import build_num_microbatches_calculator
+    from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 
     shown = " ".join(map(str, args.rampup_batch_size))
     try:
@@ -544,19 +544,14 @@ def _validate_resume(args, check_files):
     ``--finetune``) must not end before the loaded iteration."""
     if not (check_files and args.load):
         return
-    from megatron.checkpointing import (CheckpointError, find_checkpoint, get_checkpoint_dir,
-                                        get_checkpoint_tracker_filename, last_complete_hint)
-    from megatron.save_folder import check_load_folder
+    from megatron.checkpointing import (get_checkpoint_dir, get_checkpoint_tracker_filename,
+                                        last_complete_hint, resume_point)
+    from megatron.checkpointing.save_folder import check_load_folder
 
     check_load_folder(args.load, args.save)  # a mistyped --load must not train from scratch
-    from megatron.training.microbatches import train_iterations
+    from megatron.core.num_microbatches_calculator import train_iterations
 
-    try:
-        found = find_checkpoint(args.load)
-    except CheckpointError as exc:
-        raise UsageError(f"--load ({args.load}): {exc}; write the iteration of a complete "
-                         f"checkpoint there (iter_0000100 -> 100), or delete the file to start "
-                         f"from scratch.{last_complete_hint(args.load, '')}") from None
+    found = resume_point(args.load)
     if found is None:
         return
     iteration, release = found

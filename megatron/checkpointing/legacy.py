@@ -16,7 +16,9 @@ JSON-compatible values, so ``torch.load(weights_only=True)`` reads it), ``rng_st
 ``checkpoint_version`` 3.0. With ``--use-distributed-optimizer`` every rank of the DP x CP group
 (the optimizer's sharding group) also writes its optimizer shard ``distrib_optim_dp_DDD.pt``
 beside it, ``DDD`` its rank in that group (per parameter name and element range, so a load at
-another DP or CP size re-cuts the shards); ``optimizer`` then holds the common part.
+another DP or CP size re-cuts the shards); ``optimizer`` then holds the common part. At EP > 1
+the folders are ``mp_rank_TT[_PPP]_EEE`` (one per expert-parallel rank, holding its experts) and
+a model with experts loads at another EP or DP size: :mod:`megatron.checkpointing.legacy_experts`.
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a temporary name,
 flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name
@@ -27,8 +29,8 @@ What a save deletes, and why it is this job's to delete (rank 0, in this order):
 ``iter_N.tmp`` of the iteration it saves (a save of it killed earlier), its own staging folder
 when the save failed, the published ``iter_N`` it replaces (moved to ``iter_N.old`` first),
 leftover ``iter_*.tmp`` / ``iter_*.old`` folders of killed saves, and with
-``--keep-last-checkpoints`` older checkpoints (:func:`megatron.checkpoint_folder.checkpoints_to_remove`). A training job holds
-the folder's lock (:mod:`megatron.save_folder`) and every save first checks it is still its own,
+``--keep-last-checkpoints`` older checkpoints (:func:`megatron.checkpointing.checkpoint_folder.checkpoints_to_remove`). A training job holds
+the folder's lock (:mod:`megatron.checkpointing.save_folder`) and every save first checks it is still its own,
 so none of these can be another live job's files.
 """
 
@@ -40,20 +42,20 @@ import shutil
 
 import torch.distributed as dist
 
-from megatron import checkpointing_torch_dist as torch_dist
-from megatron.checkpoint_folder import (TRACKER_FILENAME, agree_on_load_error,
-                                        agree_on_save_error, complete_checkpoints,
-                                        get_checkpoint_dir, get_checkpoint_tracker_filename,
-                                        load_scheduler_state, prepare_staging, publish,
-                                        read_metadata, write_atomic)
-from megatron.checkpoint_io import (CheckpointError, CheckpointUsageError, UnreadableFileError,
-                                    load_torch_file)
+from megatron.checkpointing.checkpoint_folder import (TRACKER_FILENAME, agree_on_load_error,
+                                                     agree_on_save_error, get_checkpoint_dir,
+                                                     load_scheduler_state, prepare_staging,
+                                                     publish, write_atomic)
+from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, UnreadableFileError,
+                                                          load_torch_file)
+from megatron.checkpointing.legacy_experts import (assemble_experts, expert_keys,
+                                                  plan as legacy_plan)
 from megatron.config.saved_args import check_resume_precision, plain
 from megatron.core.distributed.model_chunk import as_model_chunk
+from megatron.core.optimizer.distrib_optimizer_checkpoint import expert_ranges, to_global_ranges
 from megatron.core.process_groups import layout_groups
 from megatron.model import unwrap_model
-from megatron.rng_state import get_rng_state, set_rng_state
-from megatron.usage_error import UsageError
+from megatron.checkpointing.rng_state import get_rng_state, set_rng_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -154,12 +156,6 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
         as_model_chunk(chunk).finish_param_sync()
     save_optim = optimizer is not None and not config.no_save_optim
-    if save_optim and optimizer.kind == "distributed" and pg_collection.ep.size > 1:
-        # Each mp_rank_TT_PPP_EEE folder would hold the shard files of only some DP x CP ranks.
-        raise CheckpointError(f"the legacy format's distributed-optimizer shards at "
-                              f"--expert-model-parallel-size {pg_collection.ep.size} are not "
-                              "supported yet; save with --ckpt-format torch_dist or without "
-                              "--use-distributed-optimizer")
     name = checkpoint_name_of(save_dir, iteration, pg_collection).replace(final_dir, staging, 1)
     rng_states = None
     if not config.no_save_rng:  # one per DP rank, as Megatron-LM keeps them
@@ -169,7 +165,10 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp_cp.rank))
         try:
             os.makedirs(os.path.dirname(shard), exist_ok=True)
-            write_atomic(optimizer.parameter_state(), shard)
+            # expert records on the global expert axis (legacy_experts.py)
+            write_atomic(to_global_ranges(optimizer.parameter_state(),
+                                          expert_ranges(model_chunks, pg_collection.ep.rank),
+                                          pg_collection.expt_tp.rank), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
     if writes_model_file(pg_collection):
@@ -207,33 +206,18 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
 
 # Load -------------------------------------------------------------------------------------------
 
-def _looks_complete(folder: str) -> bool:
+def looks_complete(folder: str) -> bool:
     """Every ``mp_rank_*`` shard of ``folder`` present and a whole zip archive (``torch.save``'s
     format: a truncated file lacks the central directory at its end), no temporary files left."""
     import zipfile
 
-    if torch_dist.is_torch_dist_checkpoint(folder):
-        return torch_dist.looks_complete(folder)
     shards = glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))
     stray = glob.glob(os.path.join(folder, "mp_rank_*", "*.tmp"))
     return bool(shards) and not stray and all(zipfile.is_zipfile(f) for f in shards)
 
 
-def last_complete_hint(load_dir: str, broken_folder: str) -> str:
-    """A sentence naming the newest complete checkpoint under ``load_dir`` other than
-    ``broken_folder`` and how to resume from it (rewrite the tracker file)."""
-    others = [d for d in complete_checkpoints(load_dir)
-              if os.path.abspath(d) != os.path.abspath(broken_folder) and _looks_complete(d)]
-    if not others:
-        return f" No other complete checkpoint is in {load_dir}."
-    last = others[-1]
-    number = int(os.path.basename(last)[len("iter_"):])
-    return (f" The last complete checkpoint is {last}: to resume from it, write {number} into "
-            f"{get_checkpoint_tracker_filename(load_dir)}.")
-
-
 def _torch_load(path: str) -> dict:
-    """This rank's shard ``path`` (:func:`megatron.checkpoint_io.load_torch_file`: CRCs checked,
+    """This rank's shard ``path`` (:func:`megatron.core.dist_checkpointing.checkpoint_io.load_torch_file`: CRCs checked,
     tensors and plain values only).
 
     Raises:
@@ -246,41 +230,6 @@ def _torch_load(path: str) -> dict:
                 "tensor/pipeline-parallel layout)" if present else "")
         raise UnreadableFileError(f"checkpoint shard {path} does not exist{held}.")
     return load_torch_file(path, what="checkpoint shard")
-
-
-def _file_kind(path: str) -> str:
-    """What ``path`` is, from ``lstat`` only (a named pipe is never opened)."""
-    import stat
-
-    mode = os.lstat(path).st_mode
-    if stat.S_ISLNK(mode):
-        return "symbolic link to nothing" if not os.path.exists(path) else "symbolic link to no regular file"
-    from megatron.save_folder import _KINDS  # the lock file's kinds, the same words
-
-    return next((name for test, name in _KINDS if test(mode)), "special file")
-
-
-def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
-    """``(iteration, release)`` named by the tracker file of ``load_dir``, or None if absent.
-
-    Raises:
-        CheckpointError: the tracker exists but is no regular file (a named pipe, a folder, a
-            broken link: never opened, a pipe would block), or does not name an iteration.
-    """
-    tracker = get_checkpoint_tracker_filename(load_dir)
-    if not os.path.isfile(tracker):
-        if not os.path.lexists(tracker):
-            return None
-        # Not "absent": a run would silently train from scratch beside the checkpoints.
-        raise CheckpointError(f"{tracker} is a {_file_kind(tracker)}, not a tracker file")
-    return read_metadata(tracker)
-
-
-def weights_will_be_loaded(config) -> bool:
-    """True when :func:`load_checkpoint` will fill every model parameter (``--load`` names a
-    checkpoint: strict loads refuse a missing tensor), so the model need not draw initial
-    weights. ``config``: the run's :class:`~megatron.config.CheckpointConfig`."""
-    return bool(config.load) and find_checkpoint(config.load) is not None
 
 
 def check_state_dict_shapes(model_state: dict, ckpt_state: dict, path: str) -> None:
@@ -299,82 +248,36 @@ def check_state_dict_shapes(model_state: dict, ckpt_state: dict, path: str) -> N
                 "tensor-parallel size) must match the run that saved it")
 
 
-def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_collection, *,
-                    run_flags: dict, group=None) -> dict:
-    """:func:`_load_checkpoint`, every :class:`CheckpointError` a usage error: one line by the
-    lowest rank that found it (agreed where only some ranks find it, else found by every rank
-    alike: rank 0 prints), status 2 on every rank (:mod:`megatron.usage_error`).
-
-    Raises:
-        UsageError: the checkpoint cannot be loaded as asked (missing, damaged, refused, saved at
-            another layout, a model that does not fit, a resume the flags do not allow).
-    """
-    try:
-        return _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config,
-                                pg_collection, run_flags=run_flags, group=group)
-    except UsageError:
-        raise
-    except CheckpointError as exc:  # raised on every rank alike (the others were agreed on)
-        raise CheckpointUsageError(str(exc)) from None
-
-
-def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_collection, *,
-                     run_flags: dict, group=None) -> dict:
-    """Load ``config.load`` into the model (and optimizer, scheduler, RNG unless told otherwise),
-    whichever format it has: legacy (at the layout it was saved with) or ``torch_dist`` (at any
-    layout; :mod:`megatron.checkpointing_torch_dist`, over the checkpoints' gloo ``group``, made
-    here when None).
-
-    ``--finetune`` and ``release`` checkpoints load the weights only and start at iteration 0;
-    ``--no-load-optim`` / ``--no-load-rng`` skip those parts. Without optimizer state loaded, the
-    optimizer's fp32 main parameters are refreshed from the loaded weights.
-
-    Args:
-        config: the run's :class:`~megatron.config.CheckpointConfig` (``load``, ``finetune``,
-            ``no_load_optim``, ``no_load_rng``).
-        pg_collection: this rank's process groups (which shard it reads; its DP rank's RNG).
-        run_flags: the run's plain ``args`` (:func:`megatron.config.checkpoint_args`): another
-            system's checkpoint is checked against its model values.
+def load_checkpoint(load_dir: str, iteration: int, release: bool, model_chunks, optimizer,
+                    opt_param_scheduler, config, pg_collection, *, run_flags: dict,
+                    explain) -> dict:
+    """Load the legacy checkpoint of ``iteration`` (or ``release``) under ``load_dir``, at the
+    layout it was saved with, into the model (and optimizer, scheduler, RNG unless told
+    otherwise); ``explain(message)``: the message with the last complete checkpoint to fall back
+    on (the dispatcher's, :func:`megatron.checkpointing.last_complete_hint`).
 
     Returns:
-        dict with ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples`` (zeros when
-        there is nothing to load: a fresh start).
+        :func:`megatron.checkpointing.load_checkpoint`'s result.
 
     Raises:
-        CheckpointError: ``--finetune`` with no checkpoint; a missing, corrupt or misfitting shard.
+        CheckpointError: a missing, corrupt or misfitting shard (agreed over the ranks).
     """
-    fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    load_dir = config.load
-    try:
-        found = find_checkpoint(load_dir)  # the same file on every rank: all raise alike
-    except CheckpointError as exc:
-        raise UsageError(f"--load ({load_dir}): {exc}; write the iteration of a complete "
-                         "checkpoint there (iter_0000100 -> 100), or delete the file to start "
-                         f"from scratch.{last_complete_hint(load_dir, '')}") from None
-    if found is None:
-        if config.finetune:
-            raise CheckpointError(f"--finetune needs a checkpoint, but --load {load_dir} has no "
-                                  f"{TRACKER_FILENAME}")
-        if dist.get_rank() == 0:
-            print(f" no checkpoint found at --load {load_dir} ({TRACKER_FILENAME} missing); "
-                  "starting from scratch", flush=True)
-        return fresh
-    iteration, release = found
-    folder = get_checkpoint_dir(load_dir, iteration, release)
-    if torch_dist.is_torch_dist_checkpoint(folder):
-        return _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
-                                pg_collection, group, run_flags)
     path = checkpoint_name_of(load_dir, iteration, pg_collection, release)
     device = next(unwrap_model(model_chunks[0]).parameters()).device
+    experts = None
+    if any(expert_keys(unwrap_model(c)) for c in model_chunks):  # the files of its experts
+        experts = legacy_plan(get_checkpoint_dir(load_dir, iteration, release), pg_collection,
+                              model_chunks, path, shard_pattern=distrib_optim_filename("*"),
+                              read_saved_args=read_saved_args)
+        path = experts.model_file
     for chunk in model_chunks:  # ZeRO-3: gather the sharded parameters (every rank, before any
         as_model_chunk(chunk).finish_param_sync()  # can fail); loading reshards them
     error = None
     try:
         result = _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
-                             pg_collection, run_flags)
+                             pg_collection, run_flags, experts)
     except UnreadableFileError as exc:  # a shard of this rank: name a checkpoint to fall back on
-        error = UnreadableFileError(str(exc).rstrip(".") + "." + last_complete_hint(
-            load_dir, get_checkpoint_dir(load_dir, iteration, release)))
+        error = UnreadableFileError(explain(str(exc)))
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = exc
     # Every rank learns of a failure on any rank, instead of waiting for it in the next
@@ -386,27 +289,6 @@ def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_co
     return result
 
 
-def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config, pg_collection,
-                     group, run_flags=None) -> dict:
-    def explain(message: str) -> str:
-        return message.rstrip(".") + "." + last_complete_hint(config.load, folder)
-
-    made = group is None
-    if made:
-        group = torch_dist.checkpoint_group()
-    try:
-        return torch_dist.load_checkpoint(folder, model_chunks, optimizer, opt_param_scheduler,
-                                          config, torch_dist.Layout.of(pg_collection, optimizer),
-                                          group, run_flags=run_flags, explain=explain)
-    except (torch_dist.CheckpointMismatchError, UsageError):
-        raise  # the flags' to fix (no other checkpoint would fit either), or agreed and said
-    except CheckpointError as exc:  # raised by every rank alike (DCP's read gathers failures)
-        raise CheckpointError(explain(str(exc))) from None
-    finally:
-        if made:
-            dist.destroy_process_group(group)
-
-
 def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
     """Load the optimizer state whichever optimizer saved it: the distributed optimizer re-cuts
     the per-DP-rank shards at this run's DP size or takes a plain optimizer's state whole; the
@@ -415,7 +297,12 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
     try:
         if saved.get("distributed_optimizer") and not distributed:
             from megatron.core.optimizer.distrib_optimizer_checkpoint import shards_to_plain
-            saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
+            if "chained_optimizers" in saved:  # dense and expert parts, each of its params
+                saved = {"chained_optimizers": [
+                    shards_to_plain(shard_paths, sd, part, model_chunks, part.expert)
+                    for part, sd in zip(optimizer.parts, saved["chained_optimizers"])]}
+            else:
+                saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
         optimizer.load_state_dict(saved)
         if distributed:
             optimizer.load_parameter_state(shard_paths if saved.get("distributed_optimizer")
@@ -424,10 +311,11 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
         raise CheckpointError(str(exc)) from None
 
 
-def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
+def _read_shard(path: str, config, pg_collection, run_flags: dict,
+                expert_folders: bool | None = None) -> dict:
     """This rank's shard: ours as saved, or another system's (Megatron-LM) translated to ours by
-    :func:`megatron.foreign_checkpoints.state_for_load` (notes printed on rank 0)."""
-    from megatron import foreign_checkpoints
+    :func:`megatron.checkpointing.foreign.state_for_load` (notes printed on rank 0)."""
+    from megatron.checkpointing import foreign as foreign_checkpoints
 
     probe = path if os.path.isfile(path) else foreign_checkpoints.first_shard(
         os.path.dirname(os.path.dirname(path)))
@@ -441,7 +329,8 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
         folder = os.path.dirname(os.path.dirname(path))
         check_saved_layout(folder, config.load, pg_collection.tp.size, pg_collection.pp.size,
                            weights_only=config.finetune or os.path.basename(folder) == "release",
-                           expert_parallel=pg_collection.ep.size > 1)
+                           expert_parallel=(pg_collection.ep.size > 1 if expert_folders is None
+                                            else expert_folders))
         return _torch_load(path)
     if dist.get_rank() == 0:
         for note in state["notes"]:
@@ -505,12 +394,12 @@ def check_saved_layout(folder: str, load_dir: str, tp: int, pp: int,
 
 def read_saved_args(path: str) -> dict:
     """The ``args`` of the shard ``path`` under our names: ours as saved, another system's
-    translated (:func:`megatron.foreign_checkpoints.saved_args`).
+    translated (:func:`megatron.checkpointing.foreign.saved_args`).
 
     Raises:
         CheckpointError: unreadable, or a checkpoint that must be converted first.
     """
-    from megatron import foreign_checkpoints
+    from megatron.checkpointing import foreign as foreign_checkpoints
 
     foreign = foreign_checkpoints.identify(path)
     if foreign is not None:
@@ -519,10 +408,19 @@ def read_saved_args(path: str) -> dict:
 
 
 def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
-                pg_collection, run_flags) -> dict:
-    """Load this rank's shard ``path``; ``load_checkpoint``'s result."""
+                pg_collection, run_flags, experts=None) -> dict:
+    """Load this rank's shard ``path``; ``load_checkpoint``'s result. ``experts``: a model with
+    experts' :class:`~megatron.checkpointing.legacy_experts.LegacyExpertPlan` (its experts
+    assembled from the files of every saved EP rank when the layout changed)."""
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    state = _read_shard(path, config, pg_collection, run_flags)
+    state = _read_shard(path, config, pg_collection, run_flags,
+                        None if experts is None else experts.saved_ep > 1)
+    cache = {path: state}
+
+    def read(other):
+        if other not in cache:
+            cache[other] = _torch_load(other)
+        return cache[other]
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         if key not in state:
@@ -539,6 +437,8 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "with the virtual pipeline flags it was saved with, or re-cut it with "
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
+        if experts is not None and experts.reassembles:
+            assemble_experts(state, key, module, experts.expert_files, pg_collection.ep, read)
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 
@@ -551,8 +451,18 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
                                   "--no-save-optim); pass --no-load-optim or --finetune")
         if optimizer is not None:
-            _load_optimizer(optimizer, state["optimizer"], sorted(glob.glob(os.path.join(
-                os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
+            shards = sorted(glob.glob(os.path.join(os.path.dirname(path),
+                                                   distrib_optim_filename("*"))))
+            if experts is not None:
+                if experts.reassembles and not state["optimizer"].get("distributed_optimizer"):
+                    raise CheckpointError(
+                        f"checkpoint {path} holds the plain optimizer's state of "
+                        f"--expert-model-parallel-size {experts.saved_ep}'s experts (indexed by "
+                        f"position), which loads only at that EP; load at "
+                        f"--expert-model-parallel-size {experts.saved_ep}, pass --no-load-optim, "
+                        "or save with --use-distributed-optimizer or --ckpt-format torch_dist")
+                shards = experts.shard_files
+            _load_optimizer(optimizer, state["optimizer"], shards, model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             load_scheduler_state(opt_param_scheduler, state["opt_param_scheduler"], config.load)
     elif optimizer is not None:

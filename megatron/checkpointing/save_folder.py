@@ -38,7 +38,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from megatron.checkpoint_io import CheckpointError
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 from megatron.usage_error import UsageError
 
 LOCK_FILENAME = "megatron_save.lock"

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.checkpoint_io import CheckpointError
-from megatron.foreign_checkpoints import megatron_lm
-from megatron.foreign_checkpoints.safe_pickle import flatten, load_raw, to_plain
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+from megatron.checkpointing.foreign import megatron_lm
+from megatron.core.dist_checkpointing.safe_pickle import flatten, load_raw, to_plain
 
 MEGATRON_LM, MEGATRON_LLAMA = "Megatron-LM", "Megatron-LLaMA"
 # args fields only Megatron-LLaMA's argument parser has

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpoint_io import CheckpointError
-from megatron.foreign_checkpoints.safe_pickle import flatten
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+from megatron.core.dist_checkpointing.safe_pickle import flatten
 
 QKV = "self_attention.query_key_value.weight"
 _LAYER = {  # per-layer suffix -> ours

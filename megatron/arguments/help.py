@@ -5,14 +5,14 @@ Kept apart from the declarations so the parser's groups stay readable; :func:`ap
 ``help`` of each action from :data:`HELP` by its first option string, and
 ``tests/unit/test_arguments_help.py`` checks that no flag is left without help. Texts follow
 Megatron-LM's meaning of each flag; where a flag has no effect here
-(:data:`megatron.arguments_validation.IGNORED_FLAGS`) the text says so.
+(:data:`megatron.arguments.validation.IGNORED_FLAGS`) the text says so.
 """
 
 from __future__ import annotations
 
 import argparse
 
-# The flags validation requires (megatron.arguments_validation._validate_required): their help
+# The flags validation requires (megatron.arguments.validation._validate_required): their help
 # says "(required)" instead of a default.
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
             "--micro-batch-size", "--lr", "--tokenizer-type")

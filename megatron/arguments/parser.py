@@ -9,7 +9,7 @@ prints one line and exits 2.
 
 Every flag is one of: implemented; accepted with no effect here (listed by
 :func:`report_ignored_flags`, to be logged once); or refused with "not supported yet"
-(:data:`megatron.arguments_validation.NOT_YET_SUPPORTED`, shrinking as later issues land).
+(:data:`megatron.arguments.validation.NOT_YET_SUPPORTED`, shrinking as later issues land).
 
 Where Megatron-LM and Megatron-LLaMA name a flag differently both spellings are accepted and share
 one ``dest``: ``--normalization RMSNorm`` / ``--RMSNorm``, ``--norm-epsilon`` /
@@ -26,8 +26,8 @@ import glob
 import os
 from typing import Callable, List, Optional
 
-from megatron import arguments_help, arguments_validation
-from megatron.arguments_moe import _layer_freq_arg, add_moe_args
+from megatron.arguments import help as arguments_help, validation as arguments_validation
+from megatron.arguments.moe import _layer_freq_arg, add_moe_args
 from megatron.tokenizer import add_tokenizer_args
 from megatron.usage_error import UsageError
 
@@ -143,7 +143,7 @@ def load_args_from_checkpoint(args) -> list[str]:
                               f"has no {TRACKER_FILENAME}")
     iteration, release = found
     folder = get_checkpoint_dir(args.load, iteration, release)
-    from megatron import checkpointing_torch_dist as torch_dist
+    from megatron.checkpointing import torch_dist
 
     layout = ()
     if torch_dist.is_torch_dist_checkpoint(folder):

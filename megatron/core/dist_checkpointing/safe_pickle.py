@@ -11,7 +11,7 @@ Here the file's globals are listed first without unpickling
 (``torch.serialization.get_unsafe_globals_in_checkpoint``); every one beyond torch's own weights-only
 set must be on :data:`ALLOWED` or be an enum of a Megatron ``enums`` module, else the file is
 refused naming it and the class. Then the file is read by
-:func:`megatron.checkpoint_io.load_torch_file` (its zip CRCs checked, then torch's restricted
+:func:`megatron.core.dist_checkpointing.checkpoint_io.load_torch_file` (its zip CRCs checked, then torch's restricted
 weights-only unpickler) with exactly those globals resolved to inert objects:
 
 - ``argparse.Namespace`` / ``types.SimpleNamespace``: attribute bags (their real classes: they run
@@ -32,7 +32,7 @@ import zipfile
 
 import torch
 
-from megatron.checkpoint_io import CheckpointError, load_torch_file
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError, load_torch_file
 
 # Pickled enum classes of Megatron-LM / Megatron-LLaMA modules ``megatron[.core][...].enums``.
 _MEGATRON_ENUM = re.compile(r"^megatron(\.[A-Za-z_]\w*)*\.enums\.[A-Za-z_]\w*$")
@@ -143,7 +143,7 @@ def allowed_globals(path: str) -> list:
 
 def load_raw(path: str) -> dict:
     """The contents of the ``torch.save`` file ``path``, read by
-    :func:`megatron.checkpoint_io.load_torch_file` (CRCs checked, torch's weights-only unpickler)
+    :func:`megatron.core.dist_checkpointing.checkpoint_io.load_torch_file` (CRCs checked, torch's weights-only unpickler)
     with only :func:`allowed_globals` added: namespaces as themselves, enums as
     :class:`PeerEnum`, tensors memory-mapped (paged in when used).
 

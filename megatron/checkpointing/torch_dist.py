@@ -58,8 +58,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron import checkpoint_folder
-from megatron.checkpoint_io import CheckpointError, CheckpointSaveError
+from megatron.checkpointing import checkpoint_folder
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError, CheckpointSaveError
 from megatron.config.saved_args import check_resume_precision
 from megatron.core import dist_checkpointing as dcp
 from megatron.core.distributed.model_chunk import as_model_chunk
@@ -68,7 +68,7 @@ from megatron.core.dist_checkpointing.async_writer import (DONE, FAILED, RUNNING
                                                            HostBuffers, stage_to_host)
 from megatron.model import unwrap_model
 from megatron.model.sharded_state import model_shardings, model_sharded_tensors
-from megatron.rng_state import get_rng_state, set_rng_state
+from megatron.checkpointing.rng_state import get_rng_state, set_rng_state
 from megatron.usage_error import UsageError, agree_on_usage_error
 
 FORMAT_VERSION = 1
@@ -248,7 +248,7 @@ class TorchDistSaver:
             run_flags: the plain ``args`` the checkpoint records
                 (:func:`megatron.config.checkpoint_args`).
             protect: folders ``--keep-last-checkpoints`` keeps when this save is published
-                (:func:`megatron.checkpoint_folder.checkpoints_to_remove`).
+                (:func:`megatron.checkpointing.checkpoint_folder.checkpoints_to_remove`).
 
         Returns:
             the published folder (synchronous), or None (asynchronous: published later by
@@ -400,7 +400,7 @@ def read_common(folder: str) -> dict:
         CheckpointError: missing, truncated or refused; ``CheckpointMismatchError`` for
             Megatron-LM's own torch_dist checkpoint.
     """
-    from megatron.checkpoint_io import load_torch_file
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 
     _refuse_megatron_lm_s(folder)
     path = os.path.join(folder, COMMON_FILE)

@@ -42,7 +42,7 @@ class CheckpointError(RuntimeError):
 
 class CheckpointSaveError(CheckpointError):
     """A save that failed on some rank (a full disk, a file-size limit, a lost ``--save`` folder),
-    agreed by every rank (:func:`megatron.checkpoint_folder.agree_on_save_error`); the previous
+    agreed by every rank (:func:`megatron.checkpointing.checkpoint_folder.agree_on_save_error`); the previous
     checkpoint and the tracker are untouched. Not the user's mistake, so not a usage error: the
     command prints the one line on rank ``reporter`` alone, without a traceback, and exits 1.
 

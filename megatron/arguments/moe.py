@@ -303,7 +303,6 @@ def validate_moe(args, defaults: dict) -> None:
          "--recompute-granularity / --recompute-activations"),
         (args.moe_router_load_balancing_type == "global_aux_loss",
          "--moe-router-load-balancing-type global_aux_loss"),
-        (getattr(args, "use_megatron_fsdp", False), "--use-megatron-fsdp"),
     ]
     for bad, flag in refused:
         if bad:

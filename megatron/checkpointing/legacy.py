@@ -324,7 +324,7 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict,
         run = dict(run_flags, load=config.load, finetune=config.finetune,
                    no_load_optim=config.no_load_optim)
         state = foreign_checkpoints.state_for_load(probe, path, run, pg_collection.tp.size,
-                                                   pg_collection.pp.size)
+                                                   pg_collection.pp.size, pg_collection.ep.size)
     if state is None:
         folder = os.path.dirname(os.path.dirname(path))
         check_saved_layout(folder, config.load, pg_collection.tp.size, pg_collection.pp.size,

@@ -96,6 +96,10 @@ class ModelConfig:
     """``--attn-temperature-floor-scale``: Llama 4's ``floor_scale`` (tokens). Default 8192."""
     attn_temperature_scale: float = 0.1
     """``--attn-temperature-scale``: Llama 4's ``attn_scale``. Default 0.1."""
+    qk_layernorm_full_width: bool = False
+    """``--qk-layernorm-full-width`` (with ``--qk-layernorm``): the q and k RMSNorms over the whole
+    projection, ``[nh d]`` and ``[ng d]``, not per head (OLMoE's ``q_norm`` / ``k_norm``; no
+    Megatron-Core flag). TP 1 only. Default off."""
     params_dtype: torch.dtype = torch.float32
     """Derived from ``--bf16`` / ``--fp16``: dtype of the model parameters (fp32 otherwise)."""
     tensor_model_parallel_size: int = 1

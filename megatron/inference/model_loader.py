@@ -30,6 +30,9 @@ def checkpoint_args(load_dir: str) -> dict:
     from megatron.checkpointing import torch_dist
 
     if torch_dist.is_torch_dist_checkpoint(folder):
+        from megatron.checkpointing.foreign import megatron_lm_dist
+        if megatron_lm_dist.is_megatron_lm(folder):
+            return dict(megatron_lm_dist.saved_args(folder), ckpt_format="torch_dist")
         common = torch_dist.read_common(folder)
         return dict(common.get("args") or {}, ckpt_format="torch_dist",
                     true_vocab_size=common.get("true_vocab_size"))
@@ -57,6 +60,7 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         rope_scaling=saved.get("rope_scaling"),
         untie_embeddings_and_output_weights=saved.get("untie_embeddings_and_output_weights", True),
         qk_layernorm=bool(saved.get("qk_layernorm")), add_qkv_bias=bool(saved.get("add_qkv_bias")),
+        qk_layernorm_full_width=bool(saved.get("qk_layernorm_full_width")),
         params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"],
         **llama4_attention_fields(saved))
 
@@ -82,6 +86,23 @@ def llama4_attention_fields(saved: dict) -> dict:
     if "no_rope_freq" in out:
         out["no_rope_freq"] = tuple(out["no_rope_freq"])
     return out
+
+
+def moe_config_from_args(saved: dict):
+    """The :class:`~megatron.config.MoEConfig` of a MoE checkpoint's stored arguments (routed
+    experts on every layer, as the converters write them), None for a dense one."""
+    if not saved.get("num_experts"):
+        return None
+    from megatron.config import MoEConfig
+
+    return MoEConfig(num_experts=saved["num_experts"],
+                     moe_ffn_hidden_size=saved.get("moe_ffn_hidden_size") or saved["ffn_hidden_size"],
+                     moe_router_topk=saved.get("moe_router_topk", 2),
+                     moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
+                     moe_shared_expert_intermediate_size=saved.get(
+                         "moe_shared_expert_intermediate_size"),
+                     moe_shared_expert_gate=bool(saved.get("moe_shared_expert_gate")),
+                     moe_layer_freq=(1,) * saved["num_layers"])
 
 
 def load_model_for_inference(load_dir: str, pg_collection, device=None):
@@ -124,6 +145,10 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
                               f"megatron --saver megatron --target-tensor-parallel-size {tp} "
                               f"--target-pipeline-parallel-size {pp}")
     config = model_config_from_args(saved)
+    if saved.get("num_experts") and tp > 1 and pg_collection.ep.size > 1:
+        import dataclasses  # MoE tokens split over the tensor ranks: sequence parallelism
+
+        config = dataclasses.replace(config, sequence_parallel=True)
     model = LlamaModel(config, pg_collection=pg_collection,
                        pre_process=pg_collection.is_pipeline_first_stage(),
                        post_process=pg_collection.is_pipeline_last_stage(),

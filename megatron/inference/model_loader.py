@@ -76,6 +76,7 @@ def moe_config_from_args(saved: dict):
               if saved.get(f.name) is not None}
     if isinstance(values.get("moe_layer_freq"), list):
         values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
+    values.setdefault("moe_ffn_hidden_size", saved["ffn_hidden_size"])
     return MoEConfig(**values)
 
 
@@ -86,23 +87,6 @@ def llama4_attention_fields(saved: dict) -> dict:
     if "no_rope_freq" in out:
         out["no_rope_freq"] = tuple(out["no_rope_freq"])
     return out
-
-
-def moe_config_from_args(saved: dict):
-    """The :class:`~megatron.config.MoEConfig` of a MoE checkpoint's stored arguments (routed
-    experts on every layer, as the converters write them), None for a dense one."""
-    if not saved.get("num_experts"):
-        return None
-    from megatron.config import MoEConfig
-
-    return MoEConfig(num_experts=saved["num_experts"],
-                     moe_ffn_hidden_size=saved.get("moe_ffn_hidden_size") or saved["ffn_hidden_size"],
-                     moe_router_topk=saved.get("moe_router_topk", 2),
-                     moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
-                     moe_shared_expert_intermediate_size=saved.get(
-                         "moe_shared_expert_intermediate_size"),
-                     moe_shared_expert_gate=bool(saved.get("moe_shared_expert_gate")),
-                     moe_layer_freq=(1,) * saved["num_layers"])
 
 
 def load_model_for_inference(load_dir: str, pg_collection, device=None):

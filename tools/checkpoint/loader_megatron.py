@@ -25,7 +25,8 @@ from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_met
 from megatron.checkpointing.foreign import (MEGATRON_LM, describe, identify, megatron_lm,
                                           megatron_lm_args)
 from megatron.core.dist_checkpointing.safe_pickle import load_raw
-from tools.checkpoint import expert_shards, moe_layout, optimizer_state
+from megatron.model.chunked_attention import ATTENTION_FIELDS
+from tools.checkpoint import expert_shards, llama4_layout, moe_layout, optimizer_state
 from tools.checkpoint.saver_megatron import MOE_ARGS
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
 
@@ -95,8 +96,10 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parall
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
         "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "qk_layernorm_full_width",
-        "add_qkv_bias", *MOE_ARGS)}
-    if meta["num_experts"]:
+        "add_qkv_bias", *MOE_ARGS, *ATTENTION_FIELDS)}
+    if llama4_layout.is_llama4(saved):
+        meta.update(llama4_layout.meta_from_args(saved), hf_architecture=llama4_layout.MODEL_TYPE)
+    elif meta["num_experts"]:
         _check_moe_args(saved, expert_parallel)
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]
     meta["num_query_groups"] = meta["num_query_groups"] or meta["num_attention_heads"]
@@ -328,7 +331,7 @@ def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int |
         if not parts[0]:
             raise CheckpointError(f"pipeline stage {p} lacks layer {i} ({prefix}*)")
         layer = partitions_to_layer(parts, meta)
-        if meta.get("num_experts"):
+        if "router" in layer:
             layer["expert_checksums"] = moe_layout.expert_checksums(layer)
         yield "layer", layer
     if p == pp - 1:

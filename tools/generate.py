@@ -62,6 +62,11 @@ def tokenizer_of(args, saved: dict):
     from megatron.tokenizer import build_tokenizer
 
     tokenizer_type = args.tokenizer_type or saved.get("tokenizer_type")
+    if tokenizer_type is None:
+        from megatron.usage_error import UsageError
+        raise UsageError(f"--load {args.load}: the checkpoint records no tokenizer settings (a "
+                         "converted or foreign checkpoint); give --tokenizer-type with "
+                         "--tokenizer-model or --tokenizer-name-or-path")
     vocab_size = saved.get("vocab_size")
     if vocab_size is None and tokenizer_type == "NullTokenizer" and saved.get("true_vocab_size"):
         vocab_size = saved["true_vocab_size"] - 1

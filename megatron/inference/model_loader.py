@@ -21,7 +21,7 @@ def checkpoint_args(load_dir: str) -> dict:
     a Megatron-LM checkpoint's translated).
 
     Raises:
-        CheckpointError: no tracker file or no shard.
+        CheckpointError: no tracker file, no shard, a torch_dist checkpoint recording no args.
     """
     found = find_checkpoint(load_dir)
     if found is None:
@@ -31,7 +31,10 @@ def checkpoint_args(load_dir: str) -> dict:
 
     if torch_dist.is_torch_dist_checkpoint(folder):
         common = torch_dist.read_common(folder)
-        return dict(common.get("args") or {}, ckpt_format="torch_dist",
+        if not isinstance(common.get("args"), dict) or not common["args"]:
+            raise CheckpointError(f"{os.path.join(folder, torch_dist.COMMON_FILE)} records no args "
+                                  "(the model's sizes): the model cannot be built from it")
+        return dict(common["args"], ckpt_format="torch_dist",
                     true_vocab_size=common.get("true_vocab_size"))
     shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
     if not shards:

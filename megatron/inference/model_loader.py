@@ -23,6 +23,10 @@ def checkpoint_args(load_dir: str) -> dict:
     Raises:
         CheckpointError: no tracker file, no shard, a torch_dist checkpoint recording no args.
     """
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir} " + ("is a file" if os.path.lexists(load_dir)
+                              else "does not exist") + ": give the checkpoint folder (the one "
+                              "holding latest_checkpointed_iteration.txt)")
     found = find_checkpoint(load_dir)
     if found is None:
         raise CheckpointError(f"--load {load_dir} has no latest_checkpointed_iteration.txt")

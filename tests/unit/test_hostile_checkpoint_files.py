@@ -152,3 +152,14 @@ def test_a_folder_holding_both_formats_is_refused_naming_both(tmp_path, torch_di
                        "--train-iters", "1", "--lr", "1e-3", "--mock-data"])
     with pytest.raises(CheckpointError, match=expected):
         load_args_from_checkpoint(args)
+
+
+def test_generation_names_a_load_that_is_a_file_or_missing(tmp_path):
+    from megatron.inference.model_loader import checkpoint_args
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    with pytest.raises(CheckpointError, match=r"latest_checkpointed_iteration.txt is a file: give "
+                                              r"the checkpoint folder"):
+        checkpoint_args(str(tmp_path / "latest_checkpointed_iteration.txt"))
+    with pytest.raises(CheckpointError, match=r"nope does not exist: give the checkpoint folder"):
+        checkpoint_args(str(tmp_path / "nope"))

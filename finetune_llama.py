@@ -125,38 +125,25 @@ def check_sft_data(config) -> None:
 
 def sft_datasets_provider(config, train_val_test_num_samples, pad_id=0):
     """``(train, valid, test)`` :class:`~megatron.data.sft_dataset.SFTDataset` s of
-    ``--data-path``'s conversations cut by ``--split`` (document shares, as Megatron-Core),
-    each with the number of samples asked (None for a split with none). Index caches go to
-    ``--data-cache-path`` (built by global rank 0 first)."""
-    import numpy as np
-
-    from megatron.data.blend_config import parse_split, split_matrix
-    from megatron.data.dataset_builder import _rank_zero_first
-    from megatron.data.indexed_dataset import MMapIndexedDataset
+    ``--data-path``'s conversations cut by ``--split``
+    (:func:`megatron.training.document_splits.split_datasets`), each with the
+    number of samples asked. Index caches go to ``--data-cache-path``."""
+    from megatron.training.document_splits import split_datasets
     from megatron.data.sft_dataset import SFTDataset
 
     data, sft = config.data, config.extra["sft"]
     prefix = str(data.data_path[0])
-    count = len(MMapIndexedDataset(prefix).document_indices) - 1
-    print_rank_0(f" > building SFT train, validation, and test datasets of {prefix} "
-                 f"({count} conversations, {'packed' if sft.sft_packing else 'one per sequence'}) ...")
 
-    def build():
-        out = []
-        for name, span, n in zip(("train", "valid", "test"), split_matrix(parse_split(data.split)),
-                                 train_val_test_num_samples):
-            lo, hi = (0, 0) if span is None else (round(span[0] * count), round(span[1] * count))
-            if n <= 0 or hi <= lo:
-                out.append(None)
-                continue
-            out.append(SFTDataset(prefix, data.seq_length, seed=config.training.seed,
-                                  num_samples=n, documents=np.arange(lo, hi),
-                                  packed=sft.sft_packing, packing_window=sft.sft_packing_window,
-                                  pad_id=pad_id, mask_prefix=mask_prefix(prefix),
-                                  cache_dir=data.data_cache_path, split=name))
-        return tuple(out)
+    def make(name, documents, n):
+        return SFTDataset(prefix, data.seq_length, seed=config.training.seed, num_samples=n,
+                          documents=documents, packed=sft.sft_packing,
+                          packing_window=sft.sft_packing_window, pad_id=pad_id,
+                          mask_prefix=mask_prefix(prefix), cache_dir=data.data_cache_path,
+                          split=name)
 
-    return _rank_zero_first(build)
+    layout = "packed" if sft.sft_packing else "one per sequence"
+    return split_datasets(config, train_val_test_num_samples,
+                          "SFT ({count} conversations, " + layout + ")", make)
 
 
 def get_sft_batch(data_iterator, device, vocab_size, data, cp=None):
@@ -194,13 +181,35 @@ def sft_forward_step(data, vocab_size, data_iterator, model):
 
 
 def main(argv=None):
-    """Parse and validate the flags (the SFT section's too), then fine-tune. Returns this rank's
-    history (see ``megatron.training.pretrain``; the loss is logged as ``lm loss``).
+    """Parse and validate the flags (the SFT, DPO and reward sections' too), then fine-tune: SFT,
+    DPO with ``--dpo`` (:mod:`megatron.training.dpo`) or a reward model with ``--reward-model``
+    (:mod:`megatron.training.reward_model`). Returns this rank's history (see
+    ``megatron.training.pretrain``; SFT logs ``lm loss``, DPO ``dpo loss``, the reward model
+    ``reward loss``, both with their rewards).
 
     Raises:
-        UsageError: as ``pretrain_llama.main``, and :func:`check_sft_data`'s refusals.
+        UsageError: as ``pretrain_llama.main``, and :func:`check_sft_data`'s or
+            :func:`megatron.training.dpo.check_dpo_flags`' or
+            :func:`megatron.training.reward_model.check_reward_flags`' refusals.
     """
-    config, tokenizer = configure(argv, sections=[SFT])
+    from megatron.training.dpo import DPO, DPO_SECTION, check_dpo_flags
+    from megatron.training.reward_model import (REWARD_SECTION, RewardModel, check_reward_flags,
+                                                with_reward_head)
+
+    config, tokenizer = configure(argv, sections=[SFT, DPO_SECTION, REWARD_SECTION])
+    check = partial(check_token_ids, vocab_size=tokenizer.vocab_size, data=config.data)
+    if config.extra["reward"].reward_model:
+        check_reward_flags(config)
+        run = RewardModel(config, check, pad_id=tokenizer.eod)
+        return pretrain(config, model_provider=with_reward_head(model_provider),
+                        forward_step_func=run.forward_step,
+                        datasets_provider=run.datasets_provider)
+    if config.extra["dpo"].dpo:
+        check_dpo_flags(config)
+        run = DPO(config, check, pad_id=tokenizer.eod)
+        return pretrain(config, model_provider=model_provider, forward_step_func=run.forward_step,
+                        datasets_provider=run.datasets_provider,
+                        before_training=run.reference_pass)
     check_sft_data(config)
     return pretrain(config, model_provider=model_provider,
                     forward_step_func=partial(sft_forward_step, config.data, tokenizer.vocab_size),

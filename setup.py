@@ -22,8 +22,14 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers", "fastapi", "uvicorn", "openai"],
+        "test": ["pytest", "pytest-timeout", "transformers", "fastapi", "uvicorn", "openai",
+                 "lm-eval>=0.4,<0.5", "accelerate"],  # accelerate: the harness's HF backend
         "wandb": ["wandb"],
         "serve": ["fastapi", "uvicorn"],  # tools/serve.py
+        "eval": ["lm-eval>=0.4,<0.5"],  # megatron.inference.lm_eval_harness
     },
+    entry_points={"console_scripts": [
+        # lm_eval's command line with the megatron_llama3d model registered
+        "megatron-lm-eval = megatron.inference.lm_eval_harness:main",
+    ]},
 )

@@ -51,97 +51,29 @@ def parse_args(argv=None):
     return args
 
 
-def tokenizer_of(args, saved: dict):
-    """The run's tokenizer: this tool's tokenizer flags, else the checkpoint's ``saved`` args.
-
-    A NullTokenizer is rebuilt from the run's ``--vocab-size`` (``saved["vocab_size"]``, as
-    pretrain_llama's checkpoints record it), not from the true vocabulary (``true_vocab_size``),
-    which counts the end-of-document id the tokenizer adds: one more. A converted checkpoint
-    records the true vocabulary only: ``--vocab-size`` is one less.
-    """
-    from megatron.tokenizer import build_tokenizer
-
-    tokenizer_type = args.tokenizer_type or saved.get("tokenizer_type")
-    if tokenizer_type is None:
-        from megatron.usage_error import UsageError
-        raise UsageError(f"--load {args.load}: the checkpoint records no tokenizer settings (a "
-                         "converted or foreign checkpoint); give --tokenizer-type with "
-                         "--tokenizer-model or --tokenizer-name-or-path")
-    vocab_size = saved.get("vocab_size")
-    if vocab_size is None and tokenizer_type == "NullTokenizer" and saved.get("true_vocab_size"):
-        vocab_size = saved["true_vocab_size"] - 1
-    return build_tokenizer(argparse.Namespace(
-        tokenizer_type=tokenizer_type,
-        tokenizer_model=args.tokenizer_model or saved.get("tokenizer_model"),
-        tokenizer_name_or_path=args.tokenizer_name_or_path or saved.get("tokenizer_name_or_path"),
-        vocab_size=vocab_size))
-
-
-def eod_of(tokenizer):
-    """The tokenizer's end-of-document id, or None where it has none."""
-    eod = getattr(tokenizer, "_eod", None)
-    if eod is None:
-        try:
-            eod = tokenizer.eod
-        except (ValueError, AttributeError, NotImplementedError):
-            eod = None
-    return eod
-
-
-def layout_error(saved: dict, load: str, world_size: int, tool: str = "tools/generate.py",
-                 exact: bool = False):
-    """The message when ``world_size`` processes cannot run the checkpoint's TP x PP layout
-    (they must be a multiple of it, or equal to it when ``exact``), else None."""
-    tp = saved.get("tensor_model_parallel_size", 1) or 1
-    pp = saved.get("pipeline_model_parallel_size", 1) or 1
-    if world_size % (tp * pp) == 0 and not (exact and world_size != tp * pp):
-        return None
-    return (f"the checkpoint in --load {load} is cut for tensor-parallel "
-            f"size {tp} x pipeline-parallel size {pp} and needs {tp * pp} processes"
-            f"{'' if exact else ' (or a multiple)'}; this run has {world_size}. Launch it with "
-            f"torchrun: torchrun "
-            f"--nproc-per-node {tp * pp} {tool} --load {load} ..., or reshard it for "
-            f"one process first: python tools/checkpoint/convert.py --loader megatron --saver "
-            f"megatron --load-dir {load} --save-dir {load.rstrip('/')}_tp1pp1 "
-            "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1")
-
-
 def main(argv=None) -> list:
     """Generate; returns the texts (on every rank)."""
-    from megatron.core import parallel_state as ps
     from megatron.inference import generate
-    from megatron.inference.model_loader import checkpoint_args, load_model_for_inference
-    from megatron.training.initialize import initialize_distributed, select_device, shutdown
+    from megatron.inference.launch import eod_of, open_checkpoint
 
     args = parse_args(argv)
-    saved = checkpoint_args(args.load)
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    error = layout_error(saved, args.load, world)
-    if error:  # found by every rank alike: rank 0 says it, every rank exits 2
-        from megatron.usage_error import UsageError
-        raise UsageError(error)
-    tokenizer = tokenizer_of(args, saved)
-    device = select_device(args.distributed_backend)
-    created = initialize_distributed(args.distributed_backend)
+    opened = open_checkpoint(args.load, args, distributed_backend=args.distributed_backend)
     try:
-        groups = ps.initialize_model_parallel(saved.get("tensor_model_parallel_size", 1),
-                                              saved.get("pipeline_model_parallel_size", 1))
-        model, saved = load_model_for_inference(args.load, groups, device=device)
+        tokenizer = opened.tokenizer
         prompts = [tokenizer.tokenize(text) for text in args.prompt]
-        eod = eod_of(tokenizer)
-        out = generate(model, prompts, args.max_new_tokens, greedy=args.greedy,
+        out = generate(opened.model, prompts, args.max_new_tokens, greedy=args.greedy,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       vocab_size=saved.get("true_vocab_size") or tokenizer.vocab_size,
-                       eod=eod, seed=args.seed, device=device, pg_collection=groups)
+                       vocab_size=opened.vocab_size, eod=eod_of(tokenizer), seed=args.seed,
+                       device=opened.device, pg_collection=opened.groups)
         texts = [tokenizer.detokenize(ids) for ids in out]
+        import torch.distributed as dist
+
         if dist.get_rank() == 0:
             for text in texts:
                 print(f"--- sample ---\n{text}", flush=True)
         return texts
     finally:
-        shutdown(created)
+        opened.close()
 
 
 def command(argv=None) -> int:

@@ -56,7 +56,30 @@ def parse_args(argv=None):
     lim.add_argument("--max-new-tokens-limit", type=int, default=512, help="largest max_tokens")
     lim.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     lim.add_argument("--max-body-bytes", type=int, default=2 ** 20, help="largest request body")
+    no = p.add_argument_group("not built (refused: vLLM's flags, named so that asking says so)")
+    for flag in NOT_BUILT:
+        no.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+# vLLM's flags for what this server does not do, and the one line that refuses each.
+NOT_BUILT = {
+    "--speculative-model": "speculative decoding is not built (every token is one forward of the "
+                           "model itself)",
+    "--num-speculative-tokens": "speculative decoding is not built (every token is one forward "
+                                "of the model itself)",
+    "--enable-prefix-caching": "prefix caching is not built (no KV-cache blocks are shared "
+                               "between requests: each computes its own prompt)",
+}
+
+
+def refuse_not_built(args) -> None:
+    """One line for a flag of :data:`NOT_BUILT` (before anything is read)."""
+    from megatron.usage_error import UsageError
+
+    for flag, why in NOT_BUILT.items():
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise UsageError(f"{flag}: {why}; see docs/serving.md 'Not built'")
 
 
 def validate(args, saved: dict) -> None:
@@ -276,43 +299,34 @@ def serve_http(app, host: str, port: int, loop) -> threading.Thread:
 
 
 def main(argv=None) -> int:
-    from megatron.core import parallel_state as ps
     from megatron.inference.engine import Engine
     from megatron.inference.engine.openai_protocol import Limits
     from megatron.inference.engine.serving_loop import ServingLoop
-    from megatron.inference.model_loader import checkpoint_args, load_model_for_inference
-    from megatron.training.initialize import initialize_distributed, select_device, shutdown
+    from megatron.inference.launch import eod_of, open_checkpoint
+    from megatron.inference.model_loader import checkpoint_args
     from megatron.usage_error import UsageError
-    from tools.generate import eod_of, layout_error, tokenizer_of
 
     args = parse_args(argv)
+    refuse_not_built(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UsageError(f"tools/serve.py needs FastAPI and uvicorn ({e}): pip install -e .[serve]")
-    saved = checkpoint_args(args.load)
-    validate(args, saved)
+    validate(args, checkpoint_args(args.load))
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    error = layout_error(saved, args.load, world, tool="tools/serve.py", exact=True)
-    if error:  # found by every rank alike: rank 0 says it, every rank exits 2
-        raise UsageError(error)
-    tokenizer = tokenizer_of(args, saved)
-    device = select_device(args.distributed_backend)
-    created = initialize_distributed(args.distributed_backend)
+    opened = open_checkpoint(args.load, args, distributed_backend=args.distributed_backend,
+                             tool="tools/serve.py", exact=True)
+    model, groups, tokenizer, device = opened.model, opened.groups, opened.tokenizer, opened.device
     try:
-        groups = ps.initialize_model_parallel(saved.get("tensor_model_parallel_size", 1),
-                                              saved.get("pipeline_model_parallel_size", 1))
-        model, saved = load_model_for_inference(args.load, groups, device=device)
         torch.set_grad_enabled(False)
         engine = Engine(model, groups, num_blocks=kv_blocks(args, model, groups),
                         block_size=args.block_size, max_batch_size=args.max_batch_size,
                         max_tokens_per_step=args.max_tokens_per_step,
                         prefill_chunk=args.prefill_chunk,
-                        vocab_size=saved.get("true_vocab_size") or tokenizer.vocab_size,
+                        vocab_size=opened.vocab_size,
                         eod=eod_of(tokenizer), detokenize=tokenizer.detokenize,
                         packed=args.packed, device=device)
         if not engine.is_leader:
@@ -341,7 +355,7 @@ def main(argv=None) -> int:
         http.join(timeout=10)
         return 0
     finally:
-        shutdown(created)
+        opened.close()
 
 
 def command(argv=None) -> int:

@@ -272,39 +272,58 @@ def _validate_groups(args, experts, topk):
 
 def validate_moe(args, defaults: dict) -> None:
     """:func:`validate_moe_flags`, then the layouts training runs with experts: EP (folded over
-    DP, CP x DP and TP), TP with sequence parallelism and expert-TP 1, CP, PP (with virtual
-    stages), the distributed optimizer (each proven equal to one process in
-    tests/e2e/test_moe_layouts_e2e.py); the rest is refused until it is proven."""
+    DP, CP x DP and TP), TP with sequence parallelism, expert-TP (default TP, Megatron-Core's),
+    TP x CP, PP (with virtual stages), the distributed optimizer, full and selective recompute
+    (each proven equal to one process in tests/e2e/test_moe_layouts_e2e.py); the rest is refused
+    until it is proven."""
     validate_moe_flags(args, defaults)
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
     if args.num_experts is None:
+        if ep > 1:
+            raise UsageError(f"--expert-model-parallel-size {ep} needs --num-experts (a dense "
+                             "model has no experts to spread): add --num-experts or remove it")
         return
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
     etp = getattr(args, "expert_tensor_parallel_size", None)
+    etp = tp if etp is None else etp
     if args.num_experts % ep:
         raise UsageError(f"--num-experts ({args.num_experts}) must be divisible by "
                          f"--expert-model-parallel-size ({ep}): each EP rank holds E / EP experts")
-    if etp not in (None, 1) or (etp is None and tp > 1):
-        raise UsageError(f"--num-experts with --expert-tensor-parallel-size {etp or tp} (default: "
-                         "TP) is not supported yet: experts are whole on each rank; add "
-                         "--expert-tensor-parallel-size 1")
+    if args.moe_ffn_hidden_size % etp:
+        raise UsageError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible "
+                         f"by --expert-tensor-parallel-size ({etp}, default TP): each expert-TP "
+                         "rank holds an equal slice of every expert's width")
     if tp > 1 and not args.sequence_parallel:
         raise UsageError(f"--num-experts with --tensor-model-parallel-size {tp} needs "
                          "--sequence-parallel (as in Megatron-Core: each TP rank routes its own "
                          "share of the tokens); add --sequence-parallel")
+    if args.moe_router_bias_update_rate != defaults["moe_router_bias_update_rate"] and \
+            not args.moe_router_enable_expert_bias:
+        raise UsageError(f"--moe-router-bias-update-rate {args.moe_router_bias_update_rate} "
+                         "needs --moe-router-enable-expert-bias (no bias to update): add it or "
+                         "remove the rate")
+    if not any(args.moe_layer_freq):
+        raise UsageError(f"--num-experts {args.num_experts} with --moe-layer-freq "
+                         f"{list(args.moe_layer_freq)}: no layer is MoE; mark one layer 1 or "
+                         "remove --num-experts")
+    modules = set(args.recompute_modules or ())
+    if args.recompute_granularity == "selective" and modules and modules <= {"act", "mlp"} \
+            and all(args.moe_layer_freq):
+        raise UsageError(f"--recompute-modules {' '.join(sorted(modules))} recomputes nothing "
+                         "when every layer is MoE (the experts have no selective recompute): add "
+                         "core_attn or layernorm, or use --recompute-granularity full")
     refused = [
-        (tp > 1 and cp > 1, f"--tensor-model-parallel-size {tp} and --context-parallel-size {cp}"
-                            " together"),
         (cp > 1 and args.moe_token_drop_policy == "position",
          f"--moe-token-drop-policy position at --context-parallel-size {cp}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss"),
         (args.rampup_batch_size is not None, "--rampup-batch-size"),
-        (args.recompute_granularity is not None or args.recompute_activations,
-         "--recompute-granularity / --recompute-activations"),
-        (args.moe_router_load_balancing_type == "global_aux_loss",
-         "--moe-router-load-balancing-type global_aux_loss"),
-        (getattr(args, "use_megatron_fsdp", False), "--use-megatron-fsdp"),
+        (etp > 1 and getattr(args, "use_megatron_fsdp", False),
+         f"--use-megatron-fsdp at --expert-tensor-parallel-size {etp}"),
     ]
+    if etp > 1 and (args.save is not None or args.load is not None):
+        raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} (default TP) with "
+                         "--save / --load: checkpoints of experts split over expert-TP are not "
+                         "built yet; add --expert-tensor-parallel-size 1 or drop --save / --load")
     for bad, flag in refused:
         if bad:
             raise UsageError(f"--num-experts with {flag} is not supported yet (docs/moe.md "

@@ -111,7 +111,8 @@ CHECKPOINT_MODEL_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
     "num_query_groups", "group_query_attention", "kv_channels", "max_position_embeddings",
     "position_embedding_type", "add_position_embedding", "use_rotary_position_embeddings",
-    "rotary_base", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "swiglu", "untie_embeddings_and_output_weights",
+    "rotary_base", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_layernorm_full_width",
+    "swiglu", "untie_embeddings_and_output_weights",
     "normalization", "norm_epsilon", "make_vocab_size_divisible_by", "padded_vocab_size",
     "tokenizer_type", "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "use_rope_scaling", "rope_scaling_factor",
@@ -145,7 +146,9 @@ def load_args_from_checkpoint(args) -> list[str]:
 
     layout = ()
     if torch_dist.is_torch_dist_checkpoint(folder):
-        saved = dict(torch_dist.read_common(folder).get("args") or {})
+        from megatron.checkpointing.foreign import megatron_lm_dist
+        saved = (megatron_lm_dist.saved_args(folder) if megatron_lm_dist.is_megatron_lm(folder)
+                 else dict(torch_dist.read_common(folder).get("args") or {}))
         # It loads at any layout: the run's parallel sizes stay its own.
         layout = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size")
@@ -258,6 +261,9 @@ def _add_network_size_args(parser):
                    help="a bias on the query/key/value projection only (Qwen2, Qwen2-MoE)")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="RMSNorm of each query and key head before RoPE (Qwen3, Qwen3-MoE)")
+    g.add_argument("--qk-layernorm-full-width", action="store_true",
+                   help="with --qk-layernorm: the norms over the whole q / k projection, not per "
+                        "head (OLMoE); tensor-parallel size 1 only")
     g.add_argument("--causal-lm", action="store_true",
                    help="Megatron-LLaMA: LLaMA-style LM head, implies "
                         "--untie-embeddings-and-output-weights")

@@ -194,6 +194,10 @@ def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_co
         return message.rstrip(".") + "." + last_complete_hint(load_dir, folder)
 
     if torch_dist.is_torch_dist_checkpoint(folder):
+        from megatron.checkpointing.foreign import megatron_lm_dist
+        if megatron_lm_dist.is_megatron_lm(folder):  # Megatron-LM's own: weights, any layout
+            return megatron_lm_dist.load_into(folder, model_chunks, optimizer, config,
+                                              pg_collection, run_flags)
         return _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
                                 pg_collection, group, run_flags, explain)
     return legacy.load_checkpoint(load_dir, iteration, release, model_chunks, optimizer,

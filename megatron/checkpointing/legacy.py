@@ -16,7 +16,9 @@ JSON-compatible values, so ``torch.load(weights_only=True)`` reads it), ``rng_st
 ``checkpoint_version`` 3.0. With ``--use-distributed-optimizer`` every rank of the DP x CP group
 (the optimizer's sharding group) also writes its optimizer shard ``distrib_optim_dp_DDD.pt``
 beside it, ``DDD`` its rank in that group (per parameter name and element range, so a load at
-another DP or CP size re-cuts the shards); ``optimizer`` then holds the common part.
+another DP or CP size re-cuts the shards); ``optimizer`` then holds the common part. At EP > 1
+the folders are ``mp_rank_TT[_PPP]_EEE`` (one per expert-parallel rank, holding its experts) and
+a model with experts loads at another EP or DP size: :mod:`megatron.checkpointing.legacy_experts`.
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a temporary name,
 flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name
@@ -46,8 +48,11 @@ from megatron.checkpointing.checkpoint_folder import (TRACKER_FILENAME, agree_on
                                                      publish, write_atomic)
 from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, UnreadableFileError,
                                                           load_torch_file)
+from megatron.checkpointing.legacy_experts import (assemble_experts, expert_keys,
+                                                  plan as legacy_plan)
 from megatron.config.saved_args import check_resume_precision, plain
 from megatron.core.distributed.model_chunk import as_model_chunk
+from megatron.core.optimizer.distrib_optimizer_checkpoint import expert_ranges, to_global_ranges
 from megatron.core.process_groups import layout_groups
 from megatron.model import unwrap_model
 from megatron.checkpointing.rng_state import get_rng_state, set_rng_state
@@ -151,12 +156,6 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     for chunk in model_chunks:  # pending all-gathers of the distributed optimizer: save new weights
         as_model_chunk(chunk).finish_param_sync()
     save_optim = optimizer is not None and not config.no_save_optim
-    if save_optim and optimizer.kind == "distributed" and pg_collection.ep.size > 1:
-        # Each mp_rank_TT_PPP_EEE folder would hold the shard files of only some DP x CP ranks.
-        raise CheckpointError(f"the legacy format's distributed-optimizer shards at "
-                              f"--expert-model-parallel-size {pg_collection.ep.size} are not "
-                              "supported yet; save with --ckpt-format torch_dist or without "
-                              "--use-distributed-optimizer")
     name = checkpoint_name_of(save_dir, iteration, pg_collection).replace(final_dir, staging, 1)
     rng_states = None
     if not config.no_save_rng:  # one per DP rank, as Megatron-LM keeps them
@@ -166,7 +165,10 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         shard = os.path.join(os.path.dirname(name), distrib_optim_filename(dp_cp.rank))
         try:
             os.makedirs(os.path.dirname(shard), exist_ok=True)
-            write_atomic(optimizer.parameter_state(), shard)
+            # expert records on the global expert axis (legacy_experts.py)
+            write_atomic(to_global_ranges(optimizer.parameter_state(),
+                                          expert_ranges(model_chunks, pg_collection.ep.rank),
+                                          pg_collection.expt_tp.rank), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
     if writes_model_file(pg_collection):
@@ -263,12 +265,18 @@ def load_checkpoint(load_dir: str, iteration: int, release: bool, model_chunks, 
     """
     path = checkpoint_name_of(load_dir, iteration, pg_collection, release)
     device = next(unwrap_model(model_chunks[0]).parameters()).device
+    experts = None
+    if any(expert_keys(unwrap_model(c)) for c in model_chunks):  # the files of its experts
+        experts = legacy_plan(get_checkpoint_dir(load_dir, iteration, release), pg_collection,
+                              model_chunks, path, shard_pattern=distrib_optim_filename("*"),
+                              read_saved_args=read_saved_args)
+        path = experts.model_file
     for chunk in model_chunks:  # ZeRO-3: gather the sharded parameters (every rank, before any
         as_model_chunk(chunk).finish_param_sync()  # can fail); loading reshards them
     error = None
     try:
         result = _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
-                             pg_collection, run_flags)
+                             pg_collection, run_flags, experts)
     except UnreadableFileError as exc:  # a shard of this rank: name a checkpoint to fall back on
         error = UnreadableFileError(explain(str(exc)))
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
@@ -290,7 +298,12 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
     try:
         if saved.get("distributed_optimizer") and not distributed:
             from megatron.core.optimizer.distrib_optimizer_checkpoint import shards_to_plain
-            saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
+            if "chained_optimizers" in saved:  # dense and expert parts, each of its params
+                saved = {"chained_optimizers": [
+                    shards_to_plain(shard_paths, sd, part, model_chunks, part.expert)
+                    for part, sd in zip(optimizer.parts, saved["chained_optimizers"])]}
+            else:
+                saved = shards_to_plain(shard_paths, saved, optimizer, model_chunks)
         optimizer.load_state_dict(saved)
         if distributed:
             optimizer.load_parameter_state(shard_paths if saved.get("distributed_optimizer")
@@ -299,7 +312,8 @@ def _load_optimizer(optimizer, saved: dict, shard_paths, model_chunks) -> None:
         raise CheckpointError(str(exc)) from None
 
 
-def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
+def _read_shard(path: str, config, pg_collection, run_flags: dict,
+                expert_folders: bool | None = None) -> dict:
     """This rank's shard: ours as saved, or another system's (Megatron-LM) translated to ours by
     :func:`megatron.checkpointing.foreign.state_for_load` (notes printed on rank 0)."""
     from megatron.checkpointing import foreign as foreign_checkpoints
@@ -311,12 +325,13 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict) -> dict:
         run = dict(run_flags, load=config.load, finetune=config.finetune,
                    no_load_optim=config.no_load_optim)
         state = foreign_checkpoints.state_for_load(probe, path, run, pg_collection.tp.size,
-                                                   pg_collection.pp.size)
+                                                   pg_collection.pp.size, pg_collection.ep.size)
     if state is None:
         folder = os.path.dirname(os.path.dirname(path))
         check_saved_layout(folder, config.load, pg_collection.tp.size, pg_collection.pp.size,
                            weights_only=config.finetune or os.path.basename(folder) == "release",
-                           expert_parallel=pg_collection.ep.size > 1)
+                           expert_parallel=(pg_collection.ep.size > 1 if expert_folders is None
+                                            else expert_folders))
         return _torch_load(path)
     if dist.get_rank() == 0:
         for note in state["notes"]:
@@ -394,10 +409,19 @@ def read_saved_args(path: str) -> dict:
 
 
 def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, config,
-                pg_collection, run_flags) -> dict:
-    """Load this rank's shard ``path``; ``load_checkpoint``'s result."""
+                pg_collection, run_flags, experts=None) -> dict:
+    """Load this rank's shard ``path``; ``load_checkpoint``'s result. ``experts``: a model with
+    experts' :class:`~megatron.checkpointing.legacy_experts.LegacyExpertPlan` (its experts
+    assembled from the files of every saved EP rank when the layout changed)."""
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    state = _read_shard(path, config, pg_collection, run_flags)
+    state = _read_shard(path, config, pg_collection, run_flags,
+                        None if experts is None else experts.saved_ep > 1)
+    cache = {path: state}
+
+    def read(other):
+        if other not in cache:
+            cache[other] = _torch_load(other)
+        return cache[other]
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         if key not in state:
@@ -414,6 +438,8 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "with the virtual pipeline flags it was saved with, or re-cut it with "
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
+        if experts is not None and experts.reassembles:
+            assemble_experts(state, key, module, experts.expert_files, pg_collection.ep, read)
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 
@@ -426,8 +452,18 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
                                   "--no-save-optim); pass --no-load-optim or --finetune")
         if optimizer is not None:
-            _load_optimizer(optimizer, state["optimizer"], sorted(glob.glob(os.path.join(
-                os.path.dirname(path), distrib_optim_filename("*")))), model_chunks)
+            shards = sorted(glob.glob(os.path.join(os.path.dirname(path),
+                                                   distrib_optim_filename("*"))))
+            if experts is not None:
+                if experts.reassembles and not state["optimizer"].get("distributed_optimizer"):
+                    raise CheckpointError(
+                        f"checkpoint {path} holds the plain optimizer's state of "
+                        f"--expert-model-parallel-size {experts.saved_ep}'s experts (indexed by "
+                        f"position), which loads only at that EP; load at "
+                        f"--expert-model-parallel-size {experts.saved_ep}, pass --no-load-optim, "
+                        "or save with --use-distributed-optimizer or --ckpt-format torch_dist")
+                shards = experts.shard_files
+            _load_optimizer(optimizer, state["optimizer"], shards, model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             load_scheduler_state(opt_param_scheduler, state["opt_param_scheduler"], config.load)
     elif optimizer is not None:

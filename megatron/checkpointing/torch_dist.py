@@ -417,9 +417,9 @@ def _refuse_megatron_lm_s(folder: str) -> None:
     if isinstance(meta, dict) and "format_version" not in meta:
         raise CheckpointMismatchError(
             f"{folder} is a torch_dist checkpoint of Megatron-LM itself (its {METADATA_JSON} has "
-            "no format_version), which this code does not read: convert it to --ckpt-format "
-            "torch with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR), then "
-            "--load DIR/torch")
+            "no format_version), not one of ours: --load reads its weights at any layout "
+            "(megatron.checkpointing.foreign.megatron_lm_dist), tools/checkpoint/convert.py "
+            "--loader megatron-lm converts it")
     # The backends' versions say how the files are laid out; a newer one is not read as ours.
     unknown = {k: meta.get(k) for k, v in _BACKEND.items() if isinstance(meta, dict)
                and k in meta and meta.get(k) != v}

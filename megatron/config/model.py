@@ -74,6 +74,10 @@ class ModelConfig:
     """``--qk-layernorm``: RMSNorm of each query and key head over its ``kv_channels`` before
     RoPE (Qwen3 / Qwen3-MoE's ``q_norm`` / ``k_norm``; Megatron-Core's ``q_layernorm`` /
     ``k_layernorm``). Default off."""
+    qk_layernorm_full_width: bool = False
+    """``--qk-layernorm-full-width`` (with ``--qk-layernorm``): the q and k RMSNorms over the whole
+    projection, ``[nh d]`` and ``[ng d]``, not per head (OLMoE's ``q_norm`` / ``k_norm``; no
+    Megatron-Core flag). TP 1 only. Default off."""
     params_dtype: torch.dtype = torch.float32
     """Derived from ``--bf16`` / ``--fp16``: dtype of the model parameters (fp32 otherwise)."""
     tensor_model_parallel_size: int = 1

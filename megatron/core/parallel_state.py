@@ -66,9 +66,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     for kind in CREATION_ORDER:
         # Middle pipeline stages belong to no embedding group: no group, no ranks, rank -1.
         mine[kind] = ParallelGroup(None, (), -1)
-        if len(layout[kind][0]) == 1 and (kind == "context" or kind in EXPERT_FIELDS.values()):
-            # Context or expert group of one (CP = 1, EP = 1, expert-TP = 1): nothing
-            # communicates over it, no communicator is made.
+        if len(layout[kind][0]) == 1 and (kind in ("context", "tensor_context")
+                                          or kind in EXPERT_FIELDS.values()):
+            # Context, tensor x context or expert group of one (CP = 1, EP = 1, expert-TP = 1):
+            # nothing communicates over it, no communicator is made.
             mine[kind] = ParallelGroup.of_one(None, rank)
             continue
         for ranks in layout[kind]:
@@ -81,7 +82,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                 mine[kind] = ParallelGroup(made[key], key, ranks.index(rank))
     _GROUPS = ProcessGroupCollection(
         tp=mine["tensor"], pp=mine["pipeline"], dp=mine["data"], cp=mine["context"],
-        dp_cp=mine["data_context"], model=mine["model"], embedding=mine["embedding"], rank=rank,
+        dp_cp=mine["data_context"], model=mine["model"], embedding=mine["embedding"],
+        tp_cp=mine["tensor_context"], rank=rank,
         world_size=world_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         **{name: mine[kind] for name, kind in EXPERT_FIELDS.items()})

@@ -106,7 +106,7 @@ _EXPERT_ORDER = ("etp", "ep", "edp", "pp")
 
 # Kind of group -> the dimensions its members differ in.
 _VARYING = {"tensor": ("tp",), "context": ("cp",), "data": ("dp",), "data_context": ("cp", "dp"),
-            "pipeline": ("pp",), "model": ("tp", "pp")}
+            "pipeline": ("pp",), "model": ("tp", "pp"), "tensor_context": ("tp", "cp")}
 _EXPERT_VARYING = {"expert_tensor": ("etp",), "expert": ("ep",), "expert_data": ("edp",),
                    "tensor_expert": ("etp", "ep"), "tensor_expert_pipeline": ("etp", "ep", "pp")}
 
@@ -117,16 +117,31 @@ EXPERT_FIELDS = {"ep": "expert", "expt_tp": "expert_tensor", "expt_dp": "expert_
 # Creation order of the groups (torch.distributed.new_group is collective over the whole world).
 CREATION_ORDER = ("data", "data_context", "context", "model", "tensor", "pipeline", "embedding",
                   "expert_tensor", "expert", "expert_data", "tensor_expert",
-                  "tensor_expert_pipeline")
+                  "tensor_expert_pipeline", "tensor_context")
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """A group of a layout that is only planned, not created: its size and this rank's place in
+    it, no communicator. Modules built on the meta device with planned groups
+    (:func:`megatron.planner.inventory.build_meta_stage`) have the shapes of that rank's shard;
+    they must never run (a collective on a planned group fails in ``torch.distributed``)."""
+
+    size: int
+    rank: int = 0
 
 
 def group_size(group) -> int:
     """Number of ranks of ``group``; 1 for None (a world of one)."""
+    if isinstance(group, PlannedGroup):
+        return group.size
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This process's rank inside ``group``; 0 for None (a world of one)."""
+    if isinstance(group, PlannedGroup):
+        return group.rank
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -186,6 +201,7 @@ def layout_groups(world_size: int, tensor_model_parallel_size: int,
 
     Returns:
         dict with keys ``tensor``, ``context``, ``data``, ``data_context`` (DP x CP),
+        ``tensor_context`` (TP x CP),
         ``pipeline``, ``model`` (TP x PP), ``embedding`` (first and last rank of each pipeline
         group; the one rank at PP = 1), and the expert grid's ``expert_tensor``, ``expert``
         (EP), ``expert_data``, ``tensor_expert`` (expert-TP x EP), ``tensor_expert_pipeline``
@@ -282,6 +298,9 @@ class ProcessGroupCollection:
         tp_ep: expert-TP x EP group.
         tp_ep_pp: expert-TP x EP x PP group: the expert part's gradient norm is summed over it
             (one full set of experts, as ``model`` is one full dense model).
+        tp_cp: tensor x context-parallel group (Megatron-Core's ``tp_cp``): the ranks that split
+            one micro-batch's tokens under sequence and context parallelism together (a MoE
+            layer's token set); a group of one without communicator at TP = CP = 1.
 
     The five expert groups default to this rank alone (groups of one, no communicator), the
     expert grid of a collection built without one; ``initialize_model_parallel`` fills them.
@@ -302,9 +321,10 @@ class ProcessGroupCollection:
     expt_dp: Optional[ParallelGroup] = None
     tp_ep: Optional[ParallelGroup] = None
     tp_ep_pp: Optional[ParallelGroup] = None
+    tp_cp: Optional[ParallelGroup] = None
 
     def __post_init__(self):
-        for name in EXPERT_FIELDS:
+        for name in (*EXPERT_FIELDS, "tp_cp"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, ParallelGroup.of_one(None, self.rank))
 

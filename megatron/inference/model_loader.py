@@ -34,6 +34,9 @@ def checkpoint_args(load_dir: str) -> dict:
     from megatron.checkpointing import torch_dist
 
     if torch_dist.is_torch_dist_checkpoint(folder):
+        from megatron.checkpointing.foreign import megatron_lm_dist
+        if megatron_lm_dist.is_megatron_lm(folder):
+            return dict(megatron_lm_dist.saved_args(folder), ckpt_format="torch_dist")
         common = torch_dist.read_common(folder)
         if not isinstance(common.get("args"), dict) or not common["args"]:
             raise CheckpointError(f"{os.path.join(folder, torch_dist.COMMON_FILE)} records no args "
@@ -64,7 +67,35 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         rope_scaling=saved.get("rope_scaling"),
         untie_embeddings_and_output_weights=saved.get("untie_embeddings_and_output_weights", True),
         qk_layernorm=bool(saved.get("qk_layernorm")), add_qkv_bias=bool(saved.get("add_qkv_bias")),
+        qk_layernorm_full_width=bool(saved.get("qk_layernorm_full_width")),
         params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
+
+
+def moe_config_for_inference(saved: dict):
+    """The :class:`~megatron.core.transformer.moe.moe_config.MoEConfig` a mixture-of-experts checkpoint's stored
+    arguments give for generation, None for a dense checkpoint.
+
+    Routing is the trained one (top-k, score function, expert bias, groups, shared expert), but
+    **dropless**: ``moe_expert_capacity_factor`` is None whatever the run trained with. A
+    capacity is taken over the tokens of one forward, so with it a token's experts would depend
+    on the other tokens of its step (the other requests, the chunking of its prompt); dropless,
+    each token's experts and weights are a function of that token alone (Megatron-Core's
+    inference runs dropless too). No router loss is computed (coefficients 0).
+    """
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_config import MoEConfig
+
+    if not saved.get("num_experts"):
+        return None
+    names = {f.name for f in dataclasses.fields(MoEConfig)}
+    values = {k: v for k, v in saved.items() if k in names and v is not None}
+    freq = values.get("moe_layer_freq", 1)
+    values["moe_layer_freq"] = tuple(freq) if isinstance(freq, (list, tuple)) else freq
+    values.update(moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+                  moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                  moe_router_load_balancing_type="none")
+    return MoEConfig(**values)
 
 
 def load_model_for_inference(load_dir: str, pg_collection, device=None):
@@ -76,7 +107,8 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
             checkpoint's TP and PP sizes (any sizes for a ``--ckpt-format torch_dist`` one) and
             context-parallel size 1 (a checkpoint trained with ``--context-parallel-size`` holds the
             same weights at every CP size: generation loads it at CP = 1; the KV-cache decoding
-            does not split sequences).
+            does not split sequences); for a mixture-of-experts checkpoint, its expert-parallel
+            size (:func:`moe_config_for_inference`: routing runs dropless).
         device: where the parameters go (default CPU).
 
     Returns:
@@ -107,11 +139,15 @@ def load_model_for_inference(load_dir: str, pg_collection, device=None):
                               f"megatron --saver megatron --target-tensor-parallel-size {tp} "
                               f"--target-pipeline-parallel-size {pp}")
     config = model_config_from_args(saved)
+    if saved.get("num_experts") and tp > 1 and pg_collection.ep.size > 1:
+        import dataclasses  # MoE tokens split over the tensor ranks: sequence parallelism
+
+        config = dataclasses.replace(config, sequence_parallel=True)
     model = LlamaModel(config, pg_collection=pg_collection,
                        pre_process=pg_collection.is_pipeline_first_stage(),
                        post_process=pg_collection.is_pipeline_last_stage(),
                        layer_numbers=get_layer_numbers(config.num_layers, pp, pg_collection.pp.rank),
-                       device=device)
+                       device=device, moe_config=moe_config_for_inference(saved))
     load_checkpoint([model], None, None, CheckpointConfig(load=load_dir, finetune=True),
                     pg_collection, run_flags=saved)
     return model.eval(), saved

@@ -35,6 +35,14 @@ def check_attention_config(config: ModelConfig) -> None:
                          f"--tensor-model-parallel-size ({tp}); use a smaller TP or more groups")
     if nh % ng:
         raise ValueError(f"--num-attention-heads ({nh}) must be divisible by --num-query-groups ({ng})")
+    if getattr(config, "qk_layernorm_full_width", False):
+        if not config.qk_layernorm:
+            raise ValueError("--qk-layernorm-full-width needs --qk-layernorm (it says how wide the "
+                             "q/k norms are): add --qk-layernorm")
+        if tp > 1:  # the mean square would need the other ranks' heads (an all-reduce)
+            raise ValueError(f"--qk-layernorm-full-width at --tensor-model-parallel-size {tp}: "
+                             "the norm over the whole q/k projection spans every rank's heads "
+                             "and is not split over tensor ranks; use TP 1")
 
 
 def _check_context_parallel_inputs(attention_mask, inference_params, dropout_p: float) -> None:
@@ -82,10 +90,6 @@ class SelfAttention(torch.nn.Module):
         super().__init__()
         check_attention_config(config)
         tp = config.tensor_model_parallel_size
-        if config.qk_layernorm and tp > 1:  # each rank's heads give part of the norm's gradient
-            raise ValueError(f"--qk-layernorm at --tensor-model-parallel-size {tp}: the "
-                             "reduction of the q/k norm weights' gradients over the "
-                             "tensor-parallel group is not wired; use TP 1")
         d = config.kv_channels
         self.heads_per_partition = config.num_attention_heads // tp
         self.groups_per_partition = config.num_query_groups // tp
@@ -110,9 +114,15 @@ class SelfAttention(torch.nn.Module):
                                           "self_attention.dense"),
             **common)
         self.q_layernorm = self.k_layernorm = None
+        self.qk_layernorm_full_width = config.qk_layernorm_full_width
         if config.qk_layernorm:
             norm = dict(eps=config.norm_epsilon, params_dtype=config.params_dtype, device=device)
-            self.q_layernorm, self.k_layernorm = RMSNorm(d, **norm), RMSNorm(d, **norm)
+            widths = ((config.num_attention_heads * d, config.num_query_groups * d)
+                      if self.qk_layernorm_full_width else (d, d))
+            self.q_layernorm, self.k_layernorm = (RMSNorm(w, **norm) for w in widths)
+            if tp > 1:  # per head: the same weights on every rank, each rank's heads give part
+                for p in (self.q_layernorm.weight, self.k_layernorm.weight):  # of the gradient,
+                    p.sequence_parallel = True  # summed over the tensor-parallel group
         self.recompute_core_attn = "core_attn" in selective_modules(config)
         # Context parallelism: this rank holds 2 of the 2 CP chunks of each sequence
         # (megatron.core.context_parallel); attention communicates over the CP group.
@@ -166,9 +176,11 @@ class SelfAttention(torch.nn.Module):
         s, b = qkv.shape[:2]
         n, g, d = self.heads_per_partition, self.groups_per_partition, self.kv_channels
         q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
-        q, k = q.view(s, b, n, d), k.view(s, b, g, d)
-        if self.q_layernorm is not None:  # per head, before RoPE (Qwen3's q_norm / k_norm)
+        if self.qk_layernorm_full_width:  # over the whole projection, before RoPE (OLMoE)
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = q.reshape(s, b, n, d), k.reshape(s, b, g, d)
+        if self.q_layernorm is not None and not self.qk_layernorm_full_width:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)  # per head (Qwen3's q_norm / k_norm)
         q = apply_rotary_pos_emb(q, cos, sin)
         k = apply_rotary_pos_emb(k, cos, sin)
         # A copy: kept by SDPA for backward, a view would keep the whole QKV output alive.

@@ -107,12 +107,14 @@ def _dense(config, layer_number, *, pg_collection, device=None):
 
 def _moe(config, layer_number, *, pg_collection, device=None, moe_config):
     # It records its router losses itself (MoEAuxLossAutoScaler): the plain [s, b, h] output.
-    ep = pg_collection.ep
+    ep, etp, dp = pg_collection.ep, pg_collection.expt_tp, pg_collection.dp
     sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
     return MoELayer(moe_config, hidden_size=config.hidden_size, seed=config.seed,
                     layer_number=layer_number, init_method_std=config.init_method_std,
                     num_layers=config.num_layers, params_dtype=config.params_dtype,
                     device=device, ep_group=ep.group if ep.size > 1 else None,
+                    expert_tp_group=etp.group if etp.size > 1 else None,
+                    dp_group=dp.group if dp.size > 1 else None,
                     token_group=moe_token_group(pg_collection, sequence_parallel))
 
 

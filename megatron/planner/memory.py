@@ -1,7 +1,8 @@
 """Per-rank memory of a LLaMA training layout: parameters, gradients, optimizer state, activations.
 
 Parameters, gradient buffers and optimizer state are counted exactly as this codebase allocates
-them (``LlamaModel``'s parameters in registration order, the DDP grad buffer's DP-padded buckets,
+them (``LlamaModel``'s parameters in registration order, read from the model built on the meta
+device by :mod:`megatron.planner.inventory`, the DDP grad buffer's DP-padded buckets,
 torch AdamW's state). Activations follow Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models" (section 4, equations 1-5), adapted to what our LLaMA
 layer saves for backward: RMSNorm instead of LayerNorm (fp32 statistics), SwiGLU instead of GeLU,
@@ -30,50 +31,32 @@ from megatron.config import ModelConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
 from megatron.model.flops import active_ffn_hidden_size
-from megatron.planner.moe import (expert_data_parallel_size, is_moe, moe_dense_numels,
-                                  stage_expert_numels, stage_moe_layers)
+from megatron.planner.inventory import stage_inventory
+from megatron.planner.moe import expert_data_parallel_size, is_moe, stage_expert_numels
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 def param_numels(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
                  moe: Optional[MoEConfig] = None) -> List[int]:
-    """Element counts of one rank's parameters, in ``LlamaModel``'s registration order.
+    """Element counts of one rank's dense parameters, in registration order, read from the stage
+    built on the meta device (:func:`megatron.planner.inventory.stage_inventory`).
 
     Args:
         config: the whole model (its ``tensor_model_parallel_size`` is ignored; ``tp`` is used).
         tp / pp: tensor- and pipeline-parallel sizes; pp_rank: the pipeline stage.
-        moe: the MoE section; its MoE layers hold the router and shared expert here (dense
-            parameters, :func:`megatron.planner.moe.moe_dense_numels`) instead of the SwiGLU,
-            their routed experts being counted by :func:`megatron.planner.moe.stage_expert_numels`.
+        moe: the MoE section; its MoE layers' router and shared expert are dense parameters
+            (counted here), their routed experts are not (expert parameters:
+            :func:`megatron.planner.moe.stage_expert_numels`).
 
     Returns:
         One entry per dense parameter tensor of the stage on one tensor-parallel rank.
-    """
 
-    h, f, d, v = config.hidden_size, config.ffn_hidden_size, config.kv_channels, config.padded_vocab_size
-    nh, ng = config.num_attention_heads, config.num_query_groups
-    bias = config.add_bias_linear
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    numels = []
-    if first:
-        numels.append(v // tp * h)
-    qkv_out = (nh + 2 * ng) * d // tp
-    for is_moe_layer in stage_moe_layers(config, moe, pp, pp_rank):
-        numels.append(h)                                    # input_layernorm
-        numels += [qkv_out * h] + ([qkv_out] if bias else [])
-        numels += [h * nh * d // tp] + ([h] if bias else [])  # row-parallel bias is replicated
-        numels.append(h)                                    # post_attention_layernorm
-        if is_moe_layer:
-            numels += moe_dense_numels(config, moe)
-            continue
-        numels += [2 * f // tp * h] + ([2 * f // tp] if bias else [])
-        numels += [h * f // tp] + ([h] if bias else [])
-    if last:
-        numels.append(h)                                    # final_layernorm
-        if config.untie_embeddings_and_output_weights or not first:
-            numels.append(v // tp * h)                      # output layer or tied copy
-    return numels
+    Raises:
+        ValueError: as :class:`~megatron.model.llama.LlamaModel` (a size not divisible by TP,
+            layers by PP).
+    """
+    return list(stage_inventory(config, tp, pp, pp_rank, moe).dense)
 
 
 def bucket_numels(numels: List[int], dp: int, bucket_size: Optional[int] = None,
@@ -130,22 +113,16 @@ def zero3_unit_numels(config: ModelConfig, tp: int, pp: int, pp_rank: int, dp: i
     """Padded elements of ZeRO-3's units on one rank of stage ``pp_rank``
     (:mod:`megatron.core.distributed.param_units`): the root unit (embedding, final norm, output
     layer: one bucket, the tied copy at PP > 1 a bucket of its own) first, then one bucket per
-    transformer layer, each padded to a multiple of ``dp``."""
-    numels = param_numels(config, tp, pp, pp_rank)
-    per_layer = 6 + 4 * bool(config.add_bias_linear)
-    lead = 1 if pp_rank == 0 else 0
-    n_layers = config.num_layers // pp
-    body = numels[lead:lead + n_layers * per_layer]
-    rest = numels[:lead] + numels[lead + n_layers * per_layer:]
+    transformer layer, each padded to a multiple of ``dp``. The units and the parameter with a
+    bucket of its own are read from the stage built on the meta device
+    (:func:`megatron.planner.inventory.stage_inventory`)."""
     pad = lambda n: -(-n // dp) * dp  # noqa: E731
-    tied_alone = pp > 1 and not config.untie_embeddings_and_output_weights
-    v_rows = config.padded_vocab_size // tp * config.hidden_size
-    alone = [n for n in rest if tied_alone and n == v_rows][:1]
-    others = list(rest)
-    for n in alone:
-        others.remove(n)
-    root = sum(pad(n) for n in alone) + (pad(sum(others)) if others else 0)
-    return [root] + [pad(sum(body[i * per_layer:(i + 1) * per_layer])) for i in range(n_layers)]
+    out = []
+    for unit in stage_inventory(config, tp, pp, pp_rank).units:
+        alone = [n for n, own in unit if own]
+        others = [n for n, own in unit if not own]
+        out.append(sum(pad(n) for n in alone) + (pad(sum(others)) if others else 0))
+    return out
 
 
 def optimizer_state_bytes(numels: List[int], *, mixed_precision: bool, distributed: bool = False,

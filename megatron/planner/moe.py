@@ -19,11 +19,13 @@ against the alltoall dispatcher's counted splits.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 from megatron.config import ModelConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.model.flops import moe_layers
+from megatron.planner.inventory import stage_inventory
 
 
 def is_moe(moe: Optional[MoEConfig]) -> bool:
@@ -43,33 +45,20 @@ def expert_data_parallel_size(tp: int, cp: int, dp: int, ep: int, etp: int) -> i
     return stage // (ep * etp)
 
 
-def moe_dense_numels(config: ModelConfig, moe: MoEConfig) -> List[int]:
-    """Dense parameters of one MoE layer's MLP, in registration order: the router ``E h``, the
-    shared expert's ``2 f_s h`` and ``h f_s`` and its gate ``h`` (when configured)."""
-    h = config.hidden_size
-    numels = [moe.num_experts * h]
-    fs = moe.moe_shared_expert_intermediate_size
-    if fs:
-        numels += [2 * fs * h, h * fs] + ([h] if moe.moe_shared_expert_gate else [])
-    return numels
-
-
 def moe_expert_numels(config: ModelConfig, moe: MoEConfig, ep: int, etp: int = 1) -> List[int]:
-    """Expert parameters of one MoE layer on one rank: ``weight1 [E/EP, 2f/etp, h]`` and
-    ``weight2 [E/EP, h, f/etp]``.
+    """Expert parameters of one MoE layer on one rank, read from the first MoE layer of the
+    model built on the meta device at EP (``weight1 [E/EP, 2f, h]``, ``weight2 [E/EP, h, f]``),
+    each divided by expert-TP (which splits every expert's ffn width f; the model does not build
+    expert-TP shards itself).
 
     Raises:
         ValueError: E not divisible by EP, or f by expert-TP."""
-    experts, h = moe.num_experts, config.hidden_size
-    f = moe.moe_ffn_hidden_size or config.ffn_hidden_size
-    if experts % ep:
-        raise ValueError(f"--num-experts ({experts}) must be divisible by "
-                         f"--expert-model-parallel-size ({ep})")
+    shapes = next(s for s in stage_inventory(config, 1, 1, 0, moe, ep).expert_shapes if s)
+    f = shapes[-1][-1]  # weight2's columns: the expert's ffn width
     if f % etp:
         raise ValueError(f"--moe-ffn-hidden-size ({f}) must be divisible by "
                          f"--expert-tensor-parallel-size ({etp})")
-    local = experts // ep
-    return [local * 2 * f // etp * h, local * h * f // etp]
+    return [math.prod(shape) // etp for shape in shapes]
 
 
 def stage_moe_layers(config: ModelConfig, moe: Optional[MoEConfig], pp: int, pp_rank: int) -> List[bool]:
@@ -81,11 +70,12 @@ def stage_moe_layers(config: ModelConfig, moe: Optional[MoEConfig], pp: int, pp_
 def stage_expert_numels(config: ModelConfig, moe: Optional[MoEConfig], pp: int, pp_rank: int,
                         ep: int, etp: int = 1) -> List[int]:
     """Expert parameters of stage ``pp_rank`` on one rank, in registration order (empty for a
-    dense model)."""
+    dense model), read from the stage built on the meta device and divided by expert-TP as
+    :func:`moe_expert_numels`."""
     if not is_moe(moe):
         return []
-    one = moe_expert_numels(config, moe, ep, etp)
-    return [n for layer in stage_moe_layers(config, moe, pp, pp_rank) if layer for n in one]
+    moe_expert_numels(config, moe, ep, etp)  # E % EP and f % expert-TP
+    return [n // etp for n in stage_inventory(config, 1, pp, pp_rank, moe, ep).expert]
 
 
 def alltoall_bytes_per_iteration(tokens_per_rank: int, topk: int, hidden_size: int,

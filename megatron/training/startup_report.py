@@ -163,36 +163,41 @@ def format_parameter_counts(rows: Iterable[tuple], moe=None) -> List[str]:
     experts of its whole pipeline stage, every EP rank's).
 
     Args:
-        rows: ``(tp_rank, pp_rank, parameters, tied_copies[, ep_rank, expert_parameters])`` of
-            every rank; duplicates of one (tp_rank, pp_rank[, ep_rank]) (its data- and
-            context-parallel replicas) are counted once.
+        rows: ``(tp_rank, pp_rank, parameters, tied_copies[, ep_rank, expert_parameters[,
+            expert_tp_rank]])`` of every rank; duplicates of one (tp_rank, pp_rank[, ep_rank[,
+            expert_tp_rank]]) (its data- and context-parallel replicas) are counted once. Under
+            expert-TP each expert-TP rank holds its own slice of the experts.
     """
-    rows = [tuple(r) + (0, 0)[len(r) - 4:] for r in rows]
+    rows = [tuple(r) + (0, 0, 0)[len(r) - 4:] for r in rows]
     unique = {}
-    for tp_rank, pp_rank, count, copies, ep_rank, experts in rows:
-        unique.setdefault((tp_rank, pp_rank, ep_rank), (count, copies, experts))
+    for tp_rank, pp_rank, count, copies, ep_rank, experts, etp_rank in rows:
+        unique.setdefault((tp_rank, pp_rank, ep_rank, etp_rank), (count, copies, experts))
 
     def scaled(n):
         return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.3f} M"
 
     if moe is None or not moe.num_experts:
         lines = [f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): "
-                 f"{n}" for (t, p, _), (n, _, _) in sorted(unique.items())]
+                 f"{n}" for (t, p, _, _), (n, _, _) in sorted(unique.items())]
         total = sum(n - c for n, c, _ in unique.values())
         lines.append(f" > total number of parameters: {total} ({scaled(total)})")
         return lines
     share = moe.moe_router_topk / moe.num_experts
-    # experts of a stage: every EP rank's once (the same on every tensor rank: not split)
+    # experts of a stage: every (EP rank, expert-TP rank)'s slice once (the same on every tensor
+    # rank at expert-TP 1)
     stage_experts = {}
-    for (t, p, e), (_, _, x) in unique.items():
-        stage_experts.setdefault(p, {}).setdefault(e, x)
+    for (t, p, e, r), (_, _, x) in unique.items():
+        stage_experts.setdefault(p, {}).setdefault((e, r), x)
+    split = any(r for (_, _, _, r) in unique)
     lines = []
-    for (t, p, e), (n, _, x) in sorted(unique.items()):
+    for (t, p, e, r), (n, _, x) in sorted(unique.items()):
         active = n - x + round(share * sum(stage_experts[p].values()))
-        lines.append(f" > number of parameters on (tensor, pipeline, expert) model parallel rank "
-                     f"({t}, {p}, {e}): {n} (experts {x}; active {active})")
+        kind, ranks = (("expert, expert-tensor", f"{t}, {p}, {e}, {r}") if split else
+                       ("expert", f"{t}, {p}, {e}"))
+        lines.append(f" > number of parameters on (tensor, pipeline, {kind}) model parallel rank "
+                     f"({ranks}): {n} (experts {x}; active {active})")
     dense_of = {}  # the dense parameters are the same on every EP rank of (t, p)
-    for (t, p, _), (n, c, x) in unique.items():
+    for (t, p, _, _), (n, c, x) in unique.items():
         dense_of.setdefault((t, p), n - c - x)
     dense = sum(dense_of.values())
     experts = sum(sum(per_ep.values()) for per_ep in stage_experts.values())
@@ -300,7 +305,8 @@ class StartupReport:
     @staticmethod
     def print_parameters(model_chunks, groups, moe=None) -> None:
         count, copies, experts = count_parameters(model_chunks)
-        row = (groups.tp.rank, groups.pp.rank, count, copies, groups.ep.rank, experts)
+        row = (groups.tp.rank, groups.pp.rank, count, copies, groups.ep.rank, experts,
+               groups.expt_tp.rank)
         rows = [row]
         if groups.world_size > 1:
             rows = [None] * groups.world_size

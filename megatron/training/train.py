@@ -34,6 +34,7 @@ from megatron.training.compile import compile_transformer_layers
 from megatron.training.mfu import model_flops_utilization, resolve_peak_tflops
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.training.moe_bias import update_expert_biases
+from megatron.training.moe_global_counts import count_global_batch, needs_global_counts
 from megatron.training.moe_logging import moe_iteration_metrics, reset_moe_metrics
 from megatron.training.resilience import ExitConditions, collective_guard
 from megatron.training.startup_report import StartupReport
@@ -129,6 +130,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    if needs_global_counts(getattr(config, "moe", None)):  # global_aux_loss: count first
+        data_iterator = count_global_batch(
+            forward_step_func, data_iterator, model, num_microbatches=num_microbatches,
+            seq_length=config.data.seq_length, micro_batch_size=config.training.micro_batch_size,
+            schedule_config=schedule_config, pg_collection=pg_collection)
     losses = get_forward_backward_func(pg_collection)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=config.data.seq_length,
@@ -246,6 +252,9 @@ class _Trainer:
                     before_optimizer_step=self.saver.wait_for_staging if self.saver else None)
             elapsed = time.perf_counter() - start
             self.progress.finish(elapsed)
+            for key, value in losses.items():  # the forward step's other losses (DPO's rewards)
+                if key != "lm loss":
+                    self.state.history.setdefault(key, []).append(value)
             if self.config.moe.moe_router_enable_expert_bias:
                 update_expert_biases(self.model, self.config.moe, self.config.model.num_layers,
                                      self.groups, self.device)
@@ -516,7 +525,8 @@ def _starting_checkpoints(checkpoint, resume=checkpointing.NOT_READ):
     return loaded, (in_save[1] if in_save is not None else None)
 
 
-def pretrain(config, *, model_provider, forward_step_func, datasets_provider) -> dict:
+def pretrain(config, *, model_provider, forward_step_func, datasets_provider,
+             before_training=None) -> dict:
     """Initialize, build, train and evaluate: Megatron-LM's ``pretrain``.
 
     Args:
@@ -527,6 +537,9 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
         forward_step_func: ``(data_iterator, model) -> (output_tensor, loss_func)``.
         datasets_provider: ``(config, [train, valid, test] samples) -> (train, valid, test)``
             datasets (None where absent).
+        before_training: ``(model_chunks, schedule_config, pg_collection)``, called once after
+            the weights are loaded and the data iterators built, before the first iteration
+            (DPO's reference pass, megatron/training/dpo.py); None: nothing.
 
     Returns:
         the run's history on this rank: ``iteration``, ``lm loss`` (per iteration, None off the
@@ -578,9 +591,12 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider) ->
                                                       state.consumed_valid_samples)
         report.print_datasets(groups)
         report.print_timings(groups, device)
+        schedule = builders.schedule_config(config, model, groups, optimizer)
+        if before_training is not None:
+            with collective_guard("the pass before training", timeout):
+                before_training(model, schedule, groups)
         trainer = _Trainer(config, groups, device, forward_step_func, model, optimizer, scheduler,
-                           iterators, builders.schedule_config(config, model, groups, optimizer),
-                           state, start_time, ckpt_group, resume=resume)
+                           iterators, schedule, state, start_time, ckpt_group, resume=resume)
         print_rank_0(f" training from iteration {state.iteration} to "
                      f"{config.training.num_iterations}")
         completed = trainer.run()

@@ -55,7 +55,8 @@ def sandbox(tmp_path_factory):
         # Enough tokens for every split of --split 969,30,1 at --seq-length 32768 (a sparse .bin).
         placeholder_dataset(str(data / prefix), num_docs=1000, tokens_per_doc=33000)
     (data / "chat").mkdir()
-    placeholder_dataset(str(data / "chat" / "sft_text_document"), num_docs=1000, tokens_per_doc=300)
+    for prefix in ("sft_text_document", "dpo_chosen_document", "dpo_rejected_document"):
+        placeholder_dataset(str(data / "chat" / prefix), num_docs=1000, tokens_per_doc=300)
     for name in ("tokenizer.model", "tokenizer.model.v1", "shakespeare_plays.jsonl"):
         (data / name).write_bytes(b"")
     (root / "llama3_tokenizer").mkdir()
@@ -189,13 +190,25 @@ def test_slurm_and_torchrun_variants_exist():
 def test_sft_demo_flags_parse_and_validate(sandbox, tmp_path):
     launches = [argv for argv in _launches(sandbox, SFT_DEMO, tmp_path)
                 if any(a.endswith("finetune_llama.py") for a in argv)]
-    assert len(launches) == 1, "the SFT demo should start finetune_llama.py once"
-    argv = launches[0]
-    entry = next(i for i, a in enumerate(argv) if a.endswith("finetune_llama.py"))
-    launcher, flags = argv[:entry], argv[entry + 1:]
+    assert len(launches) == 2, "the SFT demo should start finetune_llama.py twice: SFT, then DPO"
     from finetune_llama import SFT
+    from megatron.training.dpo import DPO_SECTION
+    from megatron.training.reward_model import REWARD_SECTION
 
-    args = parse_args(flags, extra_args_provider=SFT.add_arguments)
-    args = validate_args(args, int(_option(launcher, "--nproc-per-node", default="1")))
-    assert args.sft_packing and args.tensor_model_parallel_size == 2
-    assert "--standalone" in launcher
+    def provider(parser):
+        for section in (SFT, DPO_SECTION, REWARD_SECTION):
+            parser = section.add_arguments(parser)
+        return parser
+
+    parsed = []
+    for argv in launches:
+        entry = next(i for i, a in enumerate(argv) if a.endswith("finetune_llama.py"))
+        launcher, flags = argv[:entry], argv[entry + 1:]
+        args = parse_args(flags, extra_args_provider=provider)
+        if args.load:  # DPO loads the SFT stage's --save, which this sandbox never trains
+            os.makedirs(args.load, exist_ok=True)
+        parsed.append(validate_args(args, int(_option(launcher, "--nproc-per-node", default="1"))))
+        assert "--standalone" in launcher
+    sft, dpo = parsed
+    assert sft.sft_packing and sft.tensor_model_parallel_size == 2 and not sft.dpo
+    assert dpo.dpo and dpo.finetune and dpo.load == sft.save

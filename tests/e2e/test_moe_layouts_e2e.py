@@ -144,12 +144,17 @@ def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_f
 
 @pytest.mark.slow
 def test_moe_tp2_ep2_pp2_matches_one_process(single, data_prefix, tmp_path_factory):
-    """8 ranks: TP=2 (SP, expert-TP 1) x EP=2 x PP=2, DP=2, the distributed optimizer."""
+    """8 ranks: TP=2 (SP) x EP=2 x PP=2, DP=2, the distributed optimizer, with expert-TP 1 and
+    with expert-TP 2 (Megatron-Core's default, TP: each expert split over the TP pair)."""
     cache = str(tmp_path_factory.mktemp("moe_layouts_cache8"))
     runs = [("tp2 ep2 pp2", _argv(data_prefix, cache, *layout_args(2, 2), *SP, *ep(2),
-                                  *DISTOPT))]
+                                  *DISTOPT)),
+            ("tp2 ep2 pp2 etp2", _argv(data_prefix, cache, *layout_args(2, 2),
+                                       "--sequence-parallel", *ep(2), *DISTOPT))]
     got = run_distributed(8, run_many, runs, timeout=1800)[-1]
     assert_close_history(got["tp2 ep2 pp2"], single["dropless"], "MoE TP=2 x EP=2 x PP=2")
+    assert_close_history(got["tp2 ep2 pp2 etp2"], single["dropless"],
+                         "MoE TP=2 x EP=2 x PP=2, expert-TP 2")
 
 
 def test_moe_figures_reach_tensorboard(data_prefix, tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.pretrain import assert_close_history, cp_args, layout_args
+from tests.helpers.pretrain import run_finetune, assert_close_history, cp_args, layout_args
 
 VOCAB = 127  # NullTokenizer: end-of-document (and padding) 127, vocabulary 128
 SEQ = 16
@@ -68,19 +68,6 @@ def sft_prefix(tmp_path_factory):
     return prefix
 
 
-def run_sft(runs):
-    """``finetune_llama.main`` for each ``(name, argv)`` in this world; the last rank's histories."""
-    import torch.distributed as dist
-
-    import finetune_llama
-
-    out = {}
-    for name, argv in runs:
-        out[name] = finetune_llama.main(argv)
-        dist.barrier()
-    return out if dist.get_rank() == dist.get_world_size() - 1 else None
-
-
 def _argv(prefix, cache, *extra):
     return SFT_BASE + ["--data-path", prefix, "--data-cache-path", cache] + list(extra)
 
@@ -93,7 +80,7 @@ def single(sft_prefix, tmp_path_factory):
             ("finetune", _argv(sft_prefix, cache, *PACKED, "--load", ckpt, "--finetune")),
             ("unpacked", _argv(sft_prefix, cache, *UNPACKED)),
             ("per micro-batch", _argv(sft_prefix, cache, *PACKED, "--no-calculate-per-token-loss"))]
-    return run_distributed(1, run_sft, runs, timeout=600)[0]
+    return run_distributed(1, run_finetune, runs, timeout=600)[0]
 
 
 def test_packed_equals_unpacked_one_process(single):
@@ -145,6 +132,6 @@ def test_layouts_match_one_process(single, sft_prefix, tmp_path_factory):
             ("cp2", _argv(sft_prefix, cache, *PACKED, *cp_args(2))),
             ("dp2", _argv(sft_prefix, cache, *PACKED)),
             ("dp2 unpacked", _argv(sft_prefix, cache, *UNPACKED))]
-    out = run_distributed(2, run_sft, runs, timeout=900)[1]
+    out = run_distributed(2, run_finetune, runs, timeout=900)[1]
     for name in ("tp2 sp", "pp2", "cp2", "dp2", "dp2 unpacked"):
         assert_close_history(out[name], single["packed"], name, clip=None)

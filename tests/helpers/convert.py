@@ -77,25 +77,54 @@ def convert(*argv) -> str:
     return main([str(a) for a in argv])
 
 
+def randomize_hf(model) -> None:
+    """Weights of std 0.2 (attention and routing far from uniform), norm weights 1 +- 0.1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
+
+
+def save_random_hf(model_class, config, folder: str):
+    """``model_class(config)`` in eval mode with :func:`randomize_hf`'s weights, saved with
+    ``save_pretrained`` into ``folder``; returns the model."""
+    model = model_class(config).eval()
+    randomize_hf(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def reference_logits(model, vocab: int, b: int = 2, s: int = 32, seed: int = 3):
+    """``(tokens [b, s], logits [b, s, vocab])`` of the HuggingFace ``model`` on random ids."""
+    tokens = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return tokens, model(tokens).logits
+
+
 def tokens_batch(b=2, s=128, vocab=VOCAB, seed=3):
     return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-def _logits_rank(tp, pp, load_dir, tokens):
+def _logits_rank(tp, pp, load_dir, tokens, ep=1):
     from megatron.inference import forward_logits
     from megatron.inference.model_loader import load_model_for_inference
 
-    groups = ps.initialize_model_parallel(tp, pp)
+    # the converter writes whole experts (expert-TP 1); the groups' default would be TP
+    groups = ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                          expert_tensor_parallel_size=1)
     model, _ = load_model_for_inference(load_dir, groups)
     logits = forward_logits(model, tokens, pg_collection=groups)
     first_tp = groups.tp.rank == 0
     return logits if logits is not None and first_tp else None
 
 
-def megatron_logits(load_dir: str, tp: int, pp: int, tokens) -> torch.Tensor:
-    """Full-vocabulary logits ``[b, s, v_padded]`` of our model loaded from ``load_dir``."""
-    out = run_distributed(tp * pp, _logits_rank, tp, pp, load_dir, tokens)
-    return next(o for o in out if o is not None)
+def megatron_logits(load_dir: str, tp: int, pp: int, tokens, ep: int = 1) -> torch.Tensor:
+    """Full-vocabulary logits ``[b, s, v_padded]`` of our model loaded from ``load_dir`` in a
+    world of TP x PP x EP ranks (a MoE model's experts over EP of the data-parallel ranks; every
+    data-parallel rank's logits must agree)."""
+    out = [o for o in run_distributed(tp * pp * ep, _logits_rank, tp, pp, load_dir, tokens, ep)
+           if o is not None]
+    assert all(torch.equal(o, out[0]) for o in out)
+    return out[0]
 
 
 def assert_logits_match(ours: torch.Tensor, reference: torch.Tensor, atol=1e-4) -> None:

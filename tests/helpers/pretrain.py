@@ -75,6 +75,20 @@ def run_many(runs):
     return out if dist.get_rank() == dist.get_world_size() - 1 else None
 
 
+def run_finetune(runs):
+    """``finetune_llama.main`` (SFT or DPO) for each ``(name, argv)`` in this world; the last
+    rank's histories by name."""
+    import torch.distributed as dist
+
+    import finetune_llama
+
+    out = {}
+    for name, argv in runs:
+        out[name] = finetune_llama.main(argv)
+        dist.barrier()
+    return out if dist.get_rank() == dist.get_world_size() - 1 else None
+
+
 def e2e_argv(data_prefix, cache, *extra):
     return BASE + ["--data-path", data_prefix, "--data-cache-path", cache] + list(extra)
 

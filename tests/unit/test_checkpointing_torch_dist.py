@@ -73,9 +73,9 @@ def test_megatron_lm_s_own_torch_dist_checkpoint_is_named_as_such(tmp_path):
     assert torch_dist.is_torch_dist_checkpoint(str(tmp_path))
     with pytest.raises(torch_dist.CheckpointMismatchError, match="^" + re.escape(
             f"{tmp_path} is a torch_dist checkpoint of Megatron-LM itself (its metadata.json "
-            "has no format_version), which this code does not read: convert it to --ckpt-format "
-            "torch with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR), then "
-            "--load DIR/torch") + "$"):
+            "has no format_version), not one of ours: --load reads its weights at any layout "
+            "(megatron.checkpointing.foreign.megatron_lm_dist), tools/checkpoint/convert.py "
+            "--loader megatron-lm converts it") + "$"):
         torch_dist.read_common(str(tmp_path))
 
 

@@ -113,7 +113,7 @@ def test_use_checkpoint_args_names_the_missing_tokenizer_settings(tmp_path):
 def test_generation_names_the_missing_tokenizer_settings(tmp_path):
     import argparse
 
-    from tools.generate import tokenizer_of
+    from megatron.inference.launch import tokenizer_of
 
     none = argparse.Namespace(load=str(tmp_path), tokenizer_type=None, tokenizer_model=None,
                               tokenizer_name_or_path=None)

@@ -134,12 +134,19 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
     return layer
 
 
-def check_layout(meta: dict, tp: int, pp: int) -> None:
+def check_layout(meta: dict, tp: int, pp: int, ep: int = 1) -> None:
     """Refuse a target layout before anything is written.
 
     Raises:
-        ValueError: heads, query groups, ffn width or layers not divisible by the target sizes.
+        ValueError: heads, query groups, ffn width or layers not divisible by the target sizes;
+            an expert-parallel size ``ep`` > 1 for a dense model or not dividing the experts.
     """
+    if ep > 1 and not meta.get("num_experts"):
+        raise ValueError(f"--target-expert-parallel-size {ep}: the model is dense (no experts); "
+                         "drop the flag")
+    if ep > 1 and meta["num_experts"] % ep:
+        raise ValueError(f"--target-expert-parallel-size {ep} does not divide the "
+                         f"{meta['num_experts']} experts; choose a divisor of {meta['num_experts']}")
     problems = []
     if meta["num_attention_heads"] % tp:
         problems.append(f"{meta['num_attention_heads']} attention heads")
@@ -148,6 +155,10 @@ def check_layout(meta: dict, tp: int, pp: int) -> None:
                         "tensor-parallel rank must own whole groups, replication is not supported)")
     if meta["ffn_hidden_size"] % tp and not meta.get("num_experts"):
         problems.append(f"ffn hidden size {meta['ffn_hidden_size']}")
+    if meta.get("qk_layernorm_full_width") and tp > 1:
+        raise ValueError(f"--target-tensor-parallel-size {tp}: the q/k norm over the whole "
+                         "projection (OLMoE, --qk-layernorm-full-width) spans every rank's heads "
+                         "and is not split over tensor ranks; use 1 (and EP or PP to split)")
     if problems:
         raise ValueError(f"--target-tensor-parallel-size {tp} does not divide: "
                          + "; ".join(problems) + ". Choose a tensor-parallel size dividing them")

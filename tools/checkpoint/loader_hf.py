@@ -50,9 +50,17 @@ _QWEN3_MOE_REQUIRED = {"decoder_sparse_step": (1, None), "mlp_only_layers": ([],
                        "use_sliding_window": (False, None)}
 _QWEN2_MOE = _QWEN3_MOE | {"shared_expert_intermediate_size", "qkv_bias", "layer_types"}
 _QWEN2_MOE_REQUIRED = dict(_QWEN3_MOE_REQUIRED, layer_types=(None, "full_attention"))
+# Qwen3 (Qwen3ForCausalLM): LLaMA with per-head q/k RMSNorm
+_QWEN3 = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
+_QWEN3_REQUIRED = {"use_sliding_window": (False, None)}
+# OLMoE (OlmoeForCausalLM): q/k RMSNorm over the whole projection, routed experts of width
+# intermediate_size on every layer, softmax over all experts (norm_topk_prob either way)
+_OLMOE = {"num_experts", "num_experts_per_tok", "norm_topk_prob", "output_router_logits",
+          "router_aux_loss_coef", "clip_qkv"}
+_OLMOE_REQUIRED = {"clip_qkv": (None,)}
+FAMILIES = ("llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # model types named and refused, with what is missing (one line each)
 REFUSED_MODEL_TYPES = {
-    "olmoe": "OLMoE needs q/k RMSNorm over the full projection width, not implemented yet",
     "deepseek_v3": "DeepSeek-V3's multi-latent attention (MLA) is not supported",
     "gpt_oss": "GPT-OSS's MXFP4 expert weights (and its attention sinks) are not supported",
     "llama4": "Llama 4 is not supported until its own issue lands (interleaved chunked "
@@ -60,8 +68,11 @@ REFUSED_MODEL_TYPES = {
     "llama4_text": "Llama 4 is not supported until its own issue lands (interleaved chunked "
                    "attention, MoE on every other layer)",
 }
+# transformers 5 writes the chat template to chat_template.jinja (older ones: .json or inside
+# tokenizer_config.json); without it an exported chat model cannot render its prompts.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def add_arguments(parser) -> None:
@@ -97,17 +108,18 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     model_type = cfg.get("model_type", "llama")
     if model_type in REFUSED_MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
-    if model_type not in ("llama", "mixtral", "qwen2_moe", "qwen3_moe"):
-        raise ValueError(f"{path}: model_type {model_type!r} is not 'llama', 'mixtral', "
-                         "'qwen2_moe' or 'qwen3_moe'")
-    if model_type == "qwen2_moe" and any(t != "full_attention" for t in cfg.get("layer_types") or []):
+    if model_type not in FAMILIES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not one of "
+                         f"{', '.join(repr(f) for f in FAMILIES)}")
+    if (model_type in ("qwen2_moe", "qwen3")
+            and any(t != "full_attention" for t in cfg.get("layer_types") or [])):
         raise ValueError(f"{path}: layer_types {cfg['layer_types']!r}: sliding-window layers are "
                          "not supported")
-    moe = model_type != "llama"
     required = dict(_REQUIRED_VALUES, **{"mixtral": _MIXTRAL_REQUIRED, "qwen3_moe":
                                          _QWEN3_MOE_REQUIRED, "qwen2_moe": {
                                              k: v for k, v in _QWEN2_MOE_REQUIRED.items()
-                                             if k != "layer_types"}}.get(model_type, {}))
+                                             if k != "layer_types"}, "qwen3": _QWEN3_REQUIRED,
+                                         "olmoe": _OLMOE_REQUIRED}.get(model_type, {}))
     for key, allowed in required.items():
         if cfg.get(key, allowed[0]) not in allowed:
             raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (only {allowed[0]!r}); "
@@ -116,7 +128,8 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
         raise ValueError(f"{path}: attention_dropout={cfg['attention_dropout']} is not converted; "
                          "set it to 0 and pass --attention-dropout when training")
     known = _HARMLESS | _IMPLEMENTED | {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE,
-                                        "qwen2_moe": _QWEN2_MOE}.get(model_type, set())
+                                        "qwen2_moe": _QWEN2_MOE, "qwen3": _QWEN3,
+                                        "olmoe": _OLMOE}.get(model_type, set())
     unknown = sorted(k for k in cfg if k not in known)
     if unknown and not allow_unknown:
         raise ValueError(f"{path}: fields {unknown} are not implemented by this converter; "
@@ -144,6 +157,14 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     if model_type == "qwen2_moe":  # q/k/v biases; a shared expert with a sigmoid gate
         meta.update(add_qkv_bias=bool(cfg.get("qkv_bias", True)), moe_shared_expert_gate=True,
                     moe_shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"])
+    if model_type == "qwen3":  # LLaMA with per-head q/k RMSNorm
+        meta.update(qk_layernorm=True, hf_architecture="qwen3")
+    if model_type == "olmoe":  # q/k RMSNorm over the whole projection; softmax over all E
+        meta.update(num_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+                    moe_ffn_hidden_size=cfg["intermediate_size"],
+                    moe_router_pre_softmax=not cfg.get("norm_topk_prob", False),
+                    moe_aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.0),
+                    hf_architecture="olmoe", qk_layernorm=True, qk_layernorm_full_width=True)
     if model_type == "mixtral":  # Mixtral's router: softmax of the k top logits (docs/moe.md, routing recipes)
         meta.update(num_experts=cfg["num_local_experts"], moe_router_topk=cfg["num_experts_per_tok"],
                     moe_ffn_hidden_size=cfg["intermediate_size"], moe_router_pre_softmax=False,

@@ -25,7 +25,7 @@ from megatron.checkpointing import CheckpointError, find_checkpoint, get_checkpo
 from megatron.checkpointing.foreign import (MEGATRON_LM, describe, identify, megatron_lm,
                                           megatron_lm_args)
 from megatron.core.dist_checkpointing.safe_pickle import load_raw
-from tools.checkpoint import moe_layout, optimizer_state
+from tools.checkpoint import expert_shards, moe_layout, optimizer_state
 from tools.checkpoint.saver_megatron import MOE_ARGS
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
 
@@ -89,14 +89,15 @@ def find_shards(load_dir: str):
     return folder, shards, tp, pp
 
 
-def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
+def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parallel: bool = False) -> dict:
     meta = {k: saved.get(k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "add_qkv_bias", *MOE_ARGS)}
+        "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "qk_layernorm_full_width",
+        "add_qkv_bias", *MOE_ARGS)}
     if meta["num_experts"]:
-        _check_moe_args(saved)
+        _check_moe_args(saved, expert_parallel)
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]
     meta["num_query_groups"] = meta["num_query_groups"] or meta["num_attention_heads"]
     if meta["rope_scaling"] is None and saved.get("use_rope_scaling"):  # a training checkpoint
@@ -109,8 +110,10 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size) -> dict:
     return meta
 
 
-def _check_moe_args(saved: dict) -> None:
-    """Refuse MoE settings these converters do not carry (before anything is written).
+def _check_moe_args(saved: dict, expert_parallel: bool = False) -> None:
+    """Refuse MoE settings these converters do not carry (before anything is written); an
+    expert-parallel size > 1 only where the caller joins the experts (``expert_parallel``: our
+    own shards, :mod:`tools.checkpoint.expert_shards`).
 
     Raises:
         CheckpointError: naming the recorded setting.
@@ -119,12 +122,13 @@ def _check_moe_args(saved: dict) -> None:
     if not (freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))):
         raise CheckpointError(f"--moe-layer-freq {freq!r}: only checkpoints with every layer MoE "
                               "are converted")
-    for key, default in (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", 1),
-                         ("moe_router_score_function", "softmax"),
-                         ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
-                         ("moe_router_enable_expert_bias", False),
-                         ("moe_apply_probs_on_input", False),
-                         ("moe_expert_capacity_factor", None)):
+    checked = (("expert_tensor_parallel_size", 1), ("moe_router_score_function", "softmax"),
+               ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
+               ("moe_router_enable_expert_bias", False), ("moe_apply_probs_on_input", False),
+               ("moe_expert_capacity_factor", None))
+    if not expert_parallel:
+        checked = (("expert_model_parallel_size", 1),) + checked
+    for key, default in checked:
         value = saved.get(key, default)
         if value not in (default, None) and not (default is False and value is False):
             raise CheckpointError(f"--{key.replace('_', '-')} {value!r} in the checkpoint's args is "
@@ -141,7 +145,14 @@ def load_checkpoint(args):
         folder = get_checkpoint_dir(args.load_dir, *found)
         if torch_dist.is_torch_dist_checkpoint(folder):
             return load_torch_dist(folder, args)
-    folder, shards, tp, pp = find_shards(args.load_dir)
+    ep, ep_args = expert_shards.saved_expert_parallel_size(args.load_dir)
+    if ep > 1:  # our MoE shards at EP > 1: each (tensor, pipeline) rank's experts in EP folders
+        folder, joined, tp, pp = expert_shards.find_expert_shards(
+            args.load_dir, ep, int(ep_args.get("pipeline_model_parallel_size") or 1),
+            int(ep_args.get("tensor_model_parallel_size") or 1))
+        shards = {k: expert_shards.own_shard(v) for k, v in joined.items()}
+    else:
+        folder, shards, tp, pp = find_shards(args.load_dir)
     foreign = identify(shards[(0, 0)])
     if foreign is not None:
         return load_megatron_lm(foreign, shards, tp, pp, args)
@@ -156,8 +167,12 @@ def load_checkpoint(args):
     chunks = chunks if "model" not in first and chunks else ["model"]
     embedding = first[chunks[0]]["word_embeddings.weight"]
     padded = embedding.shape[0] * tp
-    meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None))
+    meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None), ep > 1)
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    if getattr(args, "include_optimizer", False) and ep > 1:
+        raise CheckpointError(f"{shards[(0, 0)]}: --include-optimizer is not supported for "
+                              f"checkpoints saved at --expert-model-parallel-size {ep}; convert "
+                              "the weights only")
     if getattr(args, "include_optimizer", False) and len(chunks) > 1:
         raise CheckpointError(f"{shards[(0, 0)]}: --include-optimizer is not supported for "
                               f"checkpoints with virtual pipeline stages ({', '.join(chunks)}); "
@@ -173,8 +188,12 @@ def load_checkpoint(args):
         return meta, stream_with_optimizer(shards, tp, pp, meta)
     # Virtual stage v * PP + p is chunk v of pipeline rank p: streamed in that order as PP x v
     # plain stages (a shard file is read once per chunk).
-    stages = [[lambda t=t, p=p, key=key: load_torch_file(shards[(t, p)])[key] for t in range(tp)]
-              for key in chunks for p in range(pp)]
+    if ep > 1:
+        stages = [[lambda t=t, p=p, key=key: expert_shards.read_joined(joined[(t, p)], key)
+                   for t in range(tp)] for key in chunks for p in range(pp)]
+    else:
+        stages = [[lambda t=t, p=p, key=key: load_torch_file(shards[(t, p)])[key]
+                   for t in range(tp)] for key in chunks for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
 
 
@@ -190,32 +209,65 @@ def load_torch_dist(folder: str, args):
     tensors read whole in this process, streamed as one TP = PP = 1 stage (fused QKV and
     gate/up rebuilt from their global q/k/v and gate/up tensors)."""
     from megatron.checkpointing import torch_dist
-
-    if getattr(args, "include_optimizer", False):
-        raise CheckpointError(f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load "
-                              "reads it, optimizer included, at any TP/PP/DP layout; convert its "
-                              "weights only (drop --include-optimizer)")
-    _refuse_overrides(args)
+    from megatron.checkpointing.foreign import megatron_lm_dist
     from megatron.model.sharded_state import single_process_state_dict
 
+    foreign = megatron_lm_dist.is_megatron_lm(folder)
+    if getattr(args, "include_optimizer", False):
+        raise CheckpointError(
+            f"{folder} is a torch_dist checkpoint of Megatron-LM: its optimizer state is not "
+            "converted; convert its weights only (drop --include-optimizer)" if foreign else
+            f"{folder} is a torch_dist checkpoint: pretrain_llama.py --load reads it, optimizer "
+            "included, at any TP/PP/DP layout; convert its weights only (drop --include-optimizer)")
+    if foreign:
+        return load_megatron_lm_torch_dist(folder, args)
+    _refuse_overrides(args)
     common = torch_dist.read_common(folder)
     state = single_process_state_dict(torch_dist.read_tensors(folder))
     embedding = state["word_embeddings.weight"]
-    meta = meta_from_args(common["args"], embedding.shape[0],
-                          getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"))
+    meta = meta_from_args(common["args"], embedding.shape[0],  # global experts: any EP it ran at
+                          getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"),
+                          expert_parallel=True)
+    meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
+    return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
+
+
+def load_megatron_lm_torch_dist(folder: str, args):
+    """``(meta, stream)`` of a Megatron-LM ``torch_dist`` checkpoint
+    (:mod:`megatron.checkpointing.foreign.megatron_lm_dist`): read whole in this process, our
+    global tensors streamed as one TP = PP = 1 stage."""
+    from megatron.checkpointing.foreign import megatron_lm_dist
+    from megatron.model.sharded_state import single_process_state_dict
+
+    notes = []
+    ours, tensors = megatron_lm_dist.whole_model(folder, foreign_overrides(args), notes)
+    for note in notes:
+        print(f" {note}")
+    state = single_process_state_dict(tensors)
+    embedding = state["word_embeddings.weight"]
+    meta = meta_from_args(ours, embedding.shape[0], ours["true_vocab_size"])
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 
 
 def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
     """``(meta, stream)`` of a Megatron-LM checkpoint (``foreign``: its first shard), each shard
-    mapped to our names and QKV order by :func:`megatron_lm.to_our_state_dict`."""
+    mapped to our names and QKV order by :func:`megatron_lm.to_our_state_dict`; a MoE one saved
+    at expert-parallel size > 1 (its ``mp_rank_TT[_PPP]_EEE`` folders, told from pipeline stages
+    by its args) with each (tensor, pipeline) rank's expert shards joined."""
     if foreign.system != MEGATRON_LM:
         raise CheckpointError(f"{args.load_dir} is {describe(foreign)}: use --loader megatron-llama")
     if getattr(args, "include_optimizer", False):
         raise CheckpointError(f"{args.load_dir} is {describe(foreign)}: its optimizer state is not "
                               "converted; convert the weights only (drop --include-optimizer)")
     ours = megatron_lm_args(foreign, foreign_overrides(args))
+    ep = ours.get("expert_model_parallel_size", 1)
+    if ep > 1:
+        _, groups, tp, pp = expert_shards.find_expert_shards(
+            args.load_dir, ep, ours["pipeline_model_parallel_size"],
+            ours["tensor_model_parallel_size"])
+    else:
+        groups = {key: [(path, True)] for key, path in shards.items()}
     if (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]) != (tp, pp):
         raise CheckpointError(f"{args.load_dir}: args say TP={ours['tensor_model_parallel_size']}, "
                               f"PP={ours['pipeline_model_parallel_size']} but the folder holds "
@@ -224,15 +276,25 @@ def load_megatron_lm(foreign, shards, tp: int, pp: int, args):
         print(f" {note}")
     chunks = megatron_lm.model_keys(foreign.state)
     embedding = megatron_lm.top_tensor(foreign.state[chunks[0]], "word_embeddings.weight")
-    meta = meta_from_args(ours, embedding.shape[0] * tp, ours["true_vocab_size"])
+    meta = meta_from_args(ours, embedding.shape[0] * tp, ours["true_vocab_size"], ep > 1)
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-    stages = [[lambda t=t, p=p, key=key: megatron_lm.to_our_state_dict(
-        load_raw(shards[(t, p)])[key], ours, tp) for t in range(tp)] for key in chunks for p in range(pp)]
+
+    def rank_state(entries, key):
+        states = [megatron_lm.to_our_state_dict(load_raw(path)[key], ours, tp)
+                  for path, _ in entries]
+        if len(states) == 1:
+            return states[0]
+        where = f"{os.path.dirname(os.path.dirname(expert_shards.own_shard(entries)))}: "
+        return moe_layout.join_expert_shards(states, where, own=[own for _, own in entries])
+
+    stages = [[lambda t=t, p=p, key=key: rank_state(groups[(t, p)], key) for t in range(tp)]
+              for key in chunks for p in range(pp)]
     return meta, stream_stages(stages, meta, names=OUR_NAMES)
 
 
 OUR_NAMES = {"embedding": "word_embeddings.weight", "layer": "layers.{}.", "final_norm":
-             "final_layernorm.weight", "output": "output_layer.weight"}
+             "final_layernorm.weight", "output": "output_layer.weight",
+             "reward_head": "reward_head.weight"}
 
 
 def stream_stages(stages, meta: dict, names: dict):
@@ -276,7 +338,10 @@ def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int |
                 output = unpad_vocab(states[0][names["output_replicated"]], rows)
             else:
                 output = vocab([s[names["output"]] for s in states])
-        yield "final", {"final_norm": states[0][names["final_norm"]], "output_layer": output}
+        final = {"final_norm": states[0][names["final_norm"]], "output_layer": output}
+        if names.get("reward_head") in states[0]:  # a reward model's [1, h] scalar head
+            final["reward_head"] = states[0][names["reward_head"]]
+        yield "final", final
 
 
 def stream_with_optimizer(shards, tp: int, pp: int, meta: dict):

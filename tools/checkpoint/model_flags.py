@@ -62,6 +62,8 @@ def pretrain_flags(saved: dict) -> list[str]:
         flags.append("--untie-embeddings-and-output-weights")
     if saved.get("qk_layernorm"):
         flags.append("--qk-layernorm")
+    if saved.get("qk_layernorm_full_width"):
+        flags.append("--qk-layernorm-full-width")
     if saved.get("add_qkv_bias"):
         flags.append("--add-qkv-bias")
     flags += moe_flags(saved)
@@ -69,6 +71,12 @@ def pretrain_flags(saved: dict) -> list[str]:
               "--make-vocab-size-divisible-by", saved["make_vocab_size_divisible_by"],
               "--tensor-model-parallel-size", saved.get("tensor_model_parallel_size", 1),
               "--pipeline-model-parallel-size", saved.get("pipeline_model_parallel_size", 1)]
+    if saved.get("num_experts") and saved.get("tensor_model_parallel_size", 1) > 1:
+        # MoE at TP > 1 trains with SP (each tensor rank routes its share of the tokens) and
+        # whole experts on each rank, as these shards hold them
+        flags += ["--sequence-parallel", "--expert-tensor-parallel-size", 1]
+    if (saved.get("expert_model_parallel_size") or 1) > 1:  # its shards hold E / EP experts
+        flags += ["--expert-model-parallel-size", saved["expert_model_parallel_size"]]
     return [str(f) for f in flags + tokenizer_flags(saved)]
 
 

@@ -33,7 +33,7 @@ HF_EXPERT_NAMES = {
     "qwen3_moe": ("mlp", {"gate_proj": "experts_gate", "up_proj": "experts_up",
                           "down_proj": "experts_down"}),
 }
-HF_EXPERT_NAMES["qwen2_moe"] = HF_EXPERT_NAMES["qwen3_moe"]
+HF_EXPERT_NAMES["qwen2_moe"] = HF_EXPERT_NAMES["olmoe"] = HF_EXPERT_NAMES["qwen3_moe"]
 # Qwen2-MoE's shared expert and its sigmoid gate: logical key -> HF name under the layer
 HF_SHARED = {"shared_gate": "mlp.shared_expert.gate_proj.weight",
              "shared_up": "mlp.shared_expert.up_proj.weight",
@@ -195,6 +195,54 @@ def to_ours(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
                     "mlp.shared_experts.linear_fc2": layer["shared_down"],
                     "mlp.shared_experts.gate_weight": layer["shared_expert_gate"]})
     return out
+
+
+EXPERT_SUFFIXES = ("mlp.experts.weight1", "mlp.experts.weight2")
+
+
+def is_expert_key(name: str) -> bool:
+    """Whether ``name`` (a shard key) holds the experts, cut over expert-parallel ranks."""
+    return name.endswith(EXPERT_SUFFIXES)
+
+
+def local_experts(model: Dict[str, torch.Tensor], rank: int, ep: int) -> Dict[str, torch.Tensor]:
+    """The shard of expert-parallel rank ``rank`` of ``ep`` from a whole-expert shard: rows
+    ``rank E/ep .. (rank+1) E/ep - 1`` of every ``weight1 [E, 2f, h]`` / ``weight2 [E, h, f]``
+    (cloned: a saved view would drag all experts along), the rest as is."""
+    out = {}
+    for k, v in model.items():
+        if is_expert_key(k):
+            local = v.shape[0] // ep
+            v = v[rank * local:(rank + 1) * local].clone()
+        out[k] = v
+    return out
+
+
+def join_expert_shards(shards: List[Dict[str, torch.Tensor]], where: str = "",
+                       own: List[bool] | None = None) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`local_experts`: one whole-expert state from the shards of
+    expert-parallel ranks 0..EP-1 (experts concatenated in rank order). ``own[e]`` False: shard
+    e is another tensor rank's (only its experts are taken); the other tensors come from the
+    first own shard and must be the same in every own shard.
+
+    Raises:
+        ExpertError: the shards hold different keys, or a replicated tensor differs between
+            expert-parallel ranks (names the tensor and the ranks).
+    """
+    own = [True] * len(shards) if own is None else own
+    base = own.index(True)
+    first = shards[base]
+    for e, shard in enumerate(shards):
+        if set(shard) != set(first):
+            odd = sorted(set(shard) ^ set(first))[0]
+            raise ExpertError(f"{where}expert-parallel ranks {base} and {e} hold different "
+                              f"tensors ({odd})")
+        for k, v in shard.items():
+            if own[e] and not is_expert_key(k) and not torch.equal(v, first[k]):
+                raise ExpertError(f"{where}{k} differs between expert-parallel ranks {base} and "
+                                  f"{e} (only the experts are cut over them)")
+    return {k: torch.cat([s[k] for s in shards], 0) if is_expert_key(k) else v
+            for k, v in first.items()}
 
 
 def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "") -> Dict[str, torch.Tensor]:

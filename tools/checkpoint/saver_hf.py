@@ -77,7 +77,27 @@ def hf_config(meta: dict, dtype: torch.dtype, tokenizer_dir: str | None = None) 
     }
     if moe_layout.is_moe(meta):
         config.update(mixtral_config(meta))
+    else:
+        config.update(dense_config(meta))
     return config
+
+
+def dense_config(meta: dict) -> dict:
+    """The architecture fields of a dense checkpoint: LLaMA, or Qwen3 with ``--qk-layernorm``.
+
+    Raises:
+        ValueError: settings neither can express (q/k/v biases, a full-width q/k norm).
+    """
+    if meta.get("add_qkv_bias") or meta.get("qk_layernorm_full_width"):
+        raise ValueError("--saver hf: a dense model with "
+                         f"{'--add-qkv-bias' if meta.get('add_qkv_bias') else '--qk-layernorm-full-width'}"
+                         " is not exported (LLaMA and Qwen3 have neither)")
+    if not meta.get("qk_layernorm"):
+        return {}
+    n = meta["num_layers"]
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": n,
+            "layer_types": ["full_attention"] * n}
 
 
 def mixtral_config(meta: dict) -> dict:
@@ -106,6 +126,18 @@ def mixtral_config(meta: dict) -> dict:
     if meta.get("add_qkv_bias"):
         raise ValueError("--saver hf: q/k/v biases (--add-qkv-bias) without a shared expert: no "
                          "exported architecture has them; not exported")
+    if arch == "olmoe" or meta.get("qk_layernorm_full_width"):
+        if not (meta.get("qk_layernorm") and meta.get("qk_layernorm_full_width")):
+            raise ValueError("--saver hf: OLMoE needs --qk-layernorm --qk-layernorm-full-width")
+        if meta["kv_channels"] * meta["num_attention_heads"] != meta["hidden_size"]:
+            raise ValueError(f"--saver hf: OLMoE's head width is hidden_size / heads, not "
+                             f"--kv-channels {meta['kv_channels']}; not exported")
+        return {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
+                "intermediate_size": meta["moe_ffn_hidden_size"],
+                "num_experts": meta["num_experts"], "num_experts_per_tok": meta["moe_router_topk"],
+                "norm_topk_prob": not meta.get("moe_router_pre_softmax"),
+                "router_aux_loss_coef": meta.get("moe_aux_loss_coeff") or 0.0,
+                "output_router_logits": False, "clip_qkv": None}
     if arch == "qwen3_moe":
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "intermediate_size": meta["ffn_hidden_size"],
@@ -209,14 +241,15 @@ def save_checkpoint(meta: dict, stream, args) -> str:
 
     Raises:
         ValueError: the true vocabulary size is unknown (padding rows would leak into the export),
-            or a target tensor/pipeline-parallel size other than 1 was asked for.
+            or a target tensor/pipeline/expert-parallel size other than 1 was asked for.
         FileExistsError: ``--save-dir`` already holds a model.
         ValueError: the tokenizer folder to copy asks to run its own code
             (:func:`megatron.hf_folder.refuse_custom_code`).
     """
-    if (args.target_tensor_parallel_size or 1) != 1 or (args.target_pipeline_parallel_size or 1) != 1:
+    if any((getattr(args, f"target_{kind}_parallel_size", None) or 1) != 1
+           for kind in ("tensor", "pipeline", "expert")):
         raise ValueError("--saver hf writes one unsharded model: drop "
-                         "--target-tensor/pipeline-parallel-size")
+                         "--target-tensor/pipeline/expert-parallel-size")
     if not meta.get("true_vocab_size"):
         raise ValueError("the checkpoint does not store its true vocabulary size, so padding rows "
                          "cannot be removed: pass --true-vocab-size N (the tokenizer's vocabulary)")
@@ -233,7 +266,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     if moe_layout.is_moe(meta):
         mixtral_config(meta)  # refused before anything is written
         experts = moe_layout.ExpertGate(meta, "hf saver")
-    layer = 0
+    layer, reward = 0, False
     for kind, payload in stream:
         if kind == "embeddings":
             writer.add("model.embed_tokens.weight", payload["word_embeddings"].to(dtype))
@@ -258,7 +291,10 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             layer += 1
         elif kind == "final":
             writer.add("model.norm.weight", payload["final_norm"].to(dtype))
-            if payload["output_layer"] is not None:
+            if payload.get("reward_head") is not None:  # LlamaForSequenceClassification's
+                writer.add("score.weight", payload["reward_head"].to(dtype))
+                reward = True
+            elif payload["output_layer"] is not None:
                 writer.add("lm_head.weight", payload["output_layer"].to(dtype))
         writer.spill()
         del payload  # else it lives on while the loader builds the next message
@@ -267,8 +303,12 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     writer.finish()
     source = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
     _copy_tokenizer(source, folder)
+    config = hf_config(meta, dtype, folder)
+    if reward:  # a reward model: one score per sequence, read at its last non-padding token
+        config.update(architectures=["LlamaForSequenceClassification"], num_labels=1,
+                      id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(meta, dtype, folder), f, indent=2)
+        json.dump(config, f, indent=2)
     return folder
 
 

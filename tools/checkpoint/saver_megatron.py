@@ -1,6 +1,10 @@
 """Saver ``--saver megatron``: a ``release/`` checkpoint in our (Megatron legacy) layout at the
 target TP/PP, loadable by ``megatron.checkpointing.load_checkpoint`` (``--load DIR --finetune``).
 
+At ``--target-expert-parallel-size`` EP > 1 each (tensor rank, stage) shard is written once per
+expert-parallel rank e (``mp_rank_TT[_PPP]_EEE``, Megatron-LM's naming), holding experts
+``e E/EP .. (e+1) E/EP - 1`` in ``mlp.experts.weight1/2`` and the same copy of everything else.
+
 Streaming: each layer's tensor-parallel pieces are spilled to a per-rank file as the layer
 arrives; when a stage's last layer is in, the shards of that stage are written one (tensor rank,
 pipeline stage) at a time from the memory-mapped spill files, so memory stays near the largest
@@ -17,6 +21,7 @@ consumed samples, so ``--load`` resumes training at the new layout. RNG states a
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 
@@ -34,6 +39,9 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("megatron saver")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                        help="vocabulary padding multiple (per TP rank); default: the source's, else 128")
+    group.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                       help="torch: the legacy per-rank shards at the target layout (default); "
+                            "torch_dist: the layout-free distributed format, resharded by --load")
 
 
 def check_target(args) -> None:
@@ -58,7 +66,8 @@ def check_target(args) -> None:
                               "choose an empty folder, or remove those first")
 
 
-def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divisible_by: int) -> dict:
+def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divisible_by: int,
+                    ep: int = 1) -> dict:
     """The ``args`` entry (plain values; the names ``--use-checkpoint-args`` takes over)."""
     return {
         "num_layers": meta["num_layers"], "hidden_size": meta["hidden_size"],
@@ -81,7 +90,8 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": dtype,
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
         "qk_layernorm": bool(meta.get("qk_layernorm")),
-        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta),
+        "qk_layernorm_full_width": bool(meta.get("qk_layernorm_full_width")),
+        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta, ep),
     }
 
 
@@ -90,13 +100,14 @@ MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router
             "hf_architecture")
 
 
-def moe_args(meta: dict) -> dict:
-    """The MoE entries of the recorded args (Megatron-Core's dests; none for a dense model).
-    Experts are not tensor-parallel in these shards: ``expert_tensor_parallel_size`` 1."""
+def moe_args(meta: dict, ep: int = 1) -> dict:
+    """The MoE entries of the recorded args (Megatron-Core's dests; none for a dense model):
+    the shards' expert-parallel size ``ep``; experts are not tensor-parallel in these shards
+    (``expert_tensor_parallel_size`` 1)."""
     if not meta.get("num_experts"):
         return {}
     out = {k: meta.get(k) for k in MOE_ARGS}
-    out.update(moe_layer_freq=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+    out.update(moe_layer_freq=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     return out
 
 
@@ -114,18 +125,55 @@ def rope_scaling_flags(scaling) -> dict:
 
 def save_checkpoint(meta: dict, stream, args) -> str:
     """Consume the loader's stream; write ``args.save_dir/release`` (with ``--include-optimizer``:
-    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts),
-    then print the ``pretrain_llama.py`` flags it needs (:mod:`tools.checkpoint.model_flags`).
-    Returns that folder.
+    ``iter_XXXXXXX`` of the source's iteration, with optimizer, scheduler and sample counts;
+    with ``--target-ckpt-format torch_dist``: a layout-free ``release``,
+    :mod:`tools.checkpoint.torch_dist_writer`), then print the ``pretrain_llama.py`` flags it
+    needs (:mod:`tools.checkpoint.model_flags`). Returns that folder.
 
     Raises:
         ValueError: the target layout does not divide the model, or (with the optimizer) changes
-            the padded vocabulary (before anything is written).
+            the padded vocabulary, or a target layout or the optimizer with torch_dist (before
+            anything is written).
         FileExistsError: ``--save-dir`` already holds a checkpoint (:func:`check_target`).
     """
+    if getattr(args, "target_ckpt_format", "torch") == "torch_dist":
+        return _save_torch_dist(meta, stream, args)
+    final, ckpt_args = _save_legacy(meta, stream, args)
+    print(model_flags.describe(ckpt_args, args.save_dir, final), flush=True)
+    return final
+
+
+def _save_torch_dist(meta: dict, stream, args) -> str:
+    given = [f"--target-{kind}-parallel-size" for kind in ("tensor", "pipeline", "expert")
+             if (getattr(args, f"target_{kind}_parallel_size", None) or 1) != 1]
+    if given:
+        raise ValueError(f"--target-ckpt-format torch_dist is layout-free (--load reshards it to "
+                         f"any TP / PP / EP): drop {', '.join(given)}")
+    if getattr(args, "include_optimizer", False):
+        raise ValueError("--target-ckpt-format torch_dist writes the weights only: drop "
+                         "--include-optimizer (or write --target-ckpt-format torch)")
+    check_target(args)
+    from tools.checkpoint import torch_dist_writer
+
+    scratch = os.path.join(args.save_dir, ".legacy.tmp")  # the TP = PP = 1 shard, then removed
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        legacy, ckpt_args = _save_legacy(meta, stream, argparse.Namespace(
+            **dict(vars(args), save_dir=scratch, target_ckpt_format="torch")))
+        final = torch_dist_writer.write_release(
+            os.path.join(legacy, "mp_rank_00", "model_optim_rng.pt"), args.save_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(model_flags.describe(ckpt_args, args.save_dir, final), flush=True)
+    return final
+
+
+def _save_legacy(meta: dict, stream, args):
+    """:func:`save_checkpoint` in the legacy format: ``(folder, its recorded args)``."""
     tp = args.target_tensor_parallel_size or 1
     pp = args.target_pipeline_parallel_size or 1
-    check_layout(meta, tp, pp)
+    ep = getattr(args, "target_expert_parallel_size", None) or 1
+    check_layout(meta, tp, pp, ep)
     dtype_name = args.target_params_dtype or meta.get("params_dtype", "fp32")
     dtype = DTYPES[dtype_name]
     divisible_by = (args.make_vocab_size_divisible_by or meta.get("make_vocab_size_divisible_by")
@@ -133,6 +181,8 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     vocab_rows = meta["true_vocab_size"] or meta["vocab_rows"]
     padded = vocab_size_with_padding(vocab_rows, divisible_by, tp)
     optim = meta.get("optimizer") if getattr(args, "include_optimizer", False) else None
+    if optim is not None and ep > 1:  # convert.py refuses the flags first, naming them
+        raise ValueError(f"--include-optimizer with --target-expert-parallel-size {ep}")
     if optim is not None and padded != meta["vocab_rows"]:
         raise ValueError(f"--include-optimizer: the padded vocabulary would change from "
                          f"{meta['vocab_rows']} to {padded} rows at tensor-parallel size {tp} "
@@ -143,22 +193,21 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     name = "release" if optim is None else f"iter_{int(optim['iteration']):07d}"
     staging = os.path.join(save, name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    ckpt_args = checkpoint_args(meta, tp, pp, padded, dtype_name, divisible_by)
+    ckpt_args = checkpoint_args(meta, tp, pp, padded, dtype_name, divisible_by, ep)
     extra = {"iteration": 0, "optimizer": None, "opt_param_scheduler": None, "rng_state": None}
     if optim is not None:
         ckpt_args = dict(optim["source_args"], **ckpt_args)
         extra = {k: optim[k] for k in ("iteration", "consumed_train_samples",
                                        "consumed_valid_samples", "opt_param_scheduler")}
     writer = _StageWriter(staging, tp, pp, ckpt_args, extra, optim,
-                          mixed=dtype_name != "fp32")
+                          mixed=dtype_name != "fp32", ep=ep)
     try:
         final = _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
                        staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # no half-written release.tmp left behind
         raise
-    print(model_flags.describe(ckpt_args, save, final), flush=True)
-    return final
+    return final, ckpt_args
 
 
 def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging) -> str:
@@ -240,8 +289,8 @@ class _StageWriter:
     shard written, so the peak is about one output shard, not a whole stage of TP shards.
     """
 
-    def __init__(self, staging, tp, pp, ckpt_args, extra, optim, mixed):
-        self.staging, self.tp, self.pp = staging, tp, pp
+    def __init__(self, staging, tp, pp, ckpt_args, extra, optim, mixed, ep=1):
+        self.staging, self.tp, self.pp, self.ep = staging, tp, pp, ep
         self.ckpt_args, self.extra, self.optim, self.mixed = ckpt_args, extra, optim, mixed
         self.stage, self.local, self.spills = 0, 0, [[] for _ in range(tp)]
         self.pending = [dict() for _ in range(tp)]
@@ -272,12 +321,17 @@ class _StageWriter:
                                   if k.startswith(f"optimizer/{q}/")}
                               for q in optimizer_state.QUANTITIES}
                 state["optimizer"] = optimizer_state.pack(model, quantities, self.optim, self.mixed)
-            name = get_checkpoint_name(self.staging, 0, release=False, pipeline_parallel=self.pp > 1,
-                                       tensor_rank=r, pipeline_rank=self.stage)
-            # get_checkpoint_name adds iter_0000000/; the staging folder stands for the final one.
-            name = name.replace(os.path.join(self.staging, "iter_0000000"), self.staging, 1)
-            os.makedirs(os.path.dirname(name), exist_ok=True)
-            torch.save(state, name)
+            for e in range(self.ep):
+                name = get_checkpoint_name(self.staging, 0, release=False,
+                                           pipeline_parallel=self.pp > 1, tensor_rank=r,
+                                           pipeline_rank=self.stage,
+                                           expert_parallel=self.ep > 1, expert_rank=e)
+                # get_checkpoint_name adds iter_0000000/; the staging folder stands for the
+                # final one.
+                name = name.replace(os.path.join(self.staging, "iter_0000000"), self.staging, 1)
+                os.makedirs(os.path.dirname(name), exist_ok=True)
+                torch.save(state if self.ep == 1 else dict(
+                    state, model=moe_layout.local_experts(model, e, self.ep)), name)
             del flat, model, state
             for path in self.spills[r]:
                 os.remove(path)

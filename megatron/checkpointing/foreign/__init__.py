@@ -106,13 +106,14 @@ def _refuse_megatron_llama(foreign: Foreign, run: dict, tp: int, pp: int):
         f"first: {convert_command(run['load'], 'megatron-llama', tp, pp, extra)}")
 
 
-def state_for_load(probe: str, path: str, run: dict, tp: int, pp: int) -> dict | None:
+def state_for_load(probe: str, path: str, run: dict, tp: int, pp: int, ep: int = 1) -> dict | None:
     """This rank's shard as :func:`megatron.checkpointing.load_checkpoint` reads ours, or None
     when the checkpoint is ours.
 
     Args:
         probe: a shard of the checkpoint that exists (this rank's, or the first one).
-        path: this rank's shard at this run's layout (TP x PP ranks).
+        path: this rank's shard at this run's layout (TP x PP x EP ranks).
+        ep: this run's expert-parallel size (a MoE checkpoint loads at the EP it was saved at).
         run: the run's plain values under Megatron's names (``load``, ``finetune``,
             ``no_load_optim``, the model flags: :func:`megatron.config.checkpoint_args`).
 
@@ -134,6 +135,12 @@ def state_for_load(probe: str, path: str, run: dict, tp: int, pp: int) -> dict |
                  for name in ("norm_epsilon", "rotary_base", "max_position_embeddings")}
     ours = megatron_lm_args(foreign, overrides)
     saved = (ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"])
+    saved_ep = ours.get("expert_model_parallel_size", 1)
+    if saved_ep != ep:
+        raise CheckpointError(
+            f"--load {run['load']} is {describe(foreign)} saved at expert-parallel size "
+            f"{saved_ep}, but this run has --expert-model-parallel-size {ep}: run at EP={saved_ep}, "
+            "or re-cut it: " + convert_command(run["load"], "megatron", tp, pp))
     if saved != (tp, pp):
         raise CheckpointError(
             f"--load {run['load']} is {describe(foreign)} saved at TP={saved[0]}, PP={saved[1]}, "
@@ -161,7 +168,12 @@ _MUST_MATCH = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                ("ffn_hidden_size", "--ffn-hidden-size"),
                ("num_attention_heads", "--num-attention-heads"),
                ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
-               ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"))
+               ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+               ("num_experts", "--num-experts"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+               ("moe_router_topk", "--moe-router-topk"),
+               ("moe_router_score_function", "--moe-router-score-function"),
+               ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
+               ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"))
 
 
 def check_run_matches(saved: dict, run, source: str) -> None:
@@ -180,10 +192,18 @@ def check_run_matches(saved: dict, run, source: str) -> None:
         "group_query_attention") else run.get("num_attention_heads"))
     if run.get("kv_channels") is None and run.get("hidden_size") and run.get("num_attention_heads"):
         run["kv_channels"] = run["hidden_size"] // run["num_attention_heads"]
+    if run.get("num_experts") and run.get("moe_ffn_hidden_size") is None:
+        run["moe_ffn_hidden_size"] = run.get("ffn_hidden_size")
     for name, flag in _MUST_MATCH:
-        if name in run and run[name] is not None and run[name] != saved[name]:
-            raise CheckpointError(f"{source} has {name}={saved[name]} but this run has {flag} "
-                                  f"{run[name]}; pass the checkpoint's value")
+        if name not in saved and name != "num_experts":
+            continue  # a dense checkpoint: its MoE fields are not recorded
+        given = run.get(name)
+        if name == "num_experts" and name in run and given != saved.get(name):
+            raise CheckpointError(f"{source} has num_experts={saved.get(name)} but this run has "
+                                  f"--num-experts {given}; pass the checkpoint's value")
+        if name in run and given is not None and given != saved.get(name):
+            raise CheckpointError(f"{source} has {name}={saved.get(name)} but this run has {flag} "
+                                  f"{given}; pass the checkpoint's value")
 
 
 def saved_args(foreign: Foreign) -> dict:

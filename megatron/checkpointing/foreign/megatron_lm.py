@@ -23,6 +23,14 @@ spellings, and TransformerEngine's norms fused into the next linear,
 ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, map the same way;
 ``_extra_state`` entries carry no weights and are dropped.)
 
+Mixture-of-experts layers (Megatron-Core's ``SequentialMLP``, what its converter and the local
+spec write; expert-tensor-parallel size 1): ``mlp.router.weight [E, h]`` is ours;
+``mlp.experts.local_experts.{i}.linear_fc1.weight [2f, h]`` (``[gate; up]``) and ``linear_fc2
+[h, f]`` of local expert i are row i of our ``mlp.experts.weight1 [E_local, 2f, h]`` /
+``weight2 [E_local, h, f]``. A shard holds the ``E / EP`` experts of its expert-parallel rank
+e (global experts ``e * E_local ...``), in the folder ``mp_rank_TT[_PPP]_EEE``, and the dense
+tensors replicated.
+
 Fused QKV: Megatron-LM orders each rank's rows per query group, ``[q heads of group g; k_g;
 v_g]`` for its groups in turn (Megatron-Core ``SelfAttention.get_query_key_value_tensors``); ours
 is ``[Q of the rank; K of the rank; V of the rank]``. Both give rank r the same consecutive heads
@@ -30,6 +38,8 @@ and groups, so the reordering is local to each shard (:func:`qkv_to_ours`).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -55,6 +65,10 @@ _LAYER = {  # per-layer suffix -> ours
     "mlp.dense_4h_to_h.weight": "mlp.dense_4h_to_h.weight",
 }
 _LAYER_PREFIXES = ("decoder.layers.", "language_model.encoder.layers.")
+_LAYER["mlp.router.weight"] = "mlp.router.weight"
+# SequentialMLP's local expert i: (part of our grouped tensor)
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
+EXPERT_WEIGHTS = {"1": "mlp.experts.weight1", "2": "mlp.experts.weight2"}
 _TOP = {
     "embedding.word_embeddings.weight": "word_embeddings.weight",
     "language_model.embedding.word_embeddings.weight": "word_embeddings.weight",
@@ -127,6 +141,7 @@ def expected_shape(ours: str, config: dict, tp: int) -> tuple:
             "final_layernorm.weight": (h,), QKV: ((heads + 2 * groups) * d, h),
             "self_attention.dense.weight": (h, heads * d),
             "mlp.dense_h_to_4h.weight": (2 * (f // tp), h), "mlp.dense_4h_to_h.weight": (h, f // tp),
+            "mlp.router.weight": (config.get("num_experts"), h),
             }.get(suffix, (None, h))  # embeddings and output layer: [vocab / TP, h]
 
 
@@ -144,18 +159,21 @@ def _check_shape(name: str, ours: str, tensor: torch.Tensor, config: dict, tp: i
 
 
 def to_our_state_dict(model_state: dict, config: dict, tp: int) -> dict:
-    """One rank's Megatron-LM model state dict (flat or nested) with our names and QKV layout.
+    """One rank's Megatron-LM model state dict (flat or nested) with our names and QKV layout;
+    a MoE layer's local experts stacked into our grouped ``mlp.experts.weight1/2``.
 
     Args:
-        config: our-named model arguments (:func:`our_args`): heads, groups, kv_channels, tie.
+        config: our-named model arguments (:func:`our_args`): heads, groups, kv_channels, tie,
+            and for MoE ``num_experts``, ``moe_ffn_hidden_size``, ``expert_model_parallel_size``.
         tp: the tensor-parallel size the checkpoint was written at.
 
     Raises:
-        CheckpointError: a tensor this model does not have (biases, QK-norm, experts), or whose
-            shape contradicts the args (:func:`expected_shape`), named.
+        CheckpointError: a tensor this model does not have (biases, QK-norm, TransformerEngine's
+            grouped experts), whose shape contradicts the args (:func:`expected_shape`), or a
+            layer whose local experts are not exactly ``E / EP``, named.
     """
     heads, groups = config["num_attention_heads"] // tp, config["num_query_groups"] // tp
-    out = {}
+    out, experts = {}, {}
     for name, tensor in flatten(model_state).items():
         if name.endswith("_extra_state"):
             continue
@@ -163,18 +181,43 @@ def to_our_state_dict(model_state: dict, config: dict, tp: int) -> dict:
         prefix = next((p for p in _LAYER_PREFIXES if name.startswith(p)), None)
         if ours is None and prefix is not None:
             number, _, suffix = name[len(prefix):].partition(".")
+            expert = _LOCAL_EXPERT.fullmatch(suffix)
+            if expert is not None and config.get("num_experts"):
+                _check_expert_shape(name, tensor, expert.group(2), config)
+                key = f"layers.{number}.{EXPERT_WEIGHTS[expert.group(2)]}"
+                experts.setdefault(key, {})[int(expert.group(1))] = tensor
+                continue
             ours = f"layers.{number}.{_LAYER[suffix]}" if suffix in _LAYER else None
         if ours is None:
             raise CheckpointError(f"tensor {name} of the Megatron-LM checkpoint has no "
-                                  "counterpart in this LLaMA (biases, QK layernorm and experts "
-                                  "are not implemented)")
+                                  "counterpart in this LLaMA (biases, shared experts, "
+                                  "TransformerEngine's grouped experts are not read)")
         _check_shape(name, ours, tensor, config, tp)
         if ours.endswith(QKV):
             tensor = qkv_to_ours(tensor, heads, groups, config["kv_channels"])
         if ours == "output_layer.weight" and not config["untie_embeddings_and_output_weights"]:
             ours = "word_embeddings_for_head.weight"  # Megatron-Core's tied last-stage copy
         out[ours] = tensor
+    local = (config.get("num_experts") or 0) // config.get("expert_model_parallel_size", 1)
+    for key, found in sorted(experts.items()):
+        if sorted(found) != list(range(local)):
+            raise CheckpointError(
+                f"{key}: the Megatron-LM shard holds local experts {sorted(found)}, but its args "
+                f"({config['num_experts']} experts over expert-parallel size "
+                f"{config.get('expert_model_parallel_size', 1)}) give {local} per shard "
+                f"(0..{local - 1}): the shard is incomplete or its args were edited")
+        out[key] = torch.stack([found[i] for i in range(local)])
     return out
+
+
+def _check_expert_shape(name: str, tensor: torch.Tensor, which: str, config: dict) -> None:
+    h, f = config["hidden_size"], config["moe_ffn_hidden_size"]
+    want = (2 * f, h) if which == "1" else (h, f)
+    if tuple(tensor.shape) != want:
+        raise CheckpointError(f"tensor {name} of the Megatron-LM checkpoint has shape "
+                              f"{list(tensor.shape)}, but its args (hidden_size {h}, "
+                              f"moe_ffn_hidden_size {f}) give {list(want)}: the checkpoint "
+                              "contradicts its args")
 
 
 # field: (value our LLaMA implements, what that is, the value an older Megatron-LM meant when the
@@ -190,7 +233,6 @@ _REQUIRED = {
     "qk_layernorm": (False, "no QK layernorm", False),
     "apply_layernorm_1p": (False, "plain RMSNorm weights", False),
     "layernorm_zero_centered_gamma": (False, "plain RMSNorm weights", False),
-    "num_experts": (None, "a dense MLP", None),
     "multi_latent_attention": (False, "standard attention", False),
 }
 
@@ -209,6 +251,45 @@ def check_architecture(saved: dict, source: str) -> None:
         if have != want:
             raise CheckpointError(f"{source} has {field}={have!r}; this LLaMA implements only "
                                   f"{meaning} ({field}={want!r})")
+
+
+# Megatron-LM's MoE args carried as they are (Megatron-Core's dests are our flags' dests)
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+              "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+              "moe_router_group_topk", "moe_router_enable_expert_bias",
+              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+              "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
+              "moe_pad_expert_input_to_capacity")
+
+
+def moe_args(saved: dict, source: str) -> dict:
+    """Our MoE arguments of a Megatron-LM ``args`` dict (empty for a dense model): the
+    :data:`MOE_FIELDS` as recorded, ``expert_model_parallel_size`` and
+    ``expert_tensor_parallel_size`` 1.
+
+    Raises:
+        CheckpointError: MoE settings whose tensors are not read here (a shared expert, dense
+            layers between MoE ones, experts split over tensor ranks), naming the field.
+    """
+    if not saved.get("num_experts"):
+        return {}
+    freq = saved.get("moe_layer_freq", 1)
+    refused = [(f, v) for f, v, ok in (
+        ("moe_shared_expert_intermediate_size", saved.get("moe_shared_expert_intermediate_size"),
+         saved.get("moe_shared_expert_intermediate_size") is None),
+        ("moe_layer_freq", freq, freq == 1 or (isinstance(freq, (list, tuple)) and set(freq) == {1})),
+        ("expert_tensor_parallel_size", saved.get("expert_tensor_parallel_size"),
+         saved.get("expert_tensor_parallel_size") in (None, 1))) if not ok]
+    if refused:
+        field, value = refused[0]
+        raise CheckpointError(f"{source} has {field}={value!r}; Megatron-LM MoE checkpoints are "
+                              "read with every layer MoE, no shared expert and "
+                              "expert_tensor_parallel_size 1")
+    out = {k: saved.get(k) for k in MOE_FIELDS if k in saved}
+    out["moe_ffn_hidden_size"] = saved.get("moe_ffn_hidden_size") or saved["ffn_hidden_size"]
+    out.update(moe_layer_freq=1, expert_tensor_parallel_size=1,
+               expert_model_parallel_size=saved.get("expert_model_parallel_size") or 1)
+    return out
 
 
 def setting(saved: dict, fields, flag: str, given, source: str, notes: list):
@@ -273,6 +354,7 @@ def our_args(saved: dict, source: str, overrides: dict | None = None, notes: lis
         "params_dtype": {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
             str(saved.get("params_dtype")), "fp32"),
         "rope_scaling": None, "use_rope_scaling": bool(saved.get("use_rope_scaling")),
+        **moe_args(saved, source),
     }
     if out["use_rope_scaling"]:  # Megatron-Core's _apply_scaling: only the factor is a flag
         out["rope_scaling"] = {"rope_type": "llama3", "factor": float(saved["rope_scaling_factor"]),

@@ -100,6 +100,9 @@ def _numpy_dtype_classes() -> list:
 # Globals read as plain data, beyond torch's weights-only set (tensors, storages, dtypes,
 # OrderedDict, _codecs.encode). Megatron enums are matched by module (see _MEGATRON_ENUM).
 ALLOWED = ("argparse.Namespace", "types.SimpleNamespace", "signal.Signals")
+# Megatron-Core enums outside an ``enums`` module (in a torch_dist checkpoint's common state)
+_OTHER_ENUMS = ("megatron.core.rerun_state_machine.RerunMode",
+                "megatron.core.rerun_state_machine.RerunState")
 
 
 def _resolve(name: str):
@@ -107,7 +110,7 @@ def _resolve(name: str):
         return argparse.Namespace
     if name == "types.SimpleNamespace":
         return types.SimpleNamespace
-    if name == "signal.Signals" or _MEGATRON_ENUM.match(name):
+    if name == "signal.Signals" or name in _OTHER_ENUMS or _MEGATRON_ENUM.match(name):
         return stand_in(name)
     return _numpy_globals().get(name)
 
@@ -153,6 +156,29 @@ def load_raw(path: str) -> dict:
     """
     return load_torch_file(path, what="checkpoint shard", mmap=True,
                            extra_globals=allowed_globals(path))
+
+
+def load_raw_bytes(data: bytes, name: str) -> dict:
+    """:func:`load_raw` of a ``torch.save`` archive held in memory (a record inside another
+    file; ``name`` says where, in messages). The bytes go through a private temporary file so
+    that the same listing, CRC checks and restricted unpickler apply; tensors are read whole.
+
+    Raises:
+        CheckpointError: as :func:`load_raw`, naming ``name``.
+    """
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            return load_torch_file(path, what=name, extra_globals=allowed_globals(path))
+        except CheckpointError as exc:
+            raise CheckpointError(str(exc).replace(path, name)) from None
+    finally:
+        os.remove(path)
 
 
 def to_plain(value):

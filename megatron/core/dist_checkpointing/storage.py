@@ -232,6 +232,9 @@ _METADATA_CLASSES = {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core caches its global save plan in the metadata (inert dataclasses and an enum)
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "TensorWriteData",
+                                             "WriteItemType"},
     "torch.serialization": {"_get_layout"},  # builds torch.strided from its name
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},

@@ -103,8 +103,7 @@ class DistributedDataParallel(torch.nn.Module):
         ValueError: if ``average_in_collective`` is asked on a backend without ``ReduceOp.AVG``;
             an unknown strategy, a sharding strategy without the distributed optimizer, or
             ``overlap_param_gather`` with sharded parameters (the forward gathers them);
-            expert parameters without ``expert_data_parallel_group`` (at DP > 1) or with
-            sharded gradients (ZeRO-2/3 hold one group for now).
+            expert parameters without ``expert_data_parallel_group`` (at DP > 1).
     """
 
     def __init__(self, module: torch.nn.Module, *, data_parallel_group,
@@ -166,10 +165,6 @@ class DistributedDataParallel(torch.nn.Module):
             grad_dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else p.dtype
             groups.setdefault((p.dtype, grad_dtype, is_expert_param(p)), []).append(p)
         has_experts = any(expert for _, _, expert in groups)
-        if has_experts and shard_grads:
-            raise ValueError(f"expert parameters (allreduce=False) with "
-                             f"--data-parallel-sharding-strategy {strategy} are not supported yet "
-                             "(ZeRO-2/3 units hold one replica group); use optim or no_shard")
         if expert_data_parallel_group is _NOT_GIVEN:
             if has_experts and dp > 1:
                 raise ValueError("the module has expert parameters (allreduce=False): give "

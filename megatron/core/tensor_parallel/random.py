@@ -170,6 +170,15 @@ def _gather_1d_chunks(chunk: torch.Tensor, shape, group) -> torch.Tensor:
     return all_gather_first_dim(chunk, group)[:numel].view(shape)
 
 
+_RECOMPUTE_DEPTH = 0
+
+
+def is_recomputing() -> bool:
+    """True while :class:`CheckpointFunction` re-runs a forward in backward: layers that count
+    what they route or log (MoE) record only the original forward, not its replay."""
+    return _RECOMPUTE_DEPTH > 0
+
+
 class CheckpointFunction(torch.autograd.Function):
     """Megatron's activation recompute: forward runs ``run_function`` without keeping its
     activations; backward re-runs it under the generator states of the original forward (CPU,
@@ -220,10 +229,13 @@ class CheckpointFunction(torch.autograd.Function):
         bwd_tracker_states = get_rng_tracker().get_states()
         set_device_rng_states(ctx.fwd_rng_states)
         get_rng_tracker().set_states(ctx.fwd_tracker_states)
+        global _RECOMPUTE_DEPTH
+        _RECOMPUTE_DEPTH += 1
         try:
             with torch.enable_grad():
                 outputs = ctx.run_function(*detached)
         finally:
+            _RECOMPUTE_DEPTH -= 1
             set_device_rng_states(bwd_rng_states)
             get_rng_tracker().set_states(bwd_tracker_states)
 

@@ -57,11 +57,19 @@ def normal_block_init(std: float, seed: int, layer_number: int, name: str,
     return init_
 
 
+def is_meta_device(device) -> bool:
+    """True for the meta device (a build that allocates and draws nothing); False for None."""
+    return device is not None and torch.device(device).type == "meta"
+
+
 def init_block(shape: Sequence[int], std: float, seed: int, layer_number: int, name: str,
-               expert: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               expert: Optional[int] = None, dtype: torch.dtype = torch.float32,
+               device=None) -> torch.Tensor:
     """One block ``N(0, std)`` of ``shape`` drawn alone, fp32 then cast to ``dtype``: what a
-    rank that holds only this block (one expert) builds."""
-    master = torch.empty(tuple(shape), dtype=torch.float32)
+    rank that holds only this block (one expert) builds. On the meta ``device`` nothing is
+    drawn (a meta tensor); otherwise the block is drawn on the CPU."""
+    master = torch.empty(tuple(shape), dtype=torch.float32,
+                         device="meta" if is_meta_device(device) else "cpu")
     return normal_block_init(std, seed, layer_number, name, expert)(master).to(dtype)
 
 

@@ -13,6 +13,17 @@ log-probabilities are bitwise those of the request run alone. With ``packed=True
 carries all pieces of the step: faster, but CPU/GPU matrix products choose their blocking by the
 row count, so log-probabilities agree to fp32 rounding only (and greedy tokens except at
 near-ties).
+
+Mixture of experts: at expert-parallel size EP > 1 the EP ranks (data-parallel ranks of the
+dense layers) all run every step on the same tokens, the plan broadcast over the whole world;
+each dispatches its copy of the tokens to the experts' ranks and gets back its own tokens'
+outputs. Routing in inference is dropless (``model_loader.moe_config_for_inference``): a token's
+experts and weights depend on that token alone, so batch invariance holds as for a dense model
+(bitwise per-request forwards, fp32 rounding packed); at EP > 1 an expert's matrix product has
+the rows of every EP rank, so EP = 2 equals EP = 1 to fp32 rounding.
+
+Scoring (:meth:`Engine.score`, the lm-evaluation-harness backend's log-likelihoods): a step of
+its own, one full forward per sequence without cache, broadcast and followed as a plan.
 """
 
 from __future__ import annotations
@@ -59,7 +70,8 @@ class Engine:
         static: request-level batching (admit only into an empty batch) for comparison.
 
     Raises:
-        ValueError: data-parallel size > 1, or bad limits.
+        ValueError: data-parallel replicas other than the expert-parallel ranks (data-parallel
+            size > 1 and not equal to the expert-parallel size), or bad limits.
     """
 
     def __init__(self, model, pg_collection, *, num_blocks: int, block_size: int = 16,
@@ -67,9 +79,10 @@ class Engine:
                  prefill_chunk: int = 64, vocab_size: Optional[int] = None,
                  eod: Optional[int] = None, detokenize: Optional[Callable] = None,
                  packed: bool = False, static: bool = False, device=None):
-        if pg_collection.dp.size > 1:
-            raise ValueError("the engine serves one model replica: launch TP x PP processes "
-                             f"(data-parallel size {pg_collection.dp.size} given)")
+        if pg_collection.dp.size > 1 and pg_collection.dp.size != pg_collection.ep.size:
+            raise ValueError("the engine serves one model replica: launch TP x PP (x EP) "
+                             f"processes (data-parallel size {pg_collection.dp.size} given, "
+                             f"expert-parallel size {pg_collection.ep.size})")
         self.model = model
         self.groups = pg_collection
         self.cache = PagedKVCache(num_blocks, block_size)
@@ -91,7 +104,7 @@ class Engine:
     # -- the scheduling rank ---------------------------------------------------------------
     @property
     def is_leader(self) -> bool:
-        return self.groups.model.rank <= 0
+        return self.groups.model.rank <= 0 and self.groups.dp.rank <= 0
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
         """Queue a request; returns its id (scheduling rank only).
@@ -183,7 +196,54 @@ class Engine:
         self._execute(plan)
         return True
 
+    def score(self, sequences: Sequence[Sequence[int]], counts: Sequence[int]) -> List[tuple]:
+        """Log-likelihood of the last ``counts[i]`` tokens of ``sequences[i]`` given the tokens
+        before them (scheduling rank; the other ranks run it from :meth:`follow`).
+
+        One forward per sequence over ``sequence[:-1]`` without cache (no other request in it).
+        Returns ``[(sum of the log-probabilities (float, fp32 log-softmax over the true
+        vocabulary), every scored token is the arg-max (bool))]``.
+
+        Raises:
+            ValueError: a count outside ``[1, len(sequence) - 1]``, a sequence longer than
+                ``max_position_embeddings`` + 1 or with ids outside the vocabulary.
+        """
+        limit = self.model.config.max_position_embeddings
+        jobs = []
+        for seq, n in zip(sequences, counts):
+            seq = [int(t) for t in seq]
+            if not 1 <= n < len(seq):
+                raise ValueError(f"score: {n} tokens to score of a sequence of {len(seq)}")
+            if len(seq) - 1 > limit:
+                raise ValueError(f"score: a sequence of {len(seq)} tokens exceeds the model's "
+                                 f"context of {limit} positions (+1)")
+            if min(seq) < 0 or max(seq) >= self.vocab_size:
+                raise ValueError(f"score: token ids must be in [0, {self.vocab_size})")
+            jobs.append((seq, int(n)))
+        plan = {"free": self._to_free, "entries": [], "score": jobs}
+        self._to_free = []
+        self._broadcast(plan)
+        return self._execute(plan)
+
+    def _score(self, jobs) -> List[tuple]:
+        out = torch.zeros(len(jobs), 2, dtype=torch.float64, device=self.device)
+        for i, (seq, n) in enumerate(jobs):
+            tokens = torch.tensor([seq[:-1]], dtype=torch.long, device=self.device)
+            logits = forward_logits(self.model, tokens, pg_collection=self.groups)
+            if logits is None:
+                continue
+            lp = torch.log_softmax(logits[0, -n:, :self.vocab_size].float(), dim=-1)
+            target = torch.tensor(seq[-n:], dtype=torch.long, device=lp.device)
+            out[i, 0] = lp.gather(-1, target[:, None]).sum().double()
+            out[i, 1] = float(bool((lp.argmax(-1) == target).all()))
+        out = _share_from_last_stage(out, self.groups)
+        return [(float(s), bool(g)) for s, g in out.tolist()]
+
     def _broadcast(self, plan, receive: bool = False):
+        if self.groups.dp.size > 1:  # expert-parallel ranks: every rank of the world follows
+            box = [plan]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
         model = self.groups.model
         if model.size <= 1:
             return plan
@@ -195,6 +255,8 @@ class Engine:
         """Run the plan's forwards; returns ``[(token, logprob)]`` of its sampling entries."""
         for rid in plan["free"]:
             self._generators.pop(rid, None)
+        if "score" in plan:
+            return self._score(plan["score"])
         entries: List[PlanEntry] = plan["entries"]
         if not entries:
             return []

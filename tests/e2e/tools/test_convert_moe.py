@@ -5,26 +5,20 @@ Hub's expert layouts are read; a missing or duplicated expert stops the conversi
 unsupported MoE families are refused in one line."""
 
 import json
+import math
 import os
 
 import pytest
 import torch
 
-from megatron.core import parallel_state as ps
-from tests.helpers.convert import convert, one_document_dataset, safetensors_tensors
+from tests.helpers.convert import (convert, make_hf, megatron_logits, one_document_dataset,
+                                   reference_logits, safetensors_tensors, save_random_hf)
 from tests.helpers.dist import run_distributed
 from tools.checkpoint import loader_hf, moe_layout
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB, E, K, F = 256, 4, 2, 48
-
-
-def _randomize(model) -> None:
-    """Weights of std 0.2 (attention and routing far from uniform), norm weights 1 +- 0.1."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + ("norm" in name))
 
 
 def make_mixtral(folder: str, layers: int = 2):
@@ -38,10 +32,7 @@ def make_mixtral(folder: str, layers: int = 2):
                            head_dim=8, num_local_experts=E, num_experts_per_tok=K,
                            max_position_embeddings=128, rms_norm_eps=1e-6,
                            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    model = MixtralForCausalLM(config).eval()
-    _randomize(model)
-    model.save_pretrained(folder)
-    return model
+    return save_random_hf(MixtralForCausalLM, config, folder)
 
 
 _safetensors = safetensors_tensors
@@ -51,47 +42,19 @@ _safetensors = safetensors_tensors
 def mixtral(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("mixtral"))
     model = make_mixtral(folder)
-    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = model(tokens).logits
-    return folder, model, tokens, expected
+    return (folder, model) + reference_logits(model, VOCAB)
 
 
-def _logits_rank(tp, pp, load_dir, tokens):
-    from megatron.checkpointing import load_checkpoint
-    from megatron.config import CheckpointConfig, MoEConfig
-    from megatron.inference import forward_logits
-    from megatron.inference.model_loader import checkpoint_args, model_config_from_args
-    from megatron.model import get_layer_numbers
-    from megatron.model.llama import LlamaModel
-
-    groups = ps.initialize_model_parallel(tp, pp)
-    saved = checkpoint_args(load_dir)
-    config = model_config_from_args(saved)
-    moe = MoEConfig(num_experts=saved["num_experts"], moe_ffn_hidden_size=saved["moe_ffn_hidden_size"],
-                    moe_router_topk=saved["moe_router_topk"],
-                    moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax")),
-                    moe_shared_expert_intermediate_size=saved.get("moe_shared_expert_intermediate_size"),
-                    moe_shared_expert_gate=bool(saved.get("moe_shared_expert_gate")),
-                    moe_layer_freq=(1,) * saved["num_layers"])
-    model = LlamaModel(config, pg_collection=groups, pre_process=groups.is_pipeline_first_stage(),
-                       post_process=groups.is_pipeline_last_stage(),
-                       layer_numbers=get_layer_numbers(config.num_layers, pp, groups.pp.rank),
-                       moe_config=moe)
-    load_checkpoint([model], None, None, CheckpointConfig(load=load_dir, finetune=True), groups,
-                    run_flags=saved)
-    logits = forward_logits(model.eval(), tokens, pg_collection=groups)
-    return logits if logits is not None and groups.tp.rank == 0 else None
-
-
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_mixtral_logits_equal_transformers(mixtral, tp, pp, tmp_path):
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 1, 2), (1, 1, 4)])
+def test_mixtral_logits_equal_transformers(mixtral, tp, pp, ep, tmp_path):
+    """Converted at TP x PP x EP (``--target-expert-parallel-size``) and loaded in a world of
+    TP x PP x EP ranks (EP over the EP data-parallel ranks), the logits are
+    transformers'."""
     folder, _, tokens, expected = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
             tmp_path / "ckpt", "--target-tensor-parallel-size", tp,
-            "--target-pipeline-parallel-size", pp)
-    out = run_distributed(tp * pp, _logits_rank, tp, pp, str(tmp_path / "ckpt"), tokens)
-    logits = next(o for o in out if o is not None)[..., :VOCAB]
+            "--target-pipeline-parallel-size", pp, "--target-expert-parallel-size", ep)
+    logits = megatron_logits(str(tmp_path / "ckpt"), tp, pp, tokens, ep)[..., :VOCAB]
     assert expected.abs().max() > 1.0  # far from uniform: the comparison has teeth
     diff = (logits - expected).abs().max().item()
     assert diff <= 3e-5, diff  # measured 5.7e-6 (TP1, PP2), 6.6e-6 (TP2) of logits up to 7
@@ -150,13 +113,136 @@ def test_round_trip_is_bitwise_in_the_hub_layout(mixtral, tmp_path):
         assert torch.equal(reloaded(tokens).logits, expected)
 
 
-def test_fused_in_memory_layout_is_read(mixtral, tmp_path):
+def test_round_trip_through_tp2_ep2_pp2_is_bitwise(mixtral, tmp_path, capsys):
+    """HF -> ours at TP2 x EP2 x PP2 -> HF: every tensor bitwise; the shards are
+    ``mp_rank_TT_PPP_EEE`` with experts 2e, 2e+1 of expert rank e, and the printed flags carry
+    the expert-parallel size (with --sequence-parallel --expert-tensor-parallel-size 1, which
+    training MoE at TP > 1 needs)."""
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
+
+    folder = mixtral[0]
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "a", "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2,
+            "--target-expert-parallel-size", 2)
+    printed = capsys.readouterr().out
+    assert ("--sequence-parallel --expert-tensor-parallel-size 1 --expert-model-parallel-size 2"
+            in printed), printed
+    release = tmp_path / "a" / "release"
+    assert sorted(os.listdir(release)) == [f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2)
+                                           for p in range(2) for e in range(2)]
+    hf = _safetensors(folder)
+    for t in range(2):
+        for e in range(2):
+            shard = load_torch_file(str(release / f"mp_rank_{t:02d}_001_{e:03d}" /
+                                        "model_optim_rng.pt"), what="shard")
+            assert shard["args"]["expert_model_parallel_size"] == 2
+            w2 = shard["model"]["layers.0.mlp.experts.weight2"]  # global layer 1
+            assert w2.shape == (E // 2, 64, F)
+            for i in range(E // 2):
+                assert torch.equal(w2[i], hf[f"model.layers.1.block_sparse_moe.experts."
+                                             f"{e * E // 2 + i}.w2.weight"])
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "a", "--save-dir",
+            tmp_path / "hf")
+    exported = _safetensors(tmp_path / "hf")
+    assert sorted(hf) == sorted(exported)
+    for name, tensor in hf.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def test_expert_parallel_shards_missing_or_disagreeing_are_refused(mixtral, tmp_path, capsys):
+    """A missing expert-rank folder, or expert ranks holding different copies of a replicated
+    tensor, stop the conversion naming the folder / tensor; --target-expert-parallel-size not
+    dividing the experts, on a dense model, or with --saver hf is refused before writing."""
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
+    from megatron.checkpointing import CheckpointError
+
+    folder = mixtral[0]
+    ckpt = tmp_path / "a"
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir", ckpt,
+            "--target-expert-parallel-size", 2)
+    assert sorted(os.listdir(ckpt / "release")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    path = str(ckpt / "release" / "mp_rank_00_001" / "model_optim_rng.pt")
+    shard = load_torch_file(path, what="shard")
+    shard["model"]["layers.1.mlp.router.weight"] = shard["model"]["layers.1.mlp.router.weight"] + 1
+    torch.save(shard, path)
+    with pytest.raises(moe_layout.ExpertError, match="layers.1.mlp.router.weight differs between "
+                                                     "expert-parallel ranks 0 and 1"):
+        convert("--loader", "megatron", "--saver", "hf", "--load-dir", ckpt, "--save-dir",
+                tmp_path / "x")
+    os.remove(path)
+    with pytest.raises(CheckpointError, match="no mp_rank_00_001/model_optim_rng.pt"):
+        convert("--loader", "megatron", "--saver", "hf", "--load-dir", ckpt, "--save-dir",
+                tmp_path / "y")
+    _refused_in_one_line(capsys, "--target-expert-parallel-size 3 does not divide the 4 experts",
+                         "--loader", "hf", "--saver", "megatron", "--load-dir", folder,
+                         "--save-dir", tmp_path / "z", "--target-expert-parallel-size", 3)
+    assert not (tmp_path / "z" / "release").exists()
+    _refused_in_one_line(capsys, "--include-optimizer with --target-expert-parallel-size 2",
+                         "--loader", "megatron", "--saver", "megatron", "--load-dir", ckpt,
+                         "--save-dir", tmp_path / "o", "--include-optimizer",
+                         "--target-expert-parallel-size", 2)
+    _refused_in_one_line(capsys, "drop --target-tensor/pipeline/expert-parallel-size",
+                         "--loader", "hf", "--saver", "hf", "--load-dir", folder, "--save-dir",
+                         tmp_path / "w", "--target-expert-parallel-size", 2)
+    make_hf(str(tmp_path / "dense"))
+    _refused_in_one_line(capsys, "--target-expert-parallel-size 2: the model is dense",
+                         "--loader", "hf", "--saver", "megatron", "--load-dir", tmp_path / "dense",
+                         "--save-dir", tmp_path / "d", "--target-expert-parallel-size", 2)
+
+
+def _refused_in_one_line(capsys, message, *argv):
+    """``convert.py argv`` exits with status 2 and one stderr line holding ``message``."""
+    from tools.checkpoint.convert import command
+
+    capsys.readouterr()
+    assert command([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+
+
+def test_torch_dist_target_loads_at_any_layout_and_exports_bitwise(mixtral, tmp_path, capsys):
+    """``--target-ckpt-format torch_dist``: one layout-free release whose experts lie on the
+    global expert axis; loaded at TP2 x EP2 and EP4 its logits are transformers'; the loader
+    reads it back to the Hub layout bitwise; a target layout with it is refused in one line."""
+    from megatron.checkpointing import torch_dist
+
+    folder, _, tokens, expected = mixtral
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "dist", "--target-ckpt-format", "torch_dist")
+    release = tmp_path / "dist" / "release"
+    assert torch_dist.is_torch_dist_checkpoint(str(release))
+    assert sorted(os.listdir(tmp_path / "dist")) == ["latest_checkpointed_iteration.txt", "release"]
+    weight2 = torch_dist.read_tensors(str(release))["layers.1.mlp.experts.weight2"]
+    hf = _safetensors(folder)
+    assert weight2.shape == (E, 64, F)
+    assert all(torch.equal(weight2[e], hf[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"])
+               for e in range(E))
+    for tp, ep in ((2, 2), (1, 4)):
+        logits = megatron_logits(str(tmp_path / "dist"), tp, 1, tokens, ep)[..., :VOCAB]
+        assert (logits - expected).abs().max().item() <= 3e-5
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "dist",
+            "--save-dir", tmp_path / "hf")
+    exported = _safetensors(tmp_path / "hf")
+    assert sorted(hf) == sorted(exported)
+    assert all(torch.equal(hf[k], exported[k]) for k in hf)
+    _refused_in_one_line(capsys, "torch_dist is layout-free (--load reshards it to any TP / PP / "
+                         "EP): drop --target-expert-parallel-size", "--loader", "hf", "--saver",
+                         "megatron", "--load-dir", folder, "--save-dir", tmp_path / "x",
+                         "--target-ckpt-format", "torch_dist", "--target-expert-parallel-size", 2)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+def test_fused_in_memory_layout_is_read(family, tmp_path):
     """transformers 5's in-memory names (``mlp.gate``, ``mlp.experts.gate_up_proj`` /
     ``down_proj``), written as they are by a plain ``safetensors`` save of the state dict,
-    convert to the same checkpoint as the Hub's per-expert files."""
+    convert to the same Hub files as the per-expert ones ``save_pretrained`` wrote, for every
+    MoE family."""
     from safetensors.torch import save_file
 
-    folder, model, _, _ = mixtral
+    folder = str(tmp_path / "hub")
+    model = {"mixtral": make_mixtral, "olmoe": make_olmoe,
+             "qwen3_moe": lambda f: make_qwen_moe(f, "qwen3_moe", True),
+             "qwen2_moe": lambda f: make_qwen_moe(f, "qwen2_moe", False)}[family](folder)
     fused = tmp_path / "fused"
     fused.mkdir()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -165,6 +251,7 @@ def test_fused_in_memory_layout_is_read(mixtral, tmp_path):
     (fused / "config.json").write_text((open(os.path.join(folder, "config.json")).read()))
     convert("--loader", "hf", "--saver", "hf", "--load-dir", fused, "--save-dir", tmp_path / "out")
     original, exported = _safetensors(folder), _safetensors(tmp_path / "out")
+    assert not any("gate_up_proj" in k for k in original)  # the Hub's files are per expert
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
 
@@ -234,12 +321,17 @@ def test_saver_gate_catches_an_altered_or_missing_expert(mixtral, tmp_path):
 
 
 @pytest.mark.parametrize("model_type,words", [
-    ("deepseek_v3", "multi-latent attention"), ("gpt_oss", "MXFP4"), ("llama4", "Llama 4"),
-    ("olmoe", "q/k RMSNorm")])
-def test_unsupported_moe_families_are_refused_in_one_line(model_type, words):
+    ("deepseek_v3", "multi-latent attention"), ("gpt_oss", "MXFP4"), ("llama4", "Llama 4")])
+def test_unsupported_moe_families_are_refused_in_one_line(model_type, words, tmp_path, capsys):
+    """By the config reader, and by ``convert.py`` itself: status 2, one line, nothing written."""
     with pytest.raises(ValueError, match=words) as info:
         loader_hf.meta_from_hf_config({"model_type": model_type})
     assert "\n" not in str(info.value)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": model_type}))
+    _refused_in_one_line(capsys, words, "--loader", "hf", "--saver", "megatron", "--load-dir",
+                         tmp_path / "hf", "--save-dir", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 SEQ = 32
@@ -263,17 +355,23 @@ def _train(argv):
     return pretrain_llama.main(argv)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_first_training_loss_equals_transformers(mixtral, tmp_path, pp):
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
+def test_first_training_loss_equals_transformers(mixtral, tmp_path, tp, pp, ep, capsys):
+    """At EP 2 the two data-parallel ranks each hold two experts and train on a copy of the one
+    document (global batch 2), so the mean loss is still transformers' loss on it. The layout
+    flags are the ones the converter printed."""
     folder, model, _, _ = mixtral
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
-            tmp_path / "ours", "--target-pipeline-parallel-size", pp)
+            tmp_path / "ours", "--target-pipeline-parallel-size", pp,
+            "--target-expert-parallel-size", ep, "--target-tensor-parallel-size", tp)
+    printed = capsys.readouterr().out.split()
+    layout = printed[printed.index("--tensor-model-parallel-size"):printed.index("--load")]
     prefix = str(tmp_path / "data")
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + ["--load", str(tmp_path / "ours"), "--data-path", prefix,
                           "--data-cache-path", str(tmp_path / "cache"),
-                          "--pipeline-model-parallel-size", str(pp), "--save", str(tmp_path / "run")]
-    history = run_distributed(pp, _train, argv, timeout=300)[-1]  # the last stage logs the loss
+                          "--save", str(tmp_path / "run"), "--global-batch-size", str(ep)] + layout
+    history = run_distributed(tp * pp * ep, _train, argv, timeout=300)[-1]  # the last stage logs
     tokens, labels = doc[None], torch.cat([doc[1:], doc[:1]])
     with torch.no_grad():
         hf_loss = torch.nn.functional.cross_entropy(model(tokens).logits[0], labels).item()
@@ -320,10 +418,7 @@ def make_qwen_moe(folder: str, family: str, norm_topk_prob: bool):
                             max_position_embeddings=128, rms_norm_eps=1e-6,
                             tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    model = model_class(config).eval()
-    _randomize(model)
-    model.save_pretrained(folder)
-    return model
+    return save_random_hf(model_class, config, folder)
 
 
 FAMILY_FLAGS = {"qwen3_moe": ["--qk-layernorm"],
@@ -344,9 +439,7 @@ def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_p
     bitwise."""
     folder = str(tmp_path / "hf")
     model = make_qwen_moe(folder, family, norm_topk_prob)
-    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = model(tokens).logits
+    tokens, expected = reference_logits(model, VOCAB)
     layouts = [(1, 1), (1, 2)] + ([(2, 1)] if family == "qwen2_moe" else [])
     for tp, pp in layouts:
         out = tmp_path / f"pp{pp}" if tp == 1 else tmp_path / "tp2"
@@ -355,8 +448,7 @@ def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_p
         printed = capsys.readouterr().out
         assert all(f in printed for f in FAMILY_PRINTED[family]), printed
         assert ("--moe-router-pre-softmax" in printed) == (not norm_topk_prob)
-        logits = next(o for o in run_distributed(tp * pp, _logits_rank, tp, pp, str(out), tokens)
-                      if o is not None)[..., :VOCAB]
+        logits = megatron_logits(str(out), tp, pp, tokens)[..., :VOCAB]
         assert expected.abs().max() > 1.0
         assert (logits - expected).abs().max().item() <= 3e-5  # measured <= 5.3e-6
     convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "pp2", "--save-dir",
@@ -380,12 +472,116 @@ def test_qwen_moe_logits_round_trip_and_first_loss(family, norm_topk_prob, tmp_p
     assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
 
 
-def test_qk_layernorm_is_refused_at_tp2_naming_the_flag():
+def make_olmoe(folder: str):
+    """A random fp32 OLMoE (q/k RMSNorm over the whole projection: q_norm [64], k_norm [16]),
+    8 heads in 2 groups, 4 experts of width 48, top-2 without renormalisation
+    (``norm_topk_prob`` False, OLMoE's), std-0.2 weights, saved with ``save_pretrained``."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(6)
+    config = OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=F, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, num_experts=E,
+                         num_experts_per_tok=K, norm_topk_prob=False, max_position_embeddings=128,
+                         rms_norm_eps=1e-6, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    return save_random_hf(OlmoeForCausalLM, config, folder)
+
+
+def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
+    """OLMoE: logits equal transformers' at TP1, PP2 and EP2; the printed flags carry
+    --qk-layernorm --qk-layernorm-full-width and --moe-router-pre-softmax; HF -> ours
+    (PP2 x EP2) -> HF is bitwise and reloads as OLMoE; the first loss equals transformers';
+    TP2 is refused in one line (the full-width norm spans every rank's heads)."""
+    folder = str(tmp_path / "hf")
+    model = make_olmoe(folder)
+    tokens, expected = reference_logits(model, VOCAB)
+    for tp, pp, ep in ((1, 1, 1), (1, 2, 1), (1, 1, 2)):
+        out = tmp_path / f"pp{pp}ep{ep}"
+        convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir", out,
+                "--target-pipeline-parallel-size", pp, "--target-expert-parallel-size", ep)
+        printed = capsys.readouterr().out
+        assert "--qk-layernorm --qk-layernorm-full-width" in printed, printed
+        assert "--moe-router-pre-softmax" in printed
+        logits = megatron_logits(str(out), tp, pp, tokens, ep)[..., :VOCAB]
+        assert expected.abs().max() > 1.0
+        assert (logits - expected).abs().max().item() <= 3e-5
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "pp2ep2", "--target-pipeline-parallel-size", 2,
+            "--target-expert-parallel-size", 2)
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "pp2ep2",
+            "--save-dir", tmp_path / "back")
+    original, exported = _safetensors(folder), _safetensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(reloaded).__name__ == "OlmoeForCausalLM" and not reloaded.config.norm_topk_prob
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, expected)
+    _refused_in_one_line(capsys, "--target-tensor-parallel-size 2: the q/k norm over the whole "
+                         "projection", "--loader", "hf", "--saver", "megatron", "--load-dir",
+                         folder, "--save-dir", tmp_path / "tp2", "--target-tensor-parallel-size", 2)
+    prefix = str(tmp_path / "data")
+    doc = one_document_dataset(prefix, SEQ, VOCAB)
+    argv = TRAIN_FLAGS + ["--load", str(tmp_path / "pp1ep1"), "--data-path", prefix,
+                          "--data-cache-path", str(tmp_path / "cache"), "--qk-layernorm",
+                          "--qk-layernorm-full-width", "--moe-router-pre-softmax"]
+    history = run_distributed(1, _train, argv, timeout=300)[-1]
+    labels = torch.cat([doc[1:], doc[:1]])
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(model(doc[None]).logits[0], labels).item()
+    assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(qk_layernorm=True, qk_layernorm_full_width=True, tensor_model_parallel_size=2),
+     "--qk-layernorm-full-width at --tensor-model-parallel-size 2"),
+    (dict(qk_layernorm_full_width=True), "--qk-layernorm-full-width needs --qk-layernorm")])
+def test_full_width_qk_layernorm_is_refused_at_tp2_naming_the_flag(flags, message):
     from megatron.config import ModelConfig
     from megatron.model.attention import SelfAttention
 
     config = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
                          num_query_groups=2, kv_channels=8, padded_vocab_size=256,
-                         max_position_embeddings=64, qk_layernorm=True, tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="--qk-layernorm at --tensor-model-parallel-size 2"):
+                         max_position_embeddings=64, **flags)
+    with pytest.raises(ValueError, match=message):
         SelfAttention(config, 1, pg_collection=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_whole_workflow_hub_to_training_at_ep2_and_back(precision, tmp_path):
+    """The user's way, in fp32 and bf16: a Hub Mixtral -> convert.py at EP 2 -> pretrain_llama.py
+    --load ... --finetune [--bf16] at --expert-model-parallel-size 2, three Adam steps -> export
+    -> transformers' ``from_pretrained`` and greedy ``generate`` on it. In fp32 our logits of the
+    trained checkpoint equal transformers' logits of the export, which moved away from the
+    source's."""
+    folder = str(tmp_path / "hub")
+    model = make_mixtral(folder)
+    tokens, before = reference_logits(model, VOCAB)
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "ours", "--target-expert-parallel-size", 2)
+    prefix = str(tmp_path / "data")
+    one_document_dataset(prefix, SEQ, VOCAB)
+    argv = TRAIN_FLAGS + ["--load", str(tmp_path / "ours"), "--data-path", prefix,
+                          "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run"),
+                          "--expert-model-parallel-size", "2", "--global-batch-size", "2",
+                          "--train-iters", "3", "--lr", "0.001", "--min-lr", "0.001"]
+    argv += ["--bf16"] if precision == "bf16" else []
+    history = run_distributed(2, _train, argv, timeout=600)[-1]
+    losses = history["lm loss"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "run", "--save-dir",
+            tmp_path / "export")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    expected_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert exported.model.embed_tokens.weight.dtype == expected_dtype
+    with torch.no_grad():
+        out = exported.generate(tokens[:1, :8], max_new_tokens=8, do_sample=False)
+        after = exported(tokens).logits.float()
+    assert out.shape == (1, 16) and torch.equal(out[:, :8], tokens[:1, :8])
+    assert int(out.max()) < VOCAB
+    assert (after - before).abs().max() > 1e-3  # the three steps changed the model
+    if precision == "fp32":
+        ours = megatron_logits(str(tmp_path / "run"), 1, 1, tokens, 2)[..., :VOCAB]
+        assert (ours - after).abs().max().item() <= 3e-5

@@ -258,3 +258,20 @@ def test_tensor_parallel_server_under_torchrun_answers_as_tp1(checkpoint, server
     for (text, reason, logprobs, n), (etext, ereason, elogprobs, en) in zip(got, expected):
         assert (text, reason, n) == (etext, ereason, en)
         assert max(abs(a - b) for a, b in zip(logprobs, elogprobs)) < 2e-5
+
+
+@pytest.mark.parametrize("flag, words", [
+    (["--speculative-model", "draft"], "--speculative-model: speculative decoding is not built"),
+    (["--num-speculative-tokens", "4"], "--num-speculative-tokens: speculative decoding is not built"),
+    (["--enable-prefix-caching"], "--enable-prefix-caching: prefix caching is not built")])
+def test_what_is_not_built_is_refused_in_one_line(tmp_path, flag, words):
+    import contextlib
+    import io
+
+    from tools.serve import command
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        status = command(["--load", str(tmp_path / "none"), "--port", "0", *flag])
+    lines = stderr.getvalue().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith(f"serve.py: error: {words}")

@@ -25,6 +25,9 @@ def test_layout_groups_context_parallel_follows_megatron_core_order():
     assert g["data"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert g["data_context"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert g["model"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # TP x CP (a MoE layer's token group under both): the ranks of one micro-batch
+    assert g["tensor_context"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ps.layout_groups(4, 2, 1)["tensor_context"] == [[0, 1], [2, 3]]
     # The 16-rank worked example of megatron.core.process_groups (TP=2 CP=2 PP=2 DP=2).
     g = ps.layout_groups(16, 2, 2, context_parallel_size=2)
     assert g["context"] == [[r, r + 2] for r in (0, 1, 4, 5, 8, 9, 12, 13)]

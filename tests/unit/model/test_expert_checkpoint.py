@@ -234,11 +234,171 @@ def test_legacy_files_hold_each_ep_ranks_experts_and_resume_bitwise(tmp_path, ep
     assert len({experts[e].double().sum().item() for e in range(E)}) == E
 
 
-def test_legacy_distributed_optimizer_at_ep2_is_refused_in_one_line(tmp_path):
-    out = run_distributed(2, _legacy, str(tmp_path / "ckpt"), 2, True)
-    for kind, message in out:
-        assert kind == "refused" and "\n" not in message
-        assert "--expert-model-parallel-size 2" in message and "torch_dist" in message
+def _optimizer_state(ddp, opt, groups):
+    """This rank's distributed-optimizer records with expert ranges on the global expert axis,
+    and its model weights: ``({name: [record]}, {(name, global expert or None): tensor})``."""
+    from megatron.core.optimizer.distrib_optimizer_checkpoint import (expert_ranges,
+                                                                      to_global_ranges)
+
+    state = to_global_ranges(opt.parameter_state(), expert_ranges([ddp], groups.ep.rank))
+    weights = {}
+    for n, p in ddp.module.named_parameters():
+        if n.startswith("experts."):
+            first = groups.ep.rank * p.shape[0]
+            weights.update({(n, first + i): p.detach()[i].clone() for i in range(p.shape[0])})
+        else:
+            weights[(n, None)] = p.detach().clone()
+    return state["params"], weights
+
+
+def _legacy_save_at(save_dir, ep, distributed=True):
+    from megatron.checkpointing import save_checkpoint
+    from megatron.config.checkpoint import CheckpointConfig
+
+    groups, layer, ddp, opt = _build(ep, distributed)
+    _train(groups, ddp, opt)
+    # the args a run records (they say what mp_rank_00_001 names: an expert rank here)
+    save_checkpoint(3, [ddp], opt, None, CheckpointConfig(save=save_dir), groups,
+                    run_flags={"expert_model_parallel_size": ep},
+                    consumed_train_samples=0, consumed_valid_samples=0)
+    return _optimizer_state(ddp, opt, groups) if distributed else _held_plain(layer, opt, groups)
+
+
+def _legacy_load_at(save_dir, ep, distributed):
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointUsageError
+    from megatron.checkpointing import load_checkpoint
+    from megatron.config.checkpoint import CheckpointConfig
+
+    groups, layer, ddp, opt = _build(ep, distributed)
+    try:
+        load_checkpoint([ddp], opt, None, CheckpointConfig(load=save_dir), groups, run_flags={})
+    except CheckpointUsageError as exc:
+        return "refused", str(exc)
+    if distributed:
+        return _optimizer_state(ddp, opt, groups)
+    return _held_plain(layer, opt, groups)
+
+
+def _held_plain(layer, opt, groups):
+    """A plain optimizer's weights and Adam moments as records covering whole tensors on the
+    global expert axis (the distributed optimizer's record form), and the weights."""
+    records, weights = {}, {}
+    for part in opt.parts:
+        for group in part.optimizer.param_groups:
+            for p in group["params"]:
+                name = next(n for n, q in layer.named_parameters() if q is p)
+                offset = groups.ep.rank * p.numel() if name.startswith("experts.") else 0
+                state = part.optimizer.state[p]
+                records[f"0.{name}"] = {"range": [offset, offset + p.numel()],
+                                        "param": p.detach().reshape(-1).clone(),
+                                        "exp_avg": state["exp_avg"].reshape(-1).clone(),
+                                        "exp_avg_sq": state["exp_avg_sq"].reshape(-1).clone()}
+    for n, p in layer.named_parameters():
+        if n.startswith("experts."):
+            first = groups.ep.rank * p.shape[0]
+            weights.update({(n, first + i): p.detach()[i].clone() for i in range(p.shape[0])})
+        else:
+            weights[(n, None)] = p.detach().clone()
+    return records, weights
+
+
+def _whole(per_rank, replicas):
+    """The records of all ranks assembled into whole flattened tensors, every element covered
+    exactly once (expert ranges are global: two EP ranks' experts never overlap) or, with
+    ``replicas`` (a plain optimizer: every DP rank holds its whole tensors), at least once; the
+    weights of all ranks (replicas asserted equal)."""
+    from megatron.core.optimizer.distrib_optimizer_checkpoint import STATE_KEYS
+
+    ranges, weights = {}, {}
+    for records, held in per_rank:
+        for name, rec in records.items():
+            ranges.setdefault(name, []).append(rec)
+        for key, value in held.items():
+            if key in weights:
+                assert torch.equal(weights[key], value), key
+            weights[key] = value
+    out = {}
+    for name, recs in ranges.items():
+        end = max(r["range"][1] for r in recs)
+        count = torch.zeros(end, dtype=torch.int64)
+        values = {k: torch.zeros(end) for k in STATE_KEYS}
+        for r in recs:
+            s, t = r["range"]
+            count[s:t] += 1
+            for k in STATE_KEYS:
+                values[k][s:t] = r[k].reshape(-1)
+        if replicas:
+            assert (count >= 1).all(), name
+        else:
+            assert (count == 1).all(), name  # each element held by exactly one rank
+        out[name] = values
+    return out, weights
+
+
+@pytest.mark.parametrize("save_ep,save_world,load_ep,load_world", [
+    (2, 4, 4, 4), (2, 4, 1, 2), (2, 4, 2, 2), (1, 2, 2, 4)],
+    ids=["ep2dp4-to-ep4", "ep2dp4-to-ep1dp2", "ep2dp4-to-ep2dp2", "ep1dp2-to-ep2dp4"])
+def test_legacy_distributed_optimizer_loads_at_another_ep_bitwise(tmp_path, save_ep, save_world,
+                                                                  load_ep, load_world):
+    """The legacy format with --use-distributed-optimizer at EP > 1: every rank's shard in its
+    mp_rank_TT_EEE folder, expert records on the global expert axis. Saved at one (EP, DP) and
+    loaded at another: the weights (expert by expert) and the fp32 main values and Adam moments
+    of every element equal the saving world's, bitwise."""
+    folder = str(tmp_path / "ckpt")
+    saved = run_distributed(save_world, _legacy_save_at, folder, save_ep)
+    loaded = run_distributed(load_world, _legacy_load_at, folder, load_ep, True)
+    a, wa = _whole(saved, False)
+    b, wb = _whole(loaded, False)
+    assert a.keys() == b.keys() and wa.keys() == wb.keys()
+    for name in a:
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), (name, k)
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+    assert {e for (n, e) in wb if n == "experts.weight1"} == set(range(E))
+    assert len({wb[("experts.weight1", e)].double().sum().item() for e in range(E)}) == E
+    assert all(a[n]["exp_avg"].abs().sum() > 0 for n in a)  # trained: moments are not zeros
+    if save_ep > 1:
+        names = sorted(os.listdir(os.path.join(folder, "iter_0000003")))
+        assert names == [f"mp_rank_00_{r:03d}" for r in range(save_ep)]
+        per_folder = [sorted(os.listdir(os.path.join(folder, "iter_0000003", n))) for n in names]
+        # the DP x CP ranks' shards spread over the EP folders, each rank's in its own
+        assert sum(len(f) - 1 for f in per_folder) == save_world
+
+
+def test_legacy_distributed_optimizer_loads_into_the_plain_optimizer_at_another_ep(tmp_path):
+    """Saved at EP=2 x DP=4 with the distributed optimizer, loaded at EP=1 x DP=2 by the plain
+    optimizer (its state reassembled from the shards): weights and moments bitwise."""
+    folder = str(tmp_path / "ckpt")
+    saved = run_distributed(4, _legacy_save_at, folder, 2)
+    loaded = run_distributed(2, _legacy_load_at, folder, 1, False)
+    a, wa = _whole(saved, False)
+    b, wb = _whole(loaded, True)
+    for name in a:
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), (name, k)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_legacy_missing_expert_folder_is_refused_in_one_line(tmp_path):
+    """A legacy checkpoint saved at EP=2 whose mp_rank_00_001 folder (experts 2 and 3) is gone
+    is refused at EP=1 naming the folders found, instead of loading half the experts."""
+    import shutil
+
+    folder = str(tmp_path / "ckpt")
+    run_distributed(2, _legacy_save_at, folder, 2)
+    shutil.rmtree(os.path.join(folder, "iter_0000003", "mp_rank_00_001"))
+    kind, message = run_distributed(1, _legacy_load_at, folder, 1, True)[0]
+    assert kind == "refused" and "\n" not in message
+    assert "mp_rank_00_000" in message and "hold 2 experts" in message and "missing" in message
+
+
+def test_legacy_plain_optimizer_at_another_ep_is_refused_in_one_line(tmp_path):
+    run_distributed(2, _legacy_save_at, str(tmp_path / "ckpt"), 2, False)
+    got = run_distributed(1, _legacy_load_at, str(tmp_path / "ckpt"), 1, False)[0]
+    kind, message = got
+    assert kind == "refused" and "\n" not in message
+    assert "--expert-model-parallel-size 2" in message and "--no-load-optim" in message
 
 
 def test_legacy_folder_names_read_with_the_expert_rank(tmp_path):

@@ -31,6 +31,15 @@ def test_ep2_report_counts_every_expert_once_and_the_active_share():
     assert lines[-1].startswith(f" > active parameters per token: {active} (")
     assert lines[0].endswith(f"(0, 0, 0): {total - experts // 2} (experts {experts // 2}; "
                              f"active {active})")
+    # expert-TP 2 x EP 2 at TP 1 (over DP 4): each (EP, expert-TP) rank holds a quarter of the
+    # experts (deduplicating by (TP, PP, EP) counted half of them)
+    split = [(0, 0, total - experts + experts // 4, 0, e, experts // 4, r)
+             for e in (0, 1) for r in (0, 1)]
+    lines = format_parameter_counts(split, MOE)
+    assert lines[-2].startswith(f" > total number of parameters: {total} (")
+    assert f"experts {experts})" in lines[-2]
+    assert lines[-1].startswith(f" > active parameters per token: {active} (")
+    assert "(tensor, pipeline, expert, expert-tensor) model parallel rank (0, 0, 1, 1)" in lines[3]
     # a dense model's lines are Megatron-LM's, as before
     dense = format_parameter_counts([(0, 0, 10, 0), (0, 0, 10, 0)], None)
     assert dense[0] == " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 10"

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.initialization import normal_block_init, scaled_std
+from megatron.core.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megatron.core.transformer.initialization import is_meta_device, normal_block_init, scaled_std
 from megatron.core.transformer.swiglu import swiglu
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,7 +48,11 @@ def grouped_mm_available(dtype: torch.dtype, *widths: int) -> bool:
 
 
 class GroupedMLP(torch.nn.Module):
-    """``E_local`` SwiGLU experts held as ``weight1 [E_local, 2f, h]``, ``weight2 [E_local, h, f]``.
+    """``E_local`` SwiGLU experts held as ``weight1 [E_local, 2f, h]``, ``weight2 [E_local, h, f]``;
+    under expert-TP (``tp_size`` > 1) rank r holds ``weight1[:, [gate_r; up_r]]``
+    ``[E_local, 2f/etp, h]`` and ``weight2[..., f_r]`` ``[E_local, h, f/etp]``, ``f_r`` the r-th
+    of etp equal slices of the width (Megatron-Core's column/row split of ``linear_fc1/2``), and
+    its output is that slice's partial sum.
 
     Args:
         num_local_experts: E_local. hidden_size: h. ffn_hidden_size: f (``--moe-ffn-hidden-size``).
@@ -55,27 +60,48 @@ class GroupedMLP(torch.nn.Module):
         seed / layer_number / init_method_std / num_layers: the initialisation (the output
             matmul uses Megatron's scaled init ``std / sqrt(2 num_layers)``).
         grouped_gemm: use ``torch._grouped_mm`` where the dtype allows.
+        tp_rank / tp_size: this rank's place in the expert-TP group.
+
+    Raises:
+        ValueError: f not divisible by ``tp_size``.
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  first_expert: int, seed: int, layer_number: int, init_method_std: float,
                  num_layers: int, grouped_gemm: bool = False, params_dtype=torch.float32,
-                 device=None):
+                 device=None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
+        if ffn_hidden_size % tp_size:
+            raise ValueError(f"--moe-ffn-hidden-size ({ffn_hidden_size}) must be divisible by "
+                             f"--expert-tensor-parallel-size ({tp_size})")
         self.num_local_experts = num_local_experts
         self.first_expert = first_expert
-        self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype, hidden_size,
-                                                                    ffn_hidden_size)
-        w1 = torch.empty(num_local_experts, 2 * ffn_hidden_size, hidden_size)
-        w2 = torch.empty(num_local_experts, hidden_size, ffn_hidden_size)
-        for i in range(num_local_experts):
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        f = ffn_hidden_size // tp_size  # this expert-TP rank's slice of the width
+        self.grouped_gemm = grouped_gemm and grouped_mm_available(params_dtype, hidden_size, f)
+        # On the meta device (a checkpoint's weights, or the planner's inventory) nothing is drawn.
+        meta = is_meta_device(device)
+        draw_on = "meta" if meta else "cpu"
+        w1 = torch.empty(num_local_experts, 2 * f, hidden_size, device=draw_on)
+        w2 = torch.empty(num_local_experts, hidden_size, f, device=draw_on)
+        full1 = torch.empty(2 * ffn_hidden_size, hidden_size, device=draw_on)
+        full2 = torch.empty(hidden_size, ffn_hidden_size, device=draw_on)
+        cols = slice(tp_rank * f, (tp_rank + 1) * f)
+        for i in range(num_local_experts if not meta else 0):
+            # the whole expert is drawn, then sliced: the weights do not depend on expert-TP
             expert = first_expert + i
             normal_block_init(init_method_std, seed, layer_number, "mlp.experts.linear_fc1",
-                              expert)(w1[i])
+                              expert)(full1)
             normal_block_init(scaled_std(init_method_std, num_layers), seed, layer_number,
-                              "mlp.experts.linear_fc2", expert)(w2[i])
+                              "mlp.experts.linear_fc2", expert)(full2)
+            gate, up = full1.chunk(2)
+            w1[i] = torch.cat([gate[cols], up[cols]])
+            w2[i] = full2[:, cols]
         self.weight1 = torch.nn.Parameter(w1.to(dtype=params_dtype, device=device))
         self.weight2 = torch.nn.Parameter(w2.to(dtype=params_dtype, device=device))
+        if tp_size > 1:  # slices, not copies: each expert-TP rank's counts in the grad norm
+            set_tensor_model_parallel_attributes(self.weight1, True, 1, stride=2)
+            set_tensor_model_parallel_attributes(self.weight2, True, 2)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x [M, h]`` rows sorted by local expert, ``tokens_per_expert [E_local]`` (int, summing

@@ -13,7 +13,15 @@ Groups (passed explicitly; None or a group of one for a single process):
 - ``token_group``: the ranks over which one micro-batch's tokens are split (TP under sequence
   parallelism, times CP); their routing is gathered for the capacity and their counts summed for
   the losses. None when this rank holds its micro-batch's every token.
-- ``dp_group``: the data-parallel ranks whose micro-batches ``global_aux_loss`` spans.
+- ``dp_group``: the data-parallel group (without CP): with ``token_group``, the ranks whose
+  tokens make the global batch that ``global_aux_loss`` spans.
+- ``expert_tp_group``: expert tensor parallelism (``--expert-tensor-parallel-size``,
+  Megatron-Core's ``expt_tp``): each expert's ``linear_fc1`` is split by output rows and
+  ``linear_fc2`` by input columns over it. The group's tokens (and their routing) are all-gathered
+  before dispatch, every rank of the group runs its slice of the experts on all of them, and the
+  combined per-choice outputs, partial sums over the slices, are reduce-scattered back in fp32
+  (Megatron-Core gathers over expert-TP after the all-to-all; gathering before it gives the same
+  sums and keeps the dispatcher as it is).
 
 Losses, how they are collected: each forward adds the losses' whole values (detached, reduced
 over their token set) to ``self.loss_sums`` (names as Megatron-Core logs them:
@@ -35,7 +43,11 @@ from typing import Dict, Optional
 import torch
 
 from megatron.core.distributed.expert_params import mark_expert
-from megatron.core.process_groups import group_size
+from megatron.core.process_groups import group_rank, group_size
+from megatron.core.tensor_parallel.mappings import (all_gather_first_dim,
+                                                    gather_from_sequence_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.random import is_recomputing
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.capacity import whole_set_keep_mask
@@ -69,10 +81,11 @@ class MoELayer(torch.nn.Module):
                  ffn_hidden_size: Optional[int] = None,
                  layer_number: int, init_method_std: float = 0.02, num_layers: int = 1,
                  params_dtype=torch.float32, device=None, ep_group=None, token_group=None,
-                 dp_group=None):
+                 dp_group=None, expert_tp_group=None):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.ep_group, self.token_group, self.dp_group = ep_group, token_group, dp_group
+        self.expert_tp_group = expert_tp_group
         ep, experts = group_size(ep_group), config.num_experts
         if experts % ep:
             raise ValueError(f"--num-experts ({experts}) must be divisible by "
@@ -80,7 +93,7 @@ class MoELayer(torch.nn.Module):
         local = experts // ep
         if ffn_hidden_size is None:
             ffn_hidden_size = config.moe_ffn_hidden_size
-        ep_rank = torch.distributed.get_rank(ep_group) if ep > 1 else 0
+        ep_rank = group_rank(ep_group) if ep > 1 else 0
         init = dict(seed=seed, layer_number=layer_number, init_method_std=init_method_std,
                     num_layers=num_layers, params_dtype=params_dtype, device=device)
         self.router = TopKRouter(config, hidden_size, params_dtype=params_dtype, device=device)
@@ -88,7 +101,9 @@ class MoELayer(torch.nn.Module):
             self.router.weight.copy_(init_block((experts, hidden_size), init_method_std, seed,
                                                 layer_number, "mlp.router"))
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, first_expert=ep_rank * local,
-                                  grouped_gemm=config.moe_grouped_gemm, **init)
+                                  grouped_gemm=config.moe_grouped_gemm,
+                                  tp_rank=group_rank(expert_tp_group),
+                                  tp_size=group_size(expert_tp_group), **init)
         for p in self.experts.parameters():  # reduced over expert-DP, the optimizer's expert part
             mark_expert(p)
         self.shared_experts = None
@@ -114,6 +129,24 @@ class MoELayer(torch.nn.Module):
         # choices per expert ``[E]`` int64 and dropped choices; None until the first forward.
         self.routed_counts: Optional[torch.Tensor] = None
         self.dropped_count: Optional[torch.Tensor] = None
+        # global_aux_loss: the global batch's choices per expert [E] and its micro-batches, set
+        # by the iteration's counting pass (start/finish_global_count); None: not counted.
+        self.global_counts: Optional[torch.Tensor] = None
+        self.global_micro_batches = 0
+        self._counting: Optional[torch.Tensor] = None
+
+    def start_global_count(self) -> None:
+        """Before the counting pass (:mod:`megatron.training.moe_global_counts`)."""
+        self.global_counts, self.global_micro_batches = None, 0
+        self._counting = None
+
+    def finish_global_count(self) -> None:
+        """After it: the counts summed over the token group and the data-parallel group."""
+        counts = self._counting
+        if counts is None:  # no forward reached this layer (cannot happen in a schedule)
+            counts = torch.zeros(self.config.num_experts, dtype=torch.int64)
+        counts = moe_utils.reduce_counts(counts, self.token_group)
+        self.global_counts = moe_utils.reduce_counts(counts, self.dp_group)
 
     def _loss_parts(self, logits, indices, seq_shape):
         """``{name: (part with graph, whole value detached)}`` of the enabled losses."""
@@ -137,7 +170,11 @@ class MoELayer(torch.nn.Module):
                 counts = moe_utils.reduce_counts(moe_utils.tokens_per_expert(indices, experts),
                                                  self.token_group)
                 group, balanced_tokens = [self.token_group], tokens
-                if kind == "global_aux_loss":
+                if kind == "global_aux_loss" and self.training and self.global_counts is not None:
+                    # the global batch's counts (the iteration's counting pass): N = choices / k
+                    counts, balanced_tokens = self.global_counts, int(self.global_counts.sum()) // k
+                    group.append(self.dp_group)
+                elif kind == "global_aux_loss":  # no counting pass: this step's DP micro-batches
                     counts = moe_utils.reduce_counts(counts, self.dp_group)
                     balanced_tokens = tokens * group_size(self.dp_group)
                     group.append(self.dp_group)
@@ -162,7 +199,12 @@ class MoELayer(torch.nn.Module):
         s, b, h = hidden.shape
         x = hidden.reshape(s * b, h)
         logits, probs, indices = self.router(x)
-        losses = self._loss_parts(logits, indices, (s, b))
+        counting = moe_utils.is_counting_pass()
+        if counting:
+            counted = moe_utils.tokens_per_expert(indices, cfg.num_experts)
+            self._counting = counted if self._counting is None else self._counting + counted
+            self.global_micro_batches += 1
+        losses = {} if counting else self._loss_parts(logits, indices, (s, b))
         capacity = None
         if cfg.moe_expert_capacity_factor is not None:
             keep, capacity = whole_set_keep_mask(indices, probs, cfg.num_experts,
@@ -171,9 +213,8 @@ class MoELayer(torch.nn.Module):
         else:
             keep = torch.ones_like(indices, dtype=torch.bool)
         on_input = cfg.moe_apply_probs_on_input
-        rows, tokens_per_expert = self.token_dispatcher.dispatch(
-            x, indices, keep, capacity, input_probs=probs if on_input else None)
-        choices = self.token_dispatcher.combine(self.experts(rows, tokens_per_expert))
+        choices, tokens_per_expert = self._experts_per_choice(x, indices, keep, capacity,
+                                                              probs if on_input else None)
         choices = choices.view(s * b, cfg.moe_router_topk, h)
         if not on_input:
             choices = choices * probs.float().unsqueeze(-1)
@@ -181,10 +222,52 @@ class MoELayer(torch.nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         out = out.to(hidden.dtype)
-        self.last_losses = {}
         for name, (part, whole) in losses.items():
             if self.training and part.requires_grad:
-                out = moe_utils.MoEAuxLossAutoScaler.apply(out, part, self.aux_loss_scale)
+                out = moe_utils.MoEAuxLossAutoScaler.apply(out, part, self._scale(name))
+        if not (is_recomputing() or counting):  # a replay is not a second micro-batch
+            self._record(losses, tokens_per_expert, indices, keep)
+        return out.view(s, b, h)
+
+    def _global(self, name) -> bool:
+        return name == LOSS_NAMES["global_aux_loss"] and self.training and \
+            self.global_counts is not None
+
+    def _scale(self, name):
+        """The gradient injected for loss ``name``: ``aux_loss_scale`` (training's ``CP / M``:
+        each micro-batch's loss is averaged as the lm loss is); the global batch's loss is one
+        loss of the iteration, whose parts the M micro-batches and DP ranks sum: times ``M x DP``,
+        so that after DDP's ``1 / (DP x CP)`` its gradient is the sum of the parts'."""
+        if not self._global(name):
+            return self.aux_loss_scale
+        return self.aux_loss_scale * (self.global_micro_batches * group_size(self.dp_group))
+
+    def _experts_per_choice(self, x, indices, keep, capacity, input_probs):
+        """Dispatch, the local experts, combine: ``[T k, h]`` fp32 outputs per choice of the local
+        tokens (zero for a dropped choice) and the local experts' row counts. Under expert-TP the
+        group's tokens go through every rank's expert slices and the partial outputs are summed
+        back onto the rank that holds each token."""
+        etp = self.expert_tp_group
+        if group_size(etp) > 1:
+            x = gather_from_sequence_parallel_region(x, etp)
+            indices = all_gather_first_dim(indices.contiguous(), etp)
+            keep = all_gather_first_dim(keep.to(torch.uint8).contiguous(), etp).bool()
+            if input_probs is not None:
+                input_probs = gather_from_sequence_parallel_region(input_probs.contiguous(), etp)
+            if capacity is not None:  # the padding's bound: at most etp micro-batches' choices
+                capacity *= group_size(etp)
+        rows, tokens_per_expert = self.token_dispatcher.dispatch(x, indices, keep, capacity,
+                                                                 input_probs=input_probs)
+        choices = self.token_dispatcher.combine(self.experts(rows, tokens_per_expert))
+        return reduce_scatter_to_sequence_parallel_region(choices, etp), tokens_per_expert
+
+    def _record(self, losses, tokens_per_expert, indices, keep):
+        """The losses' values and routing counts of one forward, for logging."""
+        cfg = self.config
+        self.last_losses = {}
+        for name, (_, whole) in losses.items():
+            if self._global(name):  # logged as the iteration's whole loss: M forwards' parts
+                whole = whole * self.global_micro_batches
             self.loss_sums[name] = self.loss_sums.get(name, 0) + whole
             self.last_losses[name] = whole
         self.num_forwards += 1
@@ -198,13 +281,13 @@ class MoELayer(torch.nn.Module):
             else:
                 self.routed_counts, self.dropped_count = (self.routed_counts + routed,
                                                           self.dropped_count + dropped)
-        return out.view(s, b, h)
 
 
 def moe_token_group(pg_collection, sequence_parallel: bool):
     """The ranks that split one micro-batch's tokens inside a MoE layer (the layer's
     ``token_group``): the tensor-parallel group under sequence parallelism, the context-parallel
-    group under CP, None when this rank holds every token of its micro-batch.
+    group under CP, the tensor x context group (``tp_cp``) under both, None when this rank holds
+    every token of its micro-batch.
 
     At TP > 1 without sequence parallelism and EP = 1, every TP rank holds the whole token set
     and every expert (expert-TP 1) and computes the layer whole: no token group (the converter's
@@ -212,8 +295,7 @@ def moe_token_group(pg_collection, sequence_parallel: bool):
 
     Raises:
         ValueError: TP > 1 without sequence parallelism at EP > 1 (the TP ranks of an EP group
-            would send the same tokens to the experts; Megatron-Core requires SP too) or TP and CP
-            both > 1 (their joint group is not built).
+            would send the same tokens to the experts; Megatron-Core requires SP too).
     """
     tp, cp = pg_collection.tp, pg_collection.cp
     if tp.size > 1 and not sequence_parallel:
@@ -221,7 +303,7 @@ def moe_token_group(pg_collection, sequence_parallel: bool):
             raise ValueError("a MoE layer at TP > 1 and EP > 1 needs sequence parallelism")
         return cp.group if cp.size > 1 else None
     if tp.size > 1 and cp.size > 1:
-        raise ValueError("a MoE layer at TP > 1 and CP > 1 is not supported")
+        return pg_collection.tp_cp.group
     if tp.size > 1:
         return tp.group
     return cp.group if cp.size > 1 else None

@@ -19,6 +19,8 @@ per-token loss's, is reproduced by setting it to that factor (Megatron-Core sets
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron.core.tensor_parallel.mappings import all_reduce
@@ -112,6 +114,26 @@ def updated_expert_bias(expert_bias: torch.Tensor, counts: torch.Tensor,
     """
     counts = counts.to(expert_bias.dtype)
     return expert_bias + torch.sign(counts.mean() - counts) * update_rate
+
+
+_COUNTING = [False]
+
+
+@contextlib.contextmanager
+def counting_pass():
+    """Within it, MoE layers only count their choices for ``global_aux_loss``
+    (:mod:`megatron.training.moe_global_counts`): no loss, no logged figure, no expert-bias
+    count."""
+    _COUNTING[0] = True
+    try:
+        yield
+    finally:
+        _COUNTING[0] = False
+
+
+def is_counting_pass() -> bool:
+    """True inside :func:`counting_pass`."""
+    return _COUNTING[0]
 
 
 def set_aux_loss_scale(model: torch.nn.Module, scale: float) -> None:

@@ -14,8 +14,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.random import is_recomputing
 from megatron.core.transformer.moe.moe_config import MoEConfig
-from megatron.core.transformer.moe.moe_utils import reduce_counts, updated_expert_bias
+from megatron.core.transformer.moe.moe_utils import (is_counting_pass, reduce_counts,
+                                                     updated_expert_bias)
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -139,7 +141,8 @@ class TopKRouter(torch.nn.Module):
         the expert bias on, the choices are added to ``local_tokens_per_expert``."""
         logits = self.logits(x)
         probs, indices = route(logits, self.config, self.expert_bias)
-        if self.expert_bias is not None and self.training:
+        if self.expert_bias is not None and self.training and not (is_recomputing()
+                                                                   or is_counting_pass()):
             with torch.no_grad():
                 self.local_tokens_per_expert += torch.bincount(
                     indices.reshape(-1), minlength=self.config.num_experts).float()

@@ -30,7 +30,8 @@ class SharedExpertMLP(torch.nn.Module):
             shapes["gate_weight"] = (1, hidden_size)
         for name, shape in shapes.items():
             std = scaled_std(init_method_std, num_layers) if name == "linear_fc2" else init_method_std
-            w = init_block(shape, std, seed, layer_number, f"mlp.shared_experts.{name}")
+            w = init_block(shape, std, seed, layer_number, f"mlp.shared_experts.{name}",
+                           device=device)  # nothing drawn on the meta device
             setattr(self, name, torch.nn.Parameter(w.to(dtype=params_dtype, device=device)))
         if not gate:
             self.gate_weight = None

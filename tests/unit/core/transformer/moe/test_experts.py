@@ -92,3 +92,33 @@ def test_layer_in_half_precision_grouped_equals_loop_and_tracks_fp32(dtype):
     out = grouped(x.to(dtype))
     assert out.dtype == dtype and torch.equal(out, loop(x.to(dtype)))
     torch.testing.assert_close(out.float(), layer(torch.float32, False)(x), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("grouped_gemm", [False, True])
+def test_expert_tensor_parallel_slices_sum_to_the_whole_expert(grouped_gemm):
+    """Expert-TP 2: rank r holds rows ``[gate_r; up_r]`` of weight1 and columns ``f_r`` of
+    weight2 of the whole expert (drawn whole, so independent of the split); the two ranks'
+    partial outputs sum to the whole experts' output, and their weight gradients are the slices
+    of the whole gradients."""
+    whole = GroupedMLP(2, 16, 8, first_expert=2, grouped_gemm=grouped_gemm, **KW)
+    parts = [GroupedMLP(2, 16, 8, first_expert=2, grouped_gemm=grouped_gemm, tp_rank=r,
+                        tp_size=2, **KW) for r in (0, 1)]
+    gate, up = whole.weight1.detach().chunk(2, dim=1)
+    for r, part in enumerate(parts):
+        cols = slice(4 * r, 4 * r + 4)
+        assert torch.equal(part.weight1, torch.cat([gate[:, cols], up[:, cols]], 1))
+        assert torch.equal(part.weight2, whole.weight2[:, :, cols])
+        assert part.weight1.tensor_model_parallel and part.weight2.partition_dim == 2
+    counts = torch.tensor([5, 0])
+    x = torch.randn(5, 16)
+    y, dx, dw1, dw2 = _run(whole, x, counts)
+    got = [_run(part, x, counts) for part in parts]
+    torch.testing.assert_close(got[0][0] + got[1][0], y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0][1] + got[1][1], dx, rtol=1e-6, atol=1e-6)
+    dgate, dup = dw1.chunk(2, dim=1)
+    for r, (_, _, g1, g2) in enumerate(got):
+        cols = slice(4 * r, 4 * r + 4)
+        torch.testing.assert_close(g1, torch.cat([dgate[:, cols], dup[:, cols]], 1))
+        torch.testing.assert_close(g2, dw2[:, :, cols])
+    with pytest.raises(ValueError, match=r"\(8\) must be divisible by --expert-tensor-parallel-size \(3\)"):
+        GroupedMLP(2, 16, 8, first_expert=0, tp_rank=0, tp_size=3, **KW)

@@ -99,14 +99,11 @@ def test_ranges(files, flag, value):
 
 
 @pytest.mark.parametrize("extra, flag", [
-    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
-     "--context-parallel-size 2", "--tensor-model-parallel-size 2 and --context-parallel-size 2 together"),
     ("--context-parallel-size 2 --moe-expert-capacity-factor 1 --moe-token-drop-policy position",
      "--moe-token-drop-policy position at --context-parallel-size 2"),
     ("--calculate-per-token-loss", "--calculate-per-token-loss"),
-    ("--recompute-activations", "--recompute-granularity / --recompute-activations"),
-    ("--moe-router-load-balancing-type global_aux_loss",
-     "--moe-router-load-balancing-type global_aux_loss"),
+    ("--expert-tensor-parallel-size 2 --use-megatron-fsdp",
+     "--use-megatron-fsdp at --expert-tensor-parallel-size 2"),
 ])
 def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, flag):
     with pytest.raises(UsageError, match=f"--num-experts with {flag} is not supported yet") as e:
@@ -115,11 +112,20 @@ def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, f
 
 
 @pytest.mark.parametrize("extra, match", [
-    ("--tensor-model-parallel-size 2 --sequence-parallel", "--expert-tensor-parallel-size 2"),
-    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 2",
-     "--expert-tensor-parallel-size 2"),
     ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", "needs --sequence-parallel"),
     ("--expert-model-parallel-size 4 --num-experts 6", "must be divisible by"),
+    ("--expert-tensor-parallel-size 2 --moe-ffn-hidden-size 33",
+     r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --moe-ffn-hidden-size 33",
+     r"--expert-tensor-parallel-size \(2, default TP\)"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --save ckpt",
+     "--expert-tensor-parallel-size 2 .* --save / --load: .*add --expert-tensor-parallel-size 1"),
+    ("--expert-tensor-parallel-size 2 --load ckpt", "--save / --load"),
+    ("--moe-token-dispatcher-type flex", "flex is not supported"),
+    ("--moe-router-bias-update-rate 0.1", "needs --moe-router-enable-expert-bias"),
+    ("--moe-layer-freq [0,0,0,0]", "no layer is MoE"),
+    ("--recompute-granularity selective --recompute-modules act mlp",
+     "--recompute-modules act mlp recomputes nothing when every layer is MoE"),
 ])
 def test_expert_layouts_not_built_are_one_line(files, extra, match):
     with pytest.raises(UsageError, match=match) as e:
@@ -127,15 +133,28 @@ def test_expert_layouts_not_built_are_one_line(files, extra, match):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("extra", [
-    "--expert-model-parallel-size 4",
-    "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
-    "--expert-tensor-parallel-size 1",
-    "--expert-model-parallel-size 4 --context-parallel-size 2 --attention-dropout 0",
+def test_expert_parallelism_without_experts_is_one_line(files):
+    with pytest.raises(UsageError, match="--expert-model-parallel-size 2 needs --num-experts"):
+        check(base_argv(files) + ["--expert-model-parallel-size", "2"])
+
+
+@pytest.mark.parametrize("extra, etp", [
+    ("--expert-model-parallel-size 4", 1),
+    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--expert-tensor-parallel-size 1", 1),
+    ("--expert-model-parallel-size 4 --context-parallel-size 2 --attention-dropout 0", 1),
+    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel", 2),
+    ("--expert-tensor-parallel-size 2", 2),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
+     "--attention-dropout 0", 2),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 1),
+    ("--recompute-activations --moe-router-load-balancing-type seq_aux_loss", 1),
+    ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.01", 1),
+    ("--recompute-granularity selective --recompute-modules mlp --moe-layer-freq [1,0,1,0]", 1),
 ])
-def test_expert_layouts_proven_pass(files, extra):
+def test_expert_layouts_proven_pass(files, extra, etp):
     args = check(base_argv(files) + ["--num-experts", "4"] + extra.split())
-    assert args.expert_tensor_parallel_size == 1
+    assert args.expert_tensor_parallel_size == etp
 
 
 def test_build_config_moe_section(files):

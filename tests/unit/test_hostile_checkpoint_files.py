@@ -125,7 +125,8 @@ def test_a_torch_dist_common_pt_without_args_is_named_for_generation(tmp_path, m
     from megatron.inference import model_loader
 
     folder = _checkpoint_folder(tmp_path)
-    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
+                                                     "format_version": 1}))
     monkeypatch.setattr(torch_dist, "read_common", lambda f: {"format_version": 1, "iteration": 2})
     with pytest.raises(CheckpointError, match=r"common.pt records no args"):
         model_loader.checkpoint_args(str(tmp_path))

@@ -205,8 +205,8 @@ def main(argv=None):
                         forward_step_func=run.forward_step,
                         datasets_provider=run.datasets_provider)
     if config.extra["dpo"].dpo:
-        check_dpo_flags(config)
-        run = DPO(config, check, pad_id=tokenizer.eod)
+        check_dpo_flags(config, vocab_size=tokenizer.vocab_size)
+        run = DPO(config, check, pad_id=tokenizer.eod, vocab_size=tokenizer.vocab_size)
         return pretrain(config, model_provider=model_provider, forward_step_func=run.forward_step,
                         datasets_provider=run.datasets_provider,
                         before_training=run.reference_pass)

@@ -320,10 +320,18 @@ def validate_moe(args, defaults: dict) -> None:
         (etp > 1 and getattr(args, "use_megatron_fsdp", False),
          f"--use-megatron-fsdp at --expert-tensor-parallel-size {etp}"),
     ]
-    if etp > 1 and (args.save is not None or args.load is not None):
-        raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} (default TP) with "
-                         "--save / --load: checkpoints of experts split over expert-TP are not "
-                         "built yet; add --expert-tensor-parallel-size 1 or drop --save / --load")
+    # Experts split over expert-TP are checkpointed by the legacy format only, where tensor rank
+    # t's mp_rank_TT folder holds expert-TP slice t (expert-TP = TP); torch_dist would record
+    # expert-TP rank 0's slice as the whole expert (model/sharded_state.py refuses it too).
+    if etp > 1 and (args.save is not None or args.load is not None) and etp != tp:
+        raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} with "
+                         f"--tensor-model-parallel-size {tp} and --save / --load: checkpoints of "
+                         "experts split over expert-TP need expert-TP = TP; set "
+                         f"--expert-tensor-parallel-size {tp if tp == 1 else f'{tp} or 1'}")
+    if etp > 1 and args.save is not None and args.ckpt_format != "torch":
+        raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} with --ckpt-format "
+                         f"{args.ckpt_format}: only the legacy format saves experts split over "
+                         "expert-TP; use --ckpt-format torch or --expert-tensor-parallel-size 1")
     for bad, flag in refused:
         if bad:
             raise UsageError(f"--num-experts with {flag} is not supported yet (docs/moe.md "

@@ -332,7 +332,10 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict,
                            weights_only=config.finetune or os.path.basename(folder) == "release",
                            expert_parallel=(pg_collection.ep.size > 1 if expert_folders is None
                                             else expert_folders))
-        return _torch_load(path)
+        state = _torch_load(path)
+        check_saved_expert_tp(state, path, config.load, pg_collection.tp.size,
+                              pg_collection.expt_tp.size)
+        return state
     if dist.get_rank() == 0:
         for note in state["notes"]:
             print(f" {note}", flush=True)
@@ -391,6 +394,27 @@ def check_saved_layout(folder: str, load_dir: str, tp: int, pp: int,
         f"this run has --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}, and "
         f"a torch checkpoint loads only at its own layout: run at TP={saved[0]} x PP={saved[1]}, "
         f"or {layout_fix(load_dir, tp, pp, weights_only)}")
+
+
+def check_saved_expert_tp(state: dict, path: str, load_dir: str, tp: int, expert_tp: int) -> None:
+    """Refuse a shard of a model with experts saved at another expert-TP size than this run's
+    (its expert tensors are slices of another width; the shard's ``args``, None meaning TP).
+
+    Raises:
+        CheckpointError: naming both sizes and the fix.
+    """
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, dict) or not args.get("num_experts"):
+        return
+    saved = args.get("expert_tensor_parallel_size")
+    saved = args.get("tensor_model_parallel_size", tp) if saved is None else saved
+    if saved == expert_tp:
+        return
+    raise CheckpointError(
+        f"--load {load_dir}: {path} holds experts split at --expert-tensor-parallel-size "
+        f"{saved}, but this run has --expert-tensor-parallel-size {expert_tp}, and a torch "
+        f"checkpoint loads experts only at their own split: run at --expert-tensor-parallel-size "
+        f"{saved}")
 
 
 def read_saved_args(path: str) -> dict:

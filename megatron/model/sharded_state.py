@@ -130,6 +130,10 @@ def param_shardings(chunk, pg_collection: ProcessGroupCollection) -> Dict[str, P
         tp, replicas = _grid(p, pg_collection)
         tp_rank, tp_size = tp.rank, tp.size
         if local in experts:  # not partitioned over expert-TP: expert-TP rank 0 writes
+            if tp_size > 1:  # rank 0's slice would be recorded as the whole expert
+                raise ValueError(f"{key}: experts split over --expert-tensor-parallel-size "
+                                 f"{tp_size} have no torch_dist checkpoint yet; use "
+                                 "--ckpt-format torch (legacy) or --expert-tensor-parallel-size 1")
             total, first = experts[local]
             out[local] = ParamSharding.expert_axis(
                 key, p.shape, total, first, replica_id=1 if tp_rank else 0,

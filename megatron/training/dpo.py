@@ -28,16 +28,22 @@ over the pairs of the global batch (the schedule's ``(sum, count)`` with count =
 ``logps/rejected`` (the policy's mean sequence log-probabilities), in the iteration line, the
 validation block, TensorBoard and the returned history.
 
+Resume: the table is saved with the run (``{--save}/dpo_reference.npz``,
+:mod:`megatron.training.dpo_reference`); ``--load`` of that save without ``--finetune`` reads it
+instead of recomputing it from the partly trained weights, and refuses one that is missing or does
+not fit the run.
+
 Not supported (refused with one line): context parallelism, ``--dataloader-type cyclic`` and
-``--rampup-batch-size`` (they would split pairs), ``--load`` without ``--finetune`` (a resumed run
-would take its partly trained weights as the reference).
+``--rampup-batch-size`` (they would split pairs).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import numpy as np
 import torch
@@ -46,6 +52,8 @@ import torch.distributed as dist
 from megatron.config.sections import ConfigSection
 from megatron.core import parallel_state as ps
 from megatron.training.dpo_loss import dpo_loss, sequence_logps
+from megatron.training.dpo_reference import (check_pairs, read_reference, run_meta,
+                                             save_reference)
 from megatron.training.pairs import pair_batch, report_sums
 from megatron.training.logging import print_rank_last
 from megatron.usage_error import UsageError
@@ -88,11 +96,18 @@ def add_dpo_args(parser):
 DPO_SECTION = ConfigSection("dpo", DPOConfig, add_dpo_args)
 
 
-def check_dpo_flags(config) -> None:
-    """Refuse a DPO run the flags alone make wrong, before any process group exists.
+def resumes(config) -> bool:
+    """A DPO run with ``--load`` and no ``--finetune`` resumes its own save (reads its table)."""
+    return bool(config.checkpoint.load) and not config.checkpoint.finetune
+
+
+def check_dpo_flags(config, vocab_size: Optional[int] = None) -> None:
+    """Refuse a DPO run the flags alone make wrong, before any process group exists; a resume
+    (:func:`resumes`) needs the saved reference table of ``--load``, fitting this run
+    (:func:`megatron.training.dpo_reference.read_reference`; ``vocab_size``: the tokenizer's).
 
     Raises:
-        UsageError: naming the flag, its value and the fix.
+        UsageError: naming the flag or file, its value and the fix.
     """
     from megatron.training.pairs import check_pair_flags
 
@@ -102,10 +117,16 @@ def check_dpo_flags(config) -> None:
     if not dpo.dpo_sft_weight >= 0:
         raise UsageError(f"--dpo-sft-weight {dpo.dpo_sft_weight}: must be >= 0")
     check_pair_flags(config, "--dpo")
-    if config.checkpoint.load and not config.checkpoint.finetune:
-        raise UsageError(f"--load {config.checkpoint.load} without --finetune: --dpo takes the "
-                         "loaded weights as its reference model, so it starts from them afresh; "
-                         "add --finetune")
+    if resumes(config):
+        from megatron.checkpointing import resume_point
+
+        load = config.checkpoint.load
+        read_reference(load, run_meta(config, None, vocab_size))
+        if resume_point(load) is None:  # else the run would train its initial weights
+            raise UsageError(f"--load {load} without --finetune resumes a DPO run, but the folder "
+                             "holds its reference table and no checkpoint yet (the run stopped "
+                             "before its first save); start it again with --load "
+                             "REFERENCE_CHECKPOINT --finetune")
 
 
 class DPO:
@@ -115,10 +136,12 @@ class DPO:
         config: the run's frozen :class:`~megatron.config.Config` (``extra["dpo"]`` set).
         check_ids: ``check_ids(tokens)`` raises ValueError for ids outside the vocabulary.
         pad_id: padding id of the rows.
+        vocab_size: the tokenizer's vocabulary size, recorded with the saved reference table.
     """
 
-    def __init__(self, config, check_ids, pad_id: int):
+    def __init__(self, config, check_ids, pad_id: int, vocab_size: Optional[int] = None):
         self.config, self.check_ids, self.pad_id = config, check_ids, pad_id
+        self.vocab_size = vocab_size
         self.dpo = config.extra["dpo"]
         self.datasets = ()
         self.reference = None  # [documents, 2] fp32: reference log-probabilities (chosen, rejected)
@@ -175,15 +198,51 @@ class DPO:
     def reference_pass(self, model, schedule_config, pg_collection) -> None:
         """Cache the reference log-probabilities of every pair the run will read (the splits'
         samples) under the loaded weights (forward only, eval mode): ``self.reference`` ``[documents, 2]`` fp32 on every
-        rank (filled on the last pipeline stage, zeros elsewhere)."""
+        rank (filled on the last pipeline stage, zeros elsewhere). A resumed run
+        (:func:`resumes`) reads the table its save holds instead; either way the table is then
+        written to ``--save`` (:mod:`megatron.training.dpo_reference`)."""
+        # The pairs the run will read (a short run reads a part of a large split).
+        pairs = [(ds, int(j)) for ds in self.datasets if ds is not None for j in np.unique(ds.order)]
+        documents = np.unique([int(ds.pairs[j]) for ds, j in pairs]).astype(np.int64)
+        meta = run_meta(self.config, self.num_documents, self.vocab_size)
+        load = self.config.checkpoint.load
+        if resumes(self.config):
+            # Every rank reads the same file and makes the same checks: all refuse alike.
+            table, stored, saved = read_reference(load, meta)
+            check_pairs(load, stored, documents)
+            self.reference = torch.from_numpy(table.copy())
+            print_rank_last(f" > DPO reference log-probabilities of {documents.size} preference "
+                            f"pairs read from {load} (computed from "
+                            f"{saved['reference_load'] or 'the initial weights'} at iteration "
+                            f"{saved['reference_iteration']})")
+            meta, documents = saved, stored
+        else:
+            self._compute_reference(model, schedule_config, pg_collection, pairs)
+            from megatron.checkpointing import resume_point
+
+            found = resume_point(load) if load else None
+            meta.update(reference_load=os.path.realpath(load) if load else None,
+                        reference_iteration=int(found[0]) if found and not found[1] else 0)
+        self._save(pg_collection, documents, meta)
+
+    def _save(self, pg_collection, documents, meta) -> None:
+        """The rank holding the filled table (the last stage's tp / dp rank 0) writes it to
+        ``--save``, unless it is the folder the table was read from."""
+        save, load = self.config.checkpoint.save, self.config.checkpoint.load
+        if not save or (resumes(self.config) and os.path.realpath(save) == os.path.realpath(load)):
+            return
+        if (pg_collection.is_pipeline_last_stage() and pg_collection.tp.rank == 0
+                and pg_collection.dp.rank == 0):
+            os.makedirs(save, exist_ok=True)
+            save_reference(save, self.reference.cpu().numpy(), documents, meta)
+
+    def _compute_reference(self, model, schedule_config, pg_collection, pairs) -> None:
         from megatron.core.distributed.model_chunk import as_model_chunk
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         start = time.perf_counter()
         training, dp = self.config.training, pg_collection.dp
         per_micro_batch = training.micro_batch_size // 2
-        # The pairs the run will read (a short run reads a part of a large split).
-        pairs = [(ds, int(j)) for ds in self.datasets if ds is not None for j in np.unique(ds.order)]
         batches = [pairs[i:i + per_micro_batch] for i in range(0, len(pairs), per_micro_batch)]
         rounds = -(-len(batches) // dp.size)
         mine = batches[dp.rank::dp.size]

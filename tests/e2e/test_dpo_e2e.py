@@ -124,7 +124,7 @@ def test_flags(dpo_prefix, tmp_path):
                          (("--micro-batch-size", "3", "--global-batch-size", "9"),
                           "--micro-batch-size 3: --dpo needs an even"),
                          (("--dataloader-type", "cyclic"), "--dataloader-type cyclic"),
-                         (("--load", str(tmp_path)), "add --finetune")):
+                         (("--load", str(tmp_path)), "dpo_reference.npz is missing")):
         with pytest.raises(UsageError, match=match):
             check(*extra)
     with pytest.raises(UsageError, match="exactly one"):

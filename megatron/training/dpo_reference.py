@@ -1,0 +1,112 @@
+"""The DPO reference table saved with the run, so that a preempted DPO run resumes exactly.
+
+A fresh DPO run (``--load REFERENCE --finetune``, or no ``--load``) computes the reference
+log-probabilities once before training (:meth:`megatron.training.dpo.DPO.reference_pass`). One
+rank (the last pipeline stage's tensor- and data-parallel rank 0, which holds the filled table)
+writes them, atomically (a temporary file, then ``os.replace``), to ``{--save}/dpo_reference.npz``,
+beside the checkpoint folders and the tracker, so the file serves both checkpoint formats
+(``torch_dist`` and legacy) and every checkpoint of the run. A resumed run (``--load`` of that
+save, no ``--finetune``) reads the table instead of recomputing it from its partly trained weights.
+
+Format: a NumPy ``.npz`` read with ``allow_pickle=False`` (nothing in it runs):
+
+- ``table``: ``[documents, 2]`` float32, the reference sequence log-probabilities (chosen,
+  rejected) per pair document (zeros for pairs not computed);
+- ``pairs``: ``[n]`` int64, the sorted document indices of the pairs computed (the run's train,
+  validation and test samples);
+- ``meta``: a 0-d unicode array, JSON: ``reference_load`` (the real path of the reference
+  checkpoint's ``--load``, or null for initial weights), ``reference_iteration`` (the iteration
+  loaded from it, 0 for none), ``data_path`` (the real path of the ``_chosen_document`` prefix),
+  ``documents``, ``seq_length``, ``length_normalization`` and ``vocab_size`` (the tokenizer's).
+
+A resumed run refuses (one line, exit 2) a missing file, or one whose ``data_path``,
+``documents``, ``seq_length``, ``length_normalization`` or ``vocab_size`` differ from its own, or
+that lacks a pair the resumed run reads; and a ``--load`` with the table but no checkpoint
+(:func:`megatron.training.dpo.check_dpo_flags`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from megatron.usage_error import UsageError
+
+REFERENCE_FILE = "dpo_reference.npz"
+CHECKED = ("data_path", "documents", "seq_length", "length_normalization", "vocab_size")
+
+
+def reference_file(folder: str) -> str:
+    """The table's path in a ``--save`` / ``--load`` folder."""
+    return os.path.join(folder, REFERENCE_FILE)
+
+
+def run_meta(config, documents: Optional[int], vocab_size: Optional[int]) -> dict:
+    """What this run's table is (or must be) computed from; ``documents`` None: not yet known."""
+    return {"data_path": os.path.realpath(str(config.data.data_path[0])),
+            "documents": documents, "seq_length": int(config.data.seq_length),
+            "length_normalization": bool(config.extra["dpo"].dpo_length_normalization),
+            "vocab_size": None if vocab_size is None else int(vocab_size)}
+
+
+def save_reference(folder: str, table: np.ndarray, pairs: np.ndarray, meta: dict) -> str:
+    """Write the table atomically to ``{folder}/dpo_reference.npz``; returns the path."""
+    path = reference_file(folder)
+    temporary = path + ".tmp"
+    with open(temporary, "wb") as f:
+        np.savez(f, table=np.asarray(table, dtype=np.float32),
+                 pairs=np.asarray(pairs, dtype=np.int64), meta=np.array(json.dumps(meta)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    return path
+
+
+def read_reference(folder: str, expected: dict) -> tuple[np.ndarray, np.ndarray, dict]:
+    """``(table [documents, 2] float32, pairs [n] int64, meta)`` of ``{folder}/dpo_reference.npz``
+    after checking it fits ``expected`` (:func:`run_meta`; keys that are None are not checked).
+
+    Raises:
+        UsageError: the file is missing or unreadable, or a :data:`CHECKED` value differs.
+    """
+    path = reference_file(folder)
+    fix = ("resume from the --save folder of the DPO run that wrote it with that run's flags, or "
+           "start afresh with --load REFERENCE_CHECKPOINT --finetune")
+    if not os.path.isfile(path):
+        raise UsageError(f"--load {folder} without --finetune resumes a DPO run, but its reference "
+                         f"table {path} is missing; {fix}")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            table, pairs, meta = f["table"], f["pairs"], json.loads(str(f["meta"]))
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"{path}: not a DPO reference table ({exc}); {fix}") from None
+    for key in CHECKED:
+        if expected.get(key) is not None and meta.get(key) != expected[key]:
+            flag = {"data_path": "--data-path", "seq_length": "--seq-length",
+                    "length_normalization": "--dpo-length-normalization",
+                    "documents": "the pair count of --data-path",
+                    "vocab_size": "the tokenizer's vocabulary size"}[key]
+            raise UsageError(f"{path}: the DPO reference table was computed for {flag} "
+                             f"{meta.get(key)}, this run has {expected[key]}; {fix}")
+    if table.shape != (meta["documents"], 2) or table.dtype != np.float32:
+        raise UsageError(f"{path}: table of shape {table.shape} {table.dtype}, expected "
+                         f"({meta['documents']}, 2) float32; {fix}")
+    return table, pairs, meta
+
+
+def check_pairs(folder: str, stored: np.ndarray, needed: np.ndarray) -> None:
+    """Refuse a resumed run that reads pairs the saved table does not hold.
+
+    Raises:
+        UsageError: naming the count and the first missing pair.
+    """
+    missing = np.setdiff1d(needed, stored)
+    if missing.size:
+        raise UsageError(
+            f"{reference_file(folder)}: the resumed DPO run reads {missing.size} preference pairs "
+            f"the reference table does not hold (first: document {int(missing[0])}); resume with "
+            "the --train-iters, --split, --eval-iters and --seed of the run that wrote it, or "
+            "start afresh with --load REFERENCE_CHECKPOINT --finetune")

@@ -1,0 +1,34 @@
+"""End to end: legacy checkpoints (``--ckpt-format torch``) of tests/e2e/test_moe_e2e.py's
+mixture-of-experts model with the experts split over expert-TP (``--expert-tensor-parallel-size``
+2 = TP, tensor rank t's ``mp_rank_TT[_EEE]`` folder holding expert-TP slice t), saved half-way and
+resumed: the whole run (first half + resumed half) equals one process's 20 iterations within
+rtol 1e-6 (losses, grad norms, validation losses; clipping on). Layouts: TP=2 x EP=2 x DP=2 with
+the distributed optimizer resumed at TP=2 x EP=1 (experts joined from the two EP folders of each
+tensor rank), and TP=2 x EP=1 x DP=2 with the plain optimizer resumed at its own layout."""
+
+from tests.e2e.test_moe_layouts_e2e import HALF, ep
+from tests.e2e.test_moe_legacy_ckpt_e2e import DISTOPT, _first_half, _joined, _second_half
+from tests.e2e.test_moe_layouts_e2e import _argv
+from tests.helpers.dist import run_distributed
+from tests.helpers.pretrain import assert_close_history, layout_args, run_many
+
+TP2_ETP2 = [*layout_args(2, 1), "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
+
+
+def test_moe_legacy_checkpoint_at_expert_tp2_resumes(data_prefix, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("moe_etp_cache"))
+    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    ckpt = {name: str(tmp_path_factory.mktemp(f"moe_etp_{name}")) for name in ("ep2", "ep1")}
+    runs = [
+        ("tp2 ep2 etp2", _first_half(data_prefix, cache, ckpt["ep2"], *TP2_ETP2, *ep(2),
+                                     *DISTOPT)),
+        ("tp2 ep1 etp2", _second_half(data_prefix, cache, ckpt["ep2"], *TP2_ETP2, *ep(1),
+                                      *DISTOPT)),
+        ("tp2 etp2 plain", _first_half(data_prefix, cache, ckpt["ep1"], *TP2_ETP2)),
+        ("tp2 etp2 plain resumed", _second_half(data_prefix, cache, ckpt["ep1"], *TP2_ETP2)),
+    ]
+    got = run_distributed(4, run_many, runs, timeout=1500)[-1]
+    for first, second in (("tp2 ep2 etp2", "tp2 ep1 etp2"),
+                          ("tp2 etp2 plain", "tp2 etp2 plain resumed")):
+        assert_close_history(_joined(got[first], got[second]), one,
+                             f"MoE legacy expert-TP 2 {first} -> {second}")

@@ -251,11 +251,12 @@ def _router_name(keys, i: int) -> str:
 
 def _expected_shapes(meta: dict) -> dict:
     """``{key: shape}`` of the dense tensors of a layer as config.json describes them
-    (transformers' ``LlamaAttention`` / ``LlamaMLP``)."""
+    (transformers' ``LlamaAttention`` / ``LlamaMLP``). QK norms are left out: per head (Qwen3)
+    or over the whole projection (OLMoE)."""
     h, kv = meta["hidden_size"], meta["kv_channels"]
     q, g, f = meta["num_attention_heads"] * kv, meta["num_query_groups"] * kv, meta["ffn_hidden_size"]
     return {"input_norm": (h,), "post_norm": (h,), "q": (q, h), "k": (g, h), "v": (g, h),
-            "o": (h, q), "q_norm": (kv,), "k_norm": (kv,), "q_bias": (q,), "k_bias": (g,),
+            "o": (h, q), "q_bias": (q,), "k_bias": (g,),
             "v_bias": (g,), "gate": (f, h), "up": (f, h), "down": (h, f)}
 
 

@@ -167,7 +167,7 @@ def load_args_from_checkpoint(args) -> list[str]:
         if name in saved and hasattr(args, name) and name not in layout:
             setattr(args, name, saved[name])
             changed.append(name)
-    return changed + _tokenizer_from_checkpoint(args, saved)
+    return changed + _tokenizer_from_checkpoint(args, saved, folder)
 
 
 # The tokenizer flags --use-checkpoint-args takes from a checkpoint when the run gives none.
@@ -175,19 +175,32 @@ TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "tokenizer_name_or_path",
                   "merge_file", "vocab_size")
 
 
-def _tokenizer_from_checkpoint(args, saved: dict) -> list[str]:
+def _tokenizer_from_checkpoint(args, saved: dict, folder: str) -> list[str]:
     """The checkpoint's tokenizer, unless the run names one: a tokenizer flag given on the
     command line is never overridden (not even by another flag of the checkpoint's tokenizer),
     as Megatron-LM's ``_set_arg`` leaves given values alone. A HuggingFace tokenizer recorded as
     ``tokenizer_model`` (the converter's and Megatron-LLaMA's way) becomes
-    ``--tokenizer-name-or-path``. Returns the names set."""
+    ``--tokenizer-name-or-path``. Returns the names set.
+
+    Raises:
+        UsageError: the run names no tokenizer and the checkpoint in ``folder`` records none this
+            code builds (a converted or foreign checkpoint without tokenizer settings): the fix is
+            a tokenizer flag, not the one validation would otherwise blame.
+    """
     if any(getattr(args, name, None) is not None for name in TOKENIZER_ARGS):
         return []
     values = {name: saved.get(name) for name in TOKENIZER_ARGS}
     from megatron.tokenizer.tokenizer import TOKENIZER_TYPES
 
     if values["tokenizer_type"] not in TOKENIZER_TYPES:
-        return []
+        if not hasattr(args, "tokenizer_type"):  # a caller taking the model's shape only
+            return []
+        recorded = ("no tokenizer settings" if values["tokenizer_type"] is None else
+                    f"the tokenizer type {values['tokenizer_type']!r}, which this code does not build")
+        raise UsageError(f"--use-checkpoint-args: the checkpoint {folder} records {recorded}; "
+                         "give the tokenizer: --tokenizer-type with --tokenizer-model (a "
+                         "SentencePiece file), --tokenizer-name-or-path (a HuggingFace folder) or "
+                         "--vocab-size (NullTokenizer)")
     if values["tokenizer_type"] in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         values["tokenizer_name_or_path"] = (values["tokenizer_name_or_path"]
                                             or values["tokenizer_model"])

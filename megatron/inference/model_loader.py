@@ -21,8 +21,12 @@ def checkpoint_args(load_dir: str) -> dict:
     a Megatron-LM checkpoint's translated).
 
     Raises:
-        CheckpointError: no tracker file or no shard.
+        CheckpointError: no tracker file, no shard, a torch_dist checkpoint recording no args.
     """
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir} " + ("is a file" if os.path.lexists(load_dir)
+                              else "does not exist") + ": give the checkpoint folder (the one "
+                              "holding latest_checkpointed_iteration.txt)")
     found = find_checkpoint(load_dir)
     if found is None:
         raise CheckpointError(f"--load {load_dir} has no latest_checkpointed_iteration.txt")
@@ -34,7 +38,10 @@ def checkpoint_args(load_dir: str) -> dict:
         if megatron_lm_dist.is_megatron_lm(folder):
             return dict(megatron_lm_dist.saved_args(folder), ckpt_format="torch_dist")
         common = torch_dist.read_common(folder)
-        return dict(common.get("args") or {}, ckpt_format="torch_dist",
+        if not isinstance(common.get("args"), dict) or not common["args"]:
+            raise CheckpointError(f"{os.path.join(folder, torch_dist.COMMON_FILE)} records no args "
+                                  "(the model's sizes): the model cannot be built from it")
+        return dict(common["args"], ckpt_format="torch_dist",
                     true_vocab_size=common.get("true_vocab_size"))
     shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
     if not shards:

@@ -251,11 +251,40 @@ def _router_name(keys, i: int) -> str:
     return found[0]
 
 
+def _expected_shapes(meta: dict) -> dict:
+    """``{key: shape}`` of the dense tensors of a layer as config.json describes them
+    (transformers' ``LlamaAttention`` / ``LlamaMLP``). QK norms are left out: per head (Qwen3)
+    or over the whole projection (OLMoE)."""
+    h, kv = meta["hidden_size"], meta["kv_channels"]
+    q, g, f = meta["num_attention_heads"] * kv, meta["num_query_groups"] * kv, meta["ffn_hidden_size"]
+    return {"input_norm": (h,), "post_norm": (h,), "q": (q, h), "k": (g, h), "v": (g, h),
+            "o": (h, q), "q_bias": (q,), "k_bias": (g,),
+            "v_bias": (g,), "gate": (f, h), "up": (f, h), "down": (h, f)}
+
+
+def _check_shape(folder: str, name: str, tensor, shape: tuple) -> None:
+    """Raise ValueError naming the tensor when its shape contradicts config.json (a weight file
+    of another model, or an edited config): before, the converter wrote a checkpoint whose
+    recorded sizes its tensors did not have."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{folder}: tensor {name} has shape {tuple(tensor.shape)} but config.json "
+                         f"implies {tuple(shape)}; the weights and config.json are of different "
+                         "models")
+
+
+def _check_layer(weights: HFWeights, meta: dict, names: dict, i: int, layer: dict) -> None:
+    """:func:`_check_shape` on layer ``i``'s dense tensors read by ``names``."""
+    for key, shape in _expected_shapes(meta).items():
+        if key in layer and key in names:
+            _check_shape(weights.folder, f"model.layers.{i}.{names[key]}", layer[key], shape)
+
+
 def _stream_llama4(weights: HFWeights, meta: dict, names: dict):
     """Llama 4's layers: MoE and dense ones by ``moe_layer_freq`` (the experts gated)."""
     gate = moe_layout.ExpertGate(meta, "hf loader")
     for i in range(meta["num_layers"]):
         layer = {k: weights.get(f"model.layers.{i}.{v}") for k, v in names.items()}
+        _check_layer(weights, meta, names, i, layer)
         layer.update(llama4_layout.read_mlp(i, meta, weights.get))
         if "router" in layer:
             layer["expert_checksums"] = gate.layer(i, layer)
@@ -280,6 +309,7 @@ def _stream_layers(weights: HFWeights, meta: dict, names: dict):
                      down="mlp.down_proj.weight")
     for i in range(meta["num_layers"]):
         layer = {k: weights.get(f"model.layers.{i}.{v}") for k, v in names.items()}
+        _check_layer(weights, meta, names, i, layer)
         if moe_layout.is_moe(meta):
             layer.update(moe_layout.read_hf_experts(index, i, meta, weights.get),
                          router=weights.get(_router_name(keys, i)))
@@ -290,7 +320,10 @@ def _stream_layers(weights: HFWeights, meta: dict, names: dict):
 
 
 def _stream(weights: HFWeights, meta: dict):
-    yield "embeddings", {"word_embeddings": weights.get("model.embed_tokens.weight")}
+    embedding = weights.get("model.embed_tokens.weight")
+    _check_shape(weights.folder, "model.embed_tokens.weight", embedding,
+                 (meta["true_vocab_size"], meta["hidden_size"]))
+    yield "embeddings", {"word_embeddings": embedding}
     names = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
              "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
              "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight"}
@@ -306,4 +339,6 @@ def _stream(weights: HFWeights, meta: dict):
     output = None
     if meta["untie_embeddings_and_output_weights"]:
         output = weights.get("lm_head.weight")
+        _check_shape(weights.folder, "lm_head.weight", output,
+                     (meta["true_vocab_size"], meta["hidden_size"]))
     yield "final", {"final_norm": weights.get("model.norm.weight"), "output_layer": output}

@@ -21,7 +21,7 @@ import re
 import torch
 
 from megatron.config import rope_scaling_from_args
-from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
+from megatron.checkpointing import CheckpointError, find_checkpoint, get_checkpoint_dir
 from megatron.checkpointing.foreign import (MEGATRON_LM, describe, identify, megatron_lm,
                                           megatron_lm_args)
 from megatron.core.dist_checkpointing.safe_pickle import load_raw
@@ -67,10 +67,10 @@ def find_shards(load_dir: str):
     Raises:
         CheckpointError: no tracker, no shards, or an incomplete TP x PP grid.
     """
-    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
+    found = find_checkpoint(load_dir)  # a tracker that is a pipe or a folder: named, not opened
+    if found is None:
         raise CheckpointError(f"--load-dir {load_dir} has no latest_checkpointed_iteration.txt")
-    folder = get_checkpoint_dir(load_dir, *read_metadata(tracker))
+    folder = get_checkpoint_dir(load_dir, *found)
     shards = {}
     for path in sorted(glob.glob(os.path.join(folder, "mp_rank_*"))):
         m = _SHARD.match(os.path.basename(path))
@@ -143,9 +143,9 @@ def load_checkpoint(args):
     """``(meta, stream)`` of the checkpoint under ``args.load_dir`` (see ``convert.py``)."""
     from megatron.checkpointing import torch_dist
 
-    tracker = os.path.join(args.load_dir, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(tracker):
-        folder = get_checkpoint_dir(args.load_dir, *read_metadata(tracker))
+    found = find_checkpoint(args.load_dir)
+    if found is not None:
+        folder = get_checkpoint_dir(args.load_dir, *found)
         if torch_dist.is_torch_dist_checkpoint(folder):
             return load_torch_dist(folder, args)
     ep, ep_args = expert_shards.saved_expert_parallel_size(args.load_dir)

@@ -225,3 +225,21 @@ def test_moe_with_zero2_or_3_is_refused():
             estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=1,
                             num_microbatches=1, use_distributed_optimizer=True,
                             sharding_strategy=strategy, moe=MOE)
+
+
+def test_expert_tp_follows_tp_by_default():
+    """Megatron-Core's default ``--expert-tensor-parallel-size`` is TP: without ``etp`` every MoE
+    layout's expert-TP is its TP (EP x TP dividing TP x CP x DP), and a TP that does not divide
+    the expert width is not searched (it is with an explicit expert-TP 1)."""
+    import dataclasses
+
+    from megatron.planner.cost import Hardware, enumerate_layouts
+
+    config = ModelConfig(**TINY)
+    hw = Hardware(num_gpus=8, gpu_memory=80 * 2 ** 30)
+    layouts = list(enumerate_layouts(config, hw, 16, 32, moe=MOE))
+    assert {l.tp for l in layouts} == {1, 2}
+    assert all(l.etp == l.tp and (l.tp * l.cp * l.dp) % (l.ep * l.tp) == 0 for l in layouts)
+    odd = dataclasses.replace(MOE, moe_ffn_hidden_size=23)  # 23 % 2 != 0
+    assert {l.tp for l in enumerate_layouts(config, hw, 16, 32, moe=odd)} == {1}
+    assert {l.tp for l in enumerate_layouts(config, hw, 16, 32, moe=odd, etp=1)} == {1, 2}

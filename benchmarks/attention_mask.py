@@ -13,7 +13,12 @@ fused path's figure for scale. Each case runs in its own process (a clean high-w
 * ``saved MB``: what autograd keeps for backward (the dense mask included);
 * ``mask MB``: the bytes of the mask the step builds.
 
-Ratios are dense over documents (how many times the dense mask costs). Usage:
+Llama 4's chunked attention (``--attention-chunk-size``, chunks of s/4 tokens, no documents):
+``chunks`` (one causal SDPA per chunk, :func:`megatron.model.chunked_attention.chunked_attention`)
+against ``chunks dense`` (SDPA with the dense ``[1, 1, s, s]`` chunked causal mask).
+
+Ratios are dense over documents, and chunks dense over chunks (how many times the dense mask
+costs). Usage:
 ``python benchmarks/attention_mask.py [--quick]`` (``--quick``: 1024 tokens); ``run(quick)``
 returns the rows for run_all.py. Linux only (``/proc``).
 """
@@ -32,7 +37,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 SEQ = {False: 4096, True: 1024}
-CASES = ("documents", "dense", "causal")
+CASES = ("documents", "dense", "causal", "chunks", "chunks dense")
+BASE = {"documents": "documents", "dense": "documents", "causal": "documents",
+        "chunks": "chunks", "chunks dense": "chunks"}
 STEPS = 3
 
 
@@ -52,6 +59,7 @@ def worker(seq: int, case: str) -> None:
 
     from benchmarks.context_parallel import _saved_bytes, _status_kb
     from megatron.model.attention_mask import AttentionMask, masked_attention
+    from megatron.model.chunked_attention import chunked_attention, chunked_cache_mask
 
     torch.set_num_threads(1)
     ids, docs = _document_ids(seq)
@@ -59,7 +67,18 @@ def worker(seq: int, case: str) -> None:
     q = torch.randn(1, 8, seq, 64, generator=gen).requires_grad_()
     k, v = (torch.randn(1, 2, seq, 64, generator=gen).requires_grad_() for _ in range(2))
 
+    chunk = seq // 4
+
     def step():
+        if case.startswith("chunks"):
+            mask = None if case == "chunks" else AttentionMask.from_dense(
+                chunked_cache_mask(0, seq, chunk, q.device))
+            mask_bytes = 0 if mask is None else mask.dense.nbytes
+            run = (lambda: chunked_attention(q, k, v, None, chunk)) if mask is None else (
+                lambda: masked_attention(q, k, v, mask))
+            out, saved = _saved_bytes(run, [q, k, v])
+            out.sum().backward()
+            return saved, mask_bytes
         mask = AttentionMask.from_document_ids(ids)
         if case == "dense":
             mask = AttentionMask.from_dense(mask.to_dense())
@@ -100,9 +119,9 @@ def run(quick: bool = False) -> list:
     """One row per case; ``... ratio`` columns are the case's figure over ``documents``'."""
     seq = SEQ[quick]
     results = {case: _launch(seq, case) for case in CASES}
-    base = results["documents"]
     rows = []
     for case, r in results.items():
+        base = results[BASE[case]]
         r.update({f"{k} ratio": r[k] / base[k] for k in ("ms/step", "peak MB", "saved MB")})
         rows.append({"benchmark": "attention_mask", "case": f"s{seq} {case}", **r})
     return rows

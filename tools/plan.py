@@ -30,6 +30,16 @@ from megatron.core.transformer.moe.moe_config import MoEConfig  # noqa: E402
 from megatron.usage_error import UsageError  # noqa: E402
 from megatron.planner.cost import Hardware, config_for_tp, rank_layouts  # noqa: E402
 from megatron.planner.memory import RECOMPUTE_CHOICES, estimate_memory  # noqa: E402
+from megatron.planner.llama4 import SHAPES, VOCAB as LLAMA4_VOCAB, parameter_counts  # noqa: E402
+
+# Llama 4's router and attention flags (docs/llama4.md), added to a --model's launch flags;
+# Scout also has the q/k L2 norm and Llama-3 RoPE scaling (factor 16, low = high = 1)
+LLAMA4_FLAGS = ["--moe-router-score-function sigmoid", "--moe-apply-probs-on-input",
+                "--rotary-interleaved", "--no-rope-freq 4", "--attention-chunk-size 8192",
+                "--attn-temperature-tuning", "--rotary-base 500000", "--norm-epsilon 1e-5"]
+SCOUT_FLAGS = ["--qk-l2-norm", "--use-rope-scaling --rope-scaling-factor 16 "
+               "--rope-scaling-low-freq-factor 1 --rope-scaling-high-freq-factor 1 "
+               "--rope-scaling-original-max-position-embeddings 8192"]
 
 GIB = 2 ** 30
 
@@ -38,6 +48,8 @@ def get_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     m = p.add_argument_group("model (Megatron flags, or --hf-config)")
     m.add_argument("--hf-config", help="a HuggingFace LLaMA config.json (overrides the model flags)")
+    m.add_argument("--model", choices=sorted(SHAPES),
+                   help="a known shape (overrides the model and MoE flags; docs/llama4.md)")
     m.add_argument("--num-layers", type=int)
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--ffn-hidden-size", type=int)
@@ -79,11 +91,11 @@ def get_args(argv=None) -> argparse.Namespace:
     h.add_argument("--inter-node-bandwidth", type=float, default=25.0, help="GB/s per GPU (network)")
     p.add_argument("--top", type=int, default=10, help="layouts to list")
     args = p.parse_args(argv)
-    if args.hf_config is None:
+    if args.hf_config is None and args.model is None:
         missing = [f for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
                    if getattr(args, f) is None]
         if missing:
-            p.error("give --hf-config or the model flags; missing: "
+            p.error("give --model, --hf-config or the model flags; missing: "
                     + ", ".join("--" + f.replace("_", "-") for f in missing))
     for flag in ("num_gpus", "global_batch_size", "seq_length"):
         if getattr(args, flag) <= 0:
@@ -124,6 +136,8 @@ def moe_from_args(args, num_layers: int):
 
     Raises:
         UsageError: a --moe-layer-freq pattern that does not match the layers."""
+    if args.model:
+        return SHAPES[args.model][1]
     moe_from_hf_config(args)
     if args.num_experts is None:
         return None
@@ -160,6 +174,12 @@ def model_from_hf_config(path: str) -> tuple:
 
 
 def model_from_args(args) -> tuple:
+    if args.model:
+        moe = SHAPES[args.model][1]  # the launch flags read the MoE flags' values
+        for dest in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+                     "moe_shared_expert_intermediate_size"):
+            setattr(args, dest, getattr(moe, dest))
+        return SHAPES[args.model][0], LLAMA4_VOCAB
     if args.hf_config:
         return model_from_hf_config(args.hf_config)
     return ModelConfig(
@@ -189,6 +209,8 @@ def launch_flags(config: ModelConfig, est, args) -> str:
                          f"{args.moe_shared_expert_intermediate_size}")
         if args.moe_shared_expert_gate:
             flags.append("--moe-shared-expert-gate")
+    if args.model:  # Llama 4's router and attention (docs/llama4.md)
+        flags += LLAMA4_FLAGS + (SCOUT_FLAGS if args.model == "llama4-scout" else [])
     if L.cp > 1:  # the split attention has no dropout
         flags += [f"--context-parallel-size {L.cp}", "--cp-comm-type p2p", "--attention-dropout 0.0"]
     flags += [
@@ -259,6 +281,8 @@ def main(argv=None) -> int:
           f"{config.num_attention_heads} heads / {config.num_query_groups} groups, vocab {vocab}; "
           f"{args.num_gpus} GPUs x {args.gpu_memory_gib:g} GiB ({args.reserved_gib:g} reserved); "
           f"global batch {args.global_batch_size} x {args.seq_length} tokens, {'bf16' if bf16 else 'fp32'}")
+    total, active = parameter_counts(config.replace(padded_vocab_size=vocab), moe)
+    print(f"parameters: {total / 1e9:.2f} B total, {active / 1e9:.2f} B active per token")
     if moe is not None:
         print(f"mixture of experts: {moe.num_experts} experts, top-{moe.moe_router_topk}, expert "
               f"ffn {moe.moe_ffn_hidden_size or config.ffn_hidden_size}, shared expert "

@@ -27,7 +27,7 @@ import os
 from typing import Callable, List, Optional
 
 from megatron.arguments import help as arguments_help, validation as arguments_validation
-from megatron.arguments.moe import add_moe_args
+from megatron.arguments.moe import _layer_freq_arg, add_moe_args
 from megatron.tokenizer import add_tokenizer_args
 from megatron.usage_error import UsageError
 
@@ -117,7 +117,9 @@ CHECKPOINT_MODEL_ARGS = (
     "tokenizer_type", "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "use_rope_scaling", "rope_scaling_factor",
     "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-    "rope_scaling_original_max_position_embeddings",
+    "rope_scaling_original_max_position_embeddings", "rotary_interleaved", "qk_l2_norm",
+    "no_rope_freq", "attention_chunk_size", "attn_temperature_tuning",
+    "attn_temperature_floor_scale", "attn_temperature_scale",
 )
 
 
@@ -165,7 +167,7 @@ def load_args_from_checkpoint(args) -> list[str]:
         if name in saved and hasattr(args, name) and name not in layout:
             setattr(args, name, saved[name])
             changed.append(name)
-    return changed + _tokenizer_from_checkpoint(args, saved)
+    return changed + _tokenizer_from_checkpoint(args, saved, folder)
 
 
 # The tokenizer flags --use-checkpoint-args takes from a checkpoint when the run gives none.
@@ -173,19 +175,32 @@ TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "tokenizer_name_or_path",
                   "merge_file", "vocab_size")
 
 
-def _tokenizer_from_checkpoint(args, saved: dict) -> list[str]:
+def _tokenizer_from_checkpoint(args, saved: dict, folder: str) -> list[str]:
     """The checkpoint's tokenizer, unless the run names one: a tokenizer flag given on the
     command line is never overridden (not even by another flag of the checkpoint's tokenizer),
     as Megatron-LM's ``_set_arg`` leaves given values alone. A HuggingFace tokenizer recorded as
     ``tokenizer_model`` (the converter's and Megatron-LLaMA's way) becomes
-    ``--tokenizer-name-or-path``. Returns the names set."""
+    ``--tokenizer-name-or-path``. Returns the names set.
+
+    Raises:
+        UsageError: the run names no tokenizer and the checkpoint in ``folder`` records none this
+            code builds (a converted or foreign checkpoint without tokenizer settings): the fix is
+            a tokenizer flag, not the one validation would otherwise blame.
+    """
     if any(getattr(args, name, None) is not None for name in TOKENIZER_ARGS):
         return []
     values = {name: saved.get(name) for name in TOKENIZER_ARGS}
     from megatron.tokenizer.tokenizer import TOKENIZER_TYPES
 
     if values["tokenizer_type"] not in TOKENIZER_TYPES:
-        return []
+        if not hasattr(args, "tokenizer_type"):  # a caller taking the model's shape only
+            return []
+        recorded = ("no tokenizer settings" if values["tokenizer_type"] is None else
+                    f"the tokenizer type {values['tokenizer_type']!r}, which this code does not build")
+        raise UsageError(f"--use-checkpoint-args: the checkpoint {folder} records {recorded}; "
+                         "give the tokenizer: --tokenizer-type with --tokenizer-model (a "
+                         "SentencePiece file), --tokenizer-name-or-path (a HuggingFace folder) or "
+                         "--vocab-size (NullTokenizer)")
     if values["tokenizer_type"] in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         values["tokenizer_name_or_path"] = (values["tokenizer_name_or_path"]
                                             or values["tokenizer_model"])
@@ -248,6 +263,25 @@ def _add_network_size_args(parser):
                    help="a bias on the query/key/value projection only (Qwen2, Qwen2-MoE)")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="RMSNorm of each query and key head before RoPE (Qwen3, Qwen3-MoE)")
+    # Llama 4 (docs/llama4.md): Megatron-Core's names where it has them
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE on adjacent pairs (2i, 2i+1), Meta's complex convention (Llama 4)")
+    g.add_argument("--qk-l2-norm", action="store_true",
+                   help="weightless L2 (RMS) norm of q and k heads after RoPE, RoPE layers only "
+                        "(Llama 4)")
+    g.add_argument("--no-rope-freq", type=_layer_freq_arg, default=None,
+                   help="NoPE layers: every N-th layer (N; Llama 4: 4) or a 0/1 pattern per "
+                        "layer such as '([0]*3+[1]*1)*12' (1 = no RoPE)")
+    g.add_argument("--attention-chunk-size", type=int, default=None,
+                   help="chunked local attention of the RoPE layers, tokens per chunk "
+                        "(Llama 4: 8192)")
+    g.add_argument("--attn-temperature-tuning", action="store_true",
+                   help="scale the NoPE layers' queries by 1 + scale * log(1 + floor((p + 1) / "
+                        "floor_scale)) (Llama 4)")
+    g.add_argument("--attn-temperature-floor-scale", type=float, default=8192.0,
+                   help="Llama 4's floor_scale (tokens)")
+    g.add_argument("--attn-temperature-scale", type=float, default=0.1,
+                   help="Llama 4's attn_scale")
     g.add_argument("--qk-layernorm-full-width", action="store_true",
                    help="with --qk-layernorm: the norms over the whole q / k projection, not per "
                         "head (OLMoE); tensor-parallel size 1 only")

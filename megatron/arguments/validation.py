@@ -82,6 +82,7 @@ def _validate_all(args, world_size, defaults, check_files):
     _validate_not_yet_supported(args, defaults)
     _validate_llama_architecture(args)
     _validate_model_shape(args)
+    _validate_llama4_attention(args)
     validate_moe(args, defaults)
     _validate_parallel_layout(args, world_size)
     _validate_wandb(args)
@@ -144,10 +145,25 @@ def _validate_llama_architecture(args):
     if args.causal_lm:
         args.untie_embeddings_and_output_weights = True
     low, high = args.rope_scaling_low_freq_factor, args.rope_scaling_high_freq_factor
-    if args.use_rope_scaling and not high > low:
-        raise UsageError(f"--rope-scaling-high-freq-factor ({high}) must be above "
+    if args.use_rope_scaling and not high >= low:
+        raise UsageError(f"--rope-scaling-high-freq-factor ({high}) must be at least "
                          f"--rope-scaling-low-freq-factor ({low}) with --use-rope-scaling (Llama "
-                         "3.1's smooth band lies between them); Llama 3.1 uses 4 and 1")
+                         "3.1's smooth band lies between them); Llama 3.1 uses 4 and 1, Llama 4 "
+                         "Scout 1 and 1")
+
+
+def _validate_llama4_attention(args):
+    """``--no-rope-freq`` expanded to one 0/1 per layer (docs/llama4.md)."""
+    from megatron.model.chunked_attention import no_rope_pattern
+
+    if args.no_rope_freq is not None:
+        try:
+            args.no_rope_freq = no_rope_pattern(args.no_rope_freq, args.num_layers)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if args.attn_temperature_tuning and not any(args.no_rope_freq or ()):
+        raise UsageError("--attn-temperature-tuning scales the queries of NoPE layers, and "
+                         "there are none: give --no-rope-freq (Llama 4: 4) or drop the flag")
 
 
 def _validate_model_shape(args):

@@ -42,8 +42,11 @@ NOT_READ = object()
 def looks_complete(folder: str) -> bool:
     """Whether the checkpoint ``folder`` (either format) is whole: every file present, none left
     half-written."""
-    if torch_dist.is_torch_dist_checkpoint(folder):
-        return torch_dist.looks_complete(folder)
+    try:
+        if torch_dist.is_torch_dist_checkpoint(folder):
+            return torch_dist.looks_complete(folder)
+    except CheckpointError:  # a metadata.json that is no file: not complete
+        return False
     return legacy.looks_complete(folder)
 
 

@@ -50,11 +50,10 @@ def read_metadata(tracker_filename: str) -> tuple[int, bool]:
                               f"found bytes that are not text ({raw[:16]!r}...)") from None
     if text == "release":
         return 0, True
-    try:
-        return int(text), False
-    except ValueError:
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:  # "-2", "2.0", 5000 digits: no iter_ folder fits
         raise CheckpointError(f"{tracker_filename} must hold an iteration number or 'release', "
-                              f"found {text[:40]!r}") from None
+                              f"found {text[:40]!r}{'...' if len(text) > 40 else ''}")
+    return int(text), False
 
 
 def _file_kind(path: str) -> str:

@@ -213,7 +213,8 @@ def looks_complete(folder: str) -> bool:
 
     shards = glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt"))
     stray = glob.glob(os.path.join(folder, "mp_rank_*", "*.tmp"))
-    return bool(shards) and not stray and all(zipfile.is_zipfile(f) for f in shards)
+    return bool(shards) and not stray and all(
+        os.path.isfile(f) and zipfile.is_zipfile(f) for f in shards)  # a pipe is never opened
 
 
 def _torch_load(path: str) -> dict:
@@ -223,7 +224,7 @@ def _torch_load(path: str) -> dict:
     Raises:
         UnreadableFileError: missing (naming what its folder holds), damaged or refused.
     """
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):  # one that is no file: load_torch_file names what it is
         folder = os.path.dirname(os.path.dirname(path))
         present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         held = (f"; {folder} holds {present} (a partial checkpoint, or one saved with another "

@@ -115,12 +115,48 @@ class Layout:
 
 
 def is_torch_dist_checkpoint(folder: str) -> bool:
-    """True when ``folder`` (an ``iter_*`` folder) holds a checkpoint of this format."""
+    """True when ``folder`` (an ``iter_*`` folder) holds a checkpoint of this format.
+
+    Raises:
+        CheckpointError: its ``metadata.json`` exists but is no regular file (a named pipe, a
+            folder, a device): never opened, ``open`` of a pipe blocks until a writer comes; or
+            the folder holds files of both formats (:func:`_refuse_mixed_formats`).
+    """
+    _refuse_mixed_formats(folder)
+    path = os.path.join(folder, METADATA_JSON)
+    if not os.path.isfile(path):
+        if os.path.lexists(path):
+            raise CheckpointError(f"{path} is no regular file (a named pipe, a folder, a device or "
+                                  "a broken link); it was not opened: replace it with the "
+                                  "checkpoint's metadata.json")
+        return False
     try:
-        with open(os.path.join(folder, METADATA_JSON), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def _refuse_mixed_formats(folder: str) -> None:
+    """Refuse a checkpoint folder holding legacy shards (``mp_rank_*``) beside this format's
+    files: two saves' files copied into one folder. Loading either part would silently drop
+    the other, and which one the user meant is not ours to guess.
+
+    Raises:
+        CheckpointError: naming the folder, one file of each format and the fix.
+    """
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return  # no folder: the caller names what is missing
+    ours = sorted(n for n in names if n in (METADATA_JSON, COMMON_FILE, dcp.METADATA_FILE)
+                  or n.endswith(".distcp"))
+    legacy_shards = sorted(n for n in names if n.startswith("mp_rank_"))
+    if ours and legacy_shards:
+        raise CheckpointError(
+            f"{folder} holds files of two checkpoint formats: torch_dist ({', '.join(ours[:3])}) "
+            f"and legacy --ckpt-format torch ({', '.join(legacy_shards[:3])}), copied from two "
+            "saves; move the files of the one you do not mean out of the folder")
 
 
 def looks_complete(folder: str) -> bool:
@@ -404,7 +440,7 @@ def read_common(folder: str) -> dict:
 
     _refuse_megatron_lm_s(folder)
     path = os.path.join(folder, COMMON_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):  # one that is no file: load_torch_file names what it is
         raise CheckpointError(f"{path} does not exist: {folder} is not a complete "
                                      "torch_dist checkpoint")
     common = load_torch_file(path, what="torch_dist common state")

@@ -111,8 +111,8 @@ def rope_scaling_from_args(args) -> Optional[dict]:
     A namespace without the flags (made by hand) may carry the dict as ``args.rope_scaling``.
 
     Raises:
-        ValueError: a non-positive factor or ``--rope-scaling-high-freq-factor`` not above the
-            low one (the interpolation would divide by zero).
+        ValueError: a non-positive factor or ``--rope-scaling-high-freq-factor`` below the low
+            one (equal ones, as Llama 4 Scout's, leave no band to interpolate).
     """
     if not getattr(args, "use_rope_scaling", False):
         return getattr(args, "rope_scaling", None)
@@ -126,9 +126,9 @@ def rope_scaling_from_args(args) -> Optional[dict]:
         raise ValueError(f"--use-rope-scaling needs positive --rope-scaling-factor, "
                          f"--rope-scaling-low-freq-factor and "
                          f"--rope-scaling-original-max-position-embeddings (got {scaling})")
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+    if scaling["high_freq_factor"] < scaling["low_freq_factor"]:
         raise ValueError(f"--rope-scaling-high-freq-factor ({scaling['high_freq_factor']}) must be "
-                         f"above --rope-scaling-low-freq-factor ({scaling['low_freq_factor']})")
+                         f"at least --rope-scaling-low-freq-factor ({scaling['low_freq_factor']})")
     return scaling
 
 

@@ -74,6 +74,28 @@ class ModelConfig:
     """``--qk-layernorm``: RMSNorm of each query and key head over its ``kv_channels`` before
     RoPE (Qwen3 / Qwen3-MoE's ``q_norm`` / ``k_norm``; Megatron-Core's ``q_layernorm`` /
     ``k_layernorm``). Default off."""
+    rotary_interleaved: bool = False
+    """``--rotary-interleaved``: RoPE rotates adjacent pairs ``(2i, 2i + 1)`` of each head (the
+    complex-pair convention of Meta's reference code and of Llama 4 in transformers) instead of
+    the halves ``(i, i + d/2)``. Default off."""
+    qk_l2_norm: bool = False
+    """``--qk-l2-norm``: a weightless RMS (L2) norm of each query and key head after RoPE, on the
+    RoPE layers only (Llama 4's ``use_qk_norm``, eps ``--norm-epsilon``). Default off."""
+    no_rope_freq: Optional[tuple] = None
+    """``--no-rope-freq``: one 0/1 per layer, 1 = a NoPE layer (no rotary embedding, full causal
+    attention; Llama 4's ``no_rope_layers`` inverted); validation expands an integer N to every
+    N-th layer (``(i + 1) % N == 0``, Megatron-Core's rule). Default None (RoPE everywhere)."""
+    attention_chunk_size: Optional[int] = None
+    """``--attention-chunk-size``: tokens per chunk of the RoPE layers' chunked local attention
+    (a query sees the causal keys of its own chunk; Llama 4: 8192). Default None (full causal)."""
+    attn_temperature_tuning: bool = False
+    """``--attn-temperature-tuning``: the NoPE layers scale queries at position p by
+    ``1 + attn_temperature_scale * log(1 + floor((p + 1) / attn_temperature_floor_scale))``
+    (Llama 4; Nakanishi 2025, arXiv 2501.19399). Default off."""
+    attn_temperature_floor_scale: float = 8192.0
+    """``--attn-temperature-floor-scale``: Llama 4's ``floor_scale`` (tokens). Default 8192."""
+    attn_temperature_scale: float = 0.1
+    """``--attn-temperature-scale``: Llama 4's ``attn_scale``. Default 0.1."""
     qk_layernorm_full_width: bool = False
     """``--qk-layernorm-full-width`` (with ``--qk-layernorm``): the q and k RMSNorms over the whole
     projection, ``[nh d]`` and ``[ng d]``, not per head (OLMoE's ``q_norm`` / ``k_norm``; no

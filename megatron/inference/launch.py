@@ -20,10 +20,19 @@ def tokenizer_of(args, saved: dict):
     pretrain_llama's checkpoints record it), not from the true vocabulary (``true_vocab_size``),
     which counts the end-of-document id the tokenizer adds: one more. A converted checkpoint
     records the true vocabulary only: ``--vocab-size`` is one less.
+
+    Raises:
+        UsageError: neither the flags nor the checkpoint name a tokenizer (a converted or
+            foreign checkpoint): naming the flags to give.
     """
     from megatron.tokenizer import build_tokenizer
 
     tokenizer_type = getattr(args, "tokenizer_type", None) or saved.get("tokenizer_type")
+    if tokenizer_type is None:
+        from megatron.usage_error import UsageError
+        raise UsageError(f"--load {getattr(args, 'load', None)}: the checkpoint records no "
+                         "tokenizer settings (a converted or foreign checkpoint); give "
+                         "--tokenizer-type with --tokenizer-model or --tokenizer-name-or-path")
     vocab_size = saved.get("vocab_size")
     if vocab_size is None and tokenizer_type == "NullTokenizer" and saved.get("true_vocab_size"):
         vocab_size = saved["true_vocab_size"] - 1

@@ -21,8 +21,12 @@ def checkpoint_args(load_dir: str) -> dict:
     a Megatron-LM checkpoint's translated).
 
     Raises:
-        CheckpointError: no tracker file or no shard.
+        CheckpointError: no tracker file, no shard, a torch_dist checkpoint recording no args.
     """
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir} " + ("is a file" if os.path.lexists(load_dir)
+                              else "does not exist") + ": give the checkpoint folder (the one "
+                              "holding latest_checkpointed_iteration.txt)")
     found = find_checkpoint(load_dir)
     if found is None:
         raise CheckpointError(f"--load {load_dir} has no latest_checkpointed_iteration.txt")
@@ -34,7 +38,10 @@ def checkpoint_args(load_dir: str) -> dict:
         if megatron_lm_dist.is_megatron_lm(folder):
             return dict(megatron_lm_dist.saved_args(folder), ckpt_format="torch_dist")
         common = torch_dist.read_common(folder)
-        return dict(common.get("args") or {}, ckpt_format="torch_dist",
+        if not isinstance(common.get("args"), dict) or not common["args"]:
+            raise CheckpointError(f"{os.path.join(folder, torch_dist.COMMON_FILE)} records no args "
+                                  "(the model's sizes): the model cannot be built from it")
+        return dict(common["args"], ckpt_format="torch_dist",
                     true_vocab_size=common.get("true_vocab_size"))
     shards = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
     if not shards:
@@ -61,7 +68,8 @@ def model_config_from_args(saved: dict) -> ModelConfig:
         untie_embeddings_and_output_weights=saved.get("untie_embeddings_and_output_weights", True),
         qk_layernorm=bool(saved.get("qk_layernorm")), add_qkv_bias=bool(saved.get("add_qkv_bias")),
         qk_layernorm_full_width=bool(saved.get("qk_layernorm_full_width")),
-        params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"])
+        params_dtype=dtype, tensor_model_parallel_size=saved["tensor_model_parallel_size"],
+        **llama4_attention_fields(saved))
 
 
 def moe_config_for_inference(saved: dict):
@@ -85,10 +93,20 @@ def moe_config_for_inference(saved: dict):
     values = {k: v for k, v in saved.items() if k in names and v is not None}
     freq = values.get("moe_layer_freq", 1)
     values["moe_layer_freq"] = tuple(freq) if isinstance(freq, (list, tuple)) else freq
+    values.setdefault("moe_ffn_hidden_size", saved["ffn_hidden_size"])
     values.update(moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
                   moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
                   moe_router_load_balancing_type="none")
     return MoEConfig(**values)
+
+
+def llama4_attention_fields(saved: dict) -> dict:
+    """Llama 4's attention fields recorded in ``saved`` (none for other models)."""
+    from megatron.model.chunked_attention import ATTENTION_FIELDS
+    out = {k: saved[k] for k in ATTENTION_FIELDS if saved.get(k) is not None}
+    if "no_rope_freq" in out:
+        out["no_rope_freq"] = tuple(out["no_rope_freq"])
+    return out
 
 
 def load_model_for_inference(load_dir: str, pg_collection, device=None):

@@ -16,6 +16,8 @@ from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWi
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.attention_mask import AttentionMask, masked_attention
+from megatron.model.chunked_attention import (chunked_attention, chunked_cache_mask, chunked_mask,
+                                              is_nope_layer, l2_norm)
 from megatron.core.transformer.initialization import (fused_init_method, normal_block_init,
                                                       scaled_std)
 from megatron.model.recompute import recompute_active, selective_modules
@@ -124,10 +126,18 @@ class SelfAttention(torch.nn.Module):
                 for p in (self.q_layernorm.weight, self.k_layernorm.weight):  # of the gradient,
                     p.sequence_parallel = True  # summed over the tensor-parallel group
         self.recompute_core_attn = "core_attn" in selective_modules(config)
+        # Llama 4 (megatron.model.chunked_attention): NoPE layers attend to the whole causal
+        # context with temperature-scaled queries; RoPE layers may be chunked and L2-normed.
+        self.use_rope = not is_nope_layer(config, layer_number)
+        self.rotary_interleaved = config.rotary_interleaved
+        self.qk_l2_norm_eps = config.norm_epsilon if config.qk_l2_norm and self.use_rope else None
+        self.chunk_size = config.attention_chunk_size if self.use_rope else None
+        self.scale_queries = config.attn_temperature_tuning and not self.use_rope
         # Context parallelism: this rank holds 2 of the 2 CP chunks of each sequence
         # (megatron.core.context_parallel); attention communicates over the CP group.
         self.cp_group = pg_collection.cp.group if pg_collection.cp.size > 1 else None
         self.cp_comm_type = config.cp_comm_type
+        self.cp_size, self.cp_rank = pg_collection.cp.size, pg_collection.cp.rank
 
     def fused_row_blocks(self):
         """The logical blocks of this rank's fused rows, for checkpoints in global coordinates
@@ -159,20 +169,22 @@ class SelfAttention(torch.nn.Module):
         """
         check_attention_mask(attention_mask)
         qkv, _ = self.query_key_value(hidden)
+        query_scale = rotary[2] if self.scale_queries else None
         if not (self.recompute_core_attn and inference_params is None and recompute_active(self)):
             out, _ = self.dense(self._core_attention(qkv, rotary[0], rotary[1], attention_mask,
-                                                     inference_params))
+                                                     inference_params, query_scale))
             return out
         ckpt = CheckpointWithoutOutput()
         out, _ = self.dense(ckpt.checkpoint(self._core_attention, qkv, rotary[0], rotary[1],
-                                            attention_mask))
+                                            attention_mask, None, query_scale))
         ckpt.discard_output_and_register_recompute(out)
         return out
 
     def _core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         attention_mask: Optional[AttentionMask],
-                        inference_params=None) -> torch.Tensor:
-        """RoPE and SDPA: ``qkv [s, b, (n + 2 g) d] -> [s, b, n d]``."""
+                        inference_params=None, query_scale=None) -> torch.Tensor:
+        """RoPE and SDPA: ``qkv [s, b, (n + 2 g) d] -> [s, b, n d]``; ``query_scale``
+        ``[s, b, 1, 1]``: the NoPE layers' attention temperature, or None."""
         s, b = qkv.shape[:2]
         n, g, d = self.heads_per_partition, self.groups_per_partition, self.kv_channels
         q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
@@ -181,16 +193,27 @@ class SelfAttention(torch.nn.Module):
         q, k = q.reshape(s, b, n, d), k.reshape(s, b, g, d)
         if self.q_layernorm is not None and not self.qk_layernorm_full_width:
             q, k = self.q_layernorm(q), self.k_layernorm(k)  # per head (Qwen3's q_norm / k_norm)
-        q = apply_rotary_pos_emb(q, cos, sin)
-        k = apply_rotary_pos_emb(k, cos, sin)
+        if self.use_rope:
+            q = apply_rotary_pos_emb(q, cos, sin, self.rotary_interleaved)
+            k = apply_rotary_pos_emb(k, cos, sin, self.rotary_interleaved)
+        if self.qk_l2_norm_eps is not None:  # after RoPE, as transformers' Llama 4
+            q, k = l2_norm(q, self.qk_l2_norm_eps), l2_norm(k, self.qk_l2_norm_eps)
+        if query_scale is not None:
+            q = (q * query_scale).to(q.dtype)
         # A copy: kept by SDPA for backward, a view would keep the whole QKV output alive.
         v = v.contiguous().view(s, b, g, d)
         if inference_params is not None and hasattr(inference_params, "attend"):
+            if self.chunk_size is not None:
+                raise ValueError("the paged KV cache does not attend in chunks "
+                                 "(--attention-chunk-size): generate with the contiguous cache")
             # A paged KV cache (megatron.inference.engine) attends per request over its blocks.
             return inference_params.attend(self.layer_number, q, k, v).reshape(s, b, n * d)
         if inference_params is not None:
             k, v = inference_params.append_kv(self.layer_number, k, v)
             cache_mask = inference_params.attention_mask(s, q.device)
+            if self.chunk_size is not None and cache_mask is not None:
+                cache_mask = chunked_cache_mask(inference_params.sequence_len_offset, s,
+                                                self.chunk_size, q.device)
             attention_mask = None if cache_mask is None else AttentionMask.from_dense(cache_mask)
         # SDPA wants [b, heads, s, d]; it shares each key/value head among n/g query heads itself
         # (enable_gqa), so no repeated copies of k and v are made or kept for backward.
@@ -198,14 +221,23 @@ class SelfAttention(torch.nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.cp_group is not None:
             _check_context_parallel_inputs(attention_mask, inference_params, dropout_p)
+            if self.chunk_size is not None:  # chunks are documents of the whole sequence
+                attention_mask = chunked_mask(attention_mask, self.chunk_size, b, s,
+                                              self.cp_size, self.cp_rank, q.device)
             documents = None if attention_mask is None else attention_mask.document_ids
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
                                              document_ids=documents)
             return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        attend = masked_attention
+        # A generation step after the first has its chunked dense mask (above); training and
+        # the prompt attend in chunks (a dense training mask is refused by chunked_mask).
+        if self.chunk_size is not None and (inference_params is None or attention_mask is None):
+            def attend(q, k, v, mask, p=0.0):
+                return chunked_attention(q, k, v, mask, self.chunk_size, p)
         if dropout_p > 0.0:
             # Heads differ per tensor-parallel rank, so their dropout masks must too.
             with get_rng_tracker().fork():
-                out = masked_attention(q, k, v, attention_mask, dropout_p)
+                out = attend(q, k, v, attention_mask, dropout_p)
         else:
-            out = masked_attention(q, k, v, attention_mask)
+            out = attend(q, k, v, attention_mask)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)

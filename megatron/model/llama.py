@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, TensorPa
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.model.attention import check_attention_config, check_attention_mask
 from megatron.model.attention_mask import AttentionMask
+from megatron.model.chunked_attention import attention_temperature
 from megatron.core.transformer.initialization import init_vocab_rows, normal_block_init
 from megatron.model.recompute import forward_layers
 from megatron.model.rms_norm import RMSNorm
@@ -243,6 +244,10 @@ class LlamaModel(TensorParallelGroupMixin, torch.nn.Module):
             position_ids = context_parallel_positions(s * self.cp_size, b, self.cp_size,
                                                       self.cp_rank, hidden.device)
         rotary = self.rotary(position_ids)
+        if self.config.attn_temperature_tuning:  # the NoPE layers' query scale (Llama 4)
+            c = self.config
+            rotary = rotary + (attention_temperature(position_ids, c.attn_temperature_floor_scale,
+                                                     c.attn_temperature_scale),)
         hidden = forward_layers(self.layers, hidden, rotary, attention_mask, inference_params,
                                 self.config, tp_group=self.tp_group)
         if not self.post_process:

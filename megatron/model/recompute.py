@@ -89,9 +89,9 @@ def recompute_active(module: torch.nn.Module) -> bool:
 
 
 def _layers_function(layers, attention_mask):
-    def run(hidden, cos, sin):
+    def run(hidden, *tables):  # (cos, sin) or (cos, sin, query_scale): the model's rotary
         for layer in layers:
-            hidden = layer(hidden, (cos, sin), attention_mask)
+            hidden = layer(hidden, tables, attention_mask)
         return hidden
     return run
 
@@ -104,7 +104,8 @@ def forward_layers(layers: Sequence[torch.nn.Module], hidden: torch.Tensor, rota
     Args:
         layers: the stage's (model chunk's) layers, in order.
         hidden: ``[s, b, h]`` (``[s/T, b, h]`` with sequence parallelism).
-        rotary: ``(cos, sin)`` of :class:`megatron.model.rotary.RotaryEmbedding`.
+        rotary: ``(cos, sin)`` of :class:`megatron.model.rotary.RotaryEmbedding`, with the
+            NoPE layers' query scale ``[s, b, 1, 1]`` third under ``--attn-temperature-tuning``.
         attention_mask: None (causal) or an
             :class:`~megatron.model.attention_mask.AttentionMask`.
         inference_params: KV cache of generation (no recompute then), or None.
@@ -121,16 +122,16 @@ def forward_layers(layers: Sequence[torch.nn.Module], hidden: torch.Tensor, rota
         for layer in layers:
             hidden = layer(hidden, rotary, attention_mask, inference_params)
         return hidden
-    n, cos, sin = config.recompute_num_layers, rotary[0], rotary[1]
+    n = config.recompute_num_layers
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
             run = _layers_function(layers[start:start + n], attention_mask)
-            hidden = checkpoint(run, False, hidden, cos, sin, tp_group=tp_group)
+            hidden = checkpoint(run, False, hidden, *rotary, tp_group=tp_group)
         return hidden
     for i, layer in enumerate(layers):  # block
         if i < n:
-            hidden = checkpoint(_layers_function([layer], attention_mask), False, hidden, cos, sin,
-                                tp_group=tp_group)
+            hidden = checkpoint(_layers_function([layer], attention_mask), False, hidden,
+                                *rotary, tp_group=tp_group)
         else:
             hidden = layer(hidden, rotary, attention_mask)
     return hidden

@@ -124,14 +124,29 @@ class _RotaryFunction(torch.autograd.Function):
         return _rotate(grad_output, cos.to(dtype), sin.to(dtype), -1.0), None, None
 
 
-def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Adjacent pairs ``(x[2i], x[2i+1])`` as the complex number ``x[2i] + i x[2i+1]`` times
+    ``exp(i theta_i)`` (Meta's reference ``apply_rotary_emb``; transformers' Llama 4), computed
+    in fp32 and cast back to ``x``'s dtype as both do."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    pairs = x.float().unflatten(-1, (half, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         interleaved: bool = False) -> torch.Tensor:
     """Rotate ``x [s, b, n, d]`` by the angles of ``cos``/``sin [s, b, 1, d]`` (fp32, as
     :class:`RotaryEmbedding` returns them: both halves of the last dim equal).
 
     Returns a new contiguous ``[s, b, n, d]`` in ``x``'s dtype; the tables are cast to that dtype
     first, as HuggingFace's ``apply_rotary_pos_emb`` does. Under ``torch.compile`` the plain
-    expression is traced instead (the compiler fuses it by itself).
+    expression is traced instead (the compiler fuses it by itself). ``interleaved``
+    (``--rotary-interleaved``): pairs ``(2i, 2i + 1)`` instead of ``(i, i + d/2)``, in fp32.
     """
+    if interleaved:
+        return _apply_interleaved(x, cos, sin)
     if torch.compiler.is_compiling():
         half = x.shape[-1] // 2
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

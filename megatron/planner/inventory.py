@@ -85,11 +85,42 @@ def build_meta_stage(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0
                       device=torch.device("meta"), moe_config=moe)
 
 
-@lru_cache(maxsize=256)
+def _hashable(value):
+    """``value`` with its dicts and lists made tuples (a config's ``rope_scaling`` is a dict)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__,
+                tuple((f.name, _hashable(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _hashable(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+class _Key:
+    """A cache key for a config: equal and hashed by :func:`_hashable`, holding the config."""
+
+    def __init__(self, config):
+        self.config, self._key = config, _hashable(config)
+
+    def __eq__(self, other):
+        return isinstance(other, _Key) and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+
 def stage_inventory(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
                     moe: Optional[MoEConfig] = None, ep: int = 1) -> StageInventory:
     """The :class:`StageInventory` of :func:`build_meta_stage`'s model (same arguments and
-    errors)."""
+    errors); cached, also for configs holding a dict (``rope_scaling``)."""
+    return _stage_inventory(_Key(config), tp, pp, pp_rank, _Key(moe), ep)
+
+
+@lru_cache(maxsize=256)
+def _stage_inventory(config: _Key, tp: int, pp: int, pp_rank: int, moe: _Key,
+                     ep: int) -> StageInventory:
+    config, moe = config.config, moe.config
     from megatron.core.distributed.expert_params import is_expert_param
     from megatron.core.distributed.param_units import unit_assignment
 

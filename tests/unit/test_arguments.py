@@ -155,10 +155,11 @@ ERRORS = [
                                    r"not supported; use p2p or all_gather"),
     (["--cp-comm-type", "ring"], 1, r"--cp-comm-type ring is not one of p2p, all_gather"),
     (["--cp-comm-type", "p2p", "allgather"], 1, r"one communication type for every layer"),
-    (TWO + ["--expert-model-parallel-size", "3"], 4,
+    (TWO + ["--num-experts", "12", "--sequence-parallel", "--expert-model-parallel-size", "3"], 4,
      r"^--expert-model-parallel-size \(3\) x --expert-tensor-parallel-size \(2\) = 6 must "
      r"divide the ranks of one pipeline stage, TP x CP x DP = 4 .*divides 4$"),
-    (["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], 2,
+    (["--num-experts", "12", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+      "2"], 2,
      r"^--expert-model-parallel-size \(2\) x --expert-tensor-parallel-size \(2\) = 4 must "
      r"divide .* = 2"),
     (["--expert-model-parallel-size", "0"], 1,
@@ -192,7 +193,8 @@ def test_expert_layout_defaults_and_config(files):
     args = check(base_argv(files) + TWO, world_size=8)
     # Megatron-Core's defaults: EP 1, expert-TP = TP.
     assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (1, 2)
-    args = check(base_argv(files) + TWO + ["--expert-model-parallel-size", "4",
+    args = check(base_argv(files) + TWO + ["--num-experts", "4", "--sequence-parallel",
+                                           "--expert-model-parallel-size", "4",
                                            "--expert-tensor-parallel-size", "1"], world_size=8)
     c = cfg.build_config(args, vocab_size=32001)
     assert (c.parallel.expert_model_parallel_size, c.parallel.expert_tensor_parallel_size) == (4, 1)

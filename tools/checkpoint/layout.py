@@ -125,7 +125,7 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
     if meta.get("qk_layernorm"):
         layer.update(q_norm=parts[0]["self_attention.q_layernorm.weight"],
                      k_norm=parts[0]["self_attention.k_layernorm.weight"])
-    if meta.get("num_experts"):
+    if meta.get("num_experts") and "mlp.router.weight" in parts[0]:  # dense layers may interleave
         from tools.checkpoint.moe_layout import from_ours
         layer.update(from_ours(parts, meta))
         return layer

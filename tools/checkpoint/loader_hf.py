@@ -17,7 +17,7 @@ import torch
 
 from megatron.hf_folder import open_safetensors, refuse_custom_code, weight_map
 from megatron.model.rotary import check_rope_scaling
-from tools.checkpoint import moe_layout
+from tools.checkpoint import llama4_layout, moe_layout
 from tools.checkpoint.layout import DTYPES, find_file, load_torch_file
 
 # config.json fields that do not change the math (bookkeeping, generation defaults, dtypes).
@@ -58,15 +58,13 @@ _QWEN3_REQUIRED = {"use_sliding_window": (False, None)}
 _OLMOE = {"num_experts", "num_experts_per_tok", "norm_topk_prob", "output_router_logits",
           "router_aux_loss_coef", "clip_qkv"}
 _OLMOE_REQUIRED = {"clip_qkv": (None,)}
-FAMILIES = ("llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4_text")
 # model types named and refused, with what is missing (one line each)
 REFUSED_MODEL_TYPES = {
     "deepseek_v3": "DeepSeek-V3's multi-latent attention (MLA) is not supported",
     "gpt_oss": "GPT-OSS's MXFP4 expert weights (and its attention sinks) are not supported",
-    "llama4": "Llama 4 is not supported until its own issue lands (interleaved chunked "
-              "attention, MoE on every other layer)",
-    "llama4_text": "Llama 4 is not supported until its own issue lands (interleaved chunked "
-                   "attention, MoE on every other layer)",
+    "llama4": "the multimodal Llama 4 (vision encoder) is not supported; convert its text "
+              "model (Llama4ForCausalLM, model_type llama4_text)",
 }
 # transformers 5 writes the chat template to chat_template.jinja (older ones: .json or inside
 # tokenizer_config.json); without it an exported chat model cannot render its prompts.
@@ -119,7 +117,8 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
                                          _QWEN3_MOE_REQUIRED, "qwen2_moe": {
                                              k: v for k, v in _QWEN2_MOE_REQUIRED.items()
                                              if k != "layer_types"}, "qwen3": _QWEN3_REQUIRED,
-                                         "olmoe": _OLMOE_REQUIRED}.get(model_type, {}))
+                                         "olmoe": _OLMOE_REQUIRED,
+                                         llama4_layout.MODEL_TYPE: llama4_layout.REQUIRED}.get(model_type, {}))
     for key, allowed in required.items():
         if cfg.get(key, allowed[0]) not in allowed:
             raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (only {allowed[0]!r}); "
@@ -129,7 +128,8 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
                          "set it to 0 and pass --attention-dropout when training")
     known = _HARMLESS | _IMPLEMENTED | {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE,
                                         "qwen2_moe": _QWEN2_MOE, "qwen3": _QWEN3,
-                                        "olmoe": _OLMOE}.get(model_type, set())
+                                        "olmoe": _OLMOE,
+                                        llama4_layout.MODEL_TYPE: llama4_layout.FIELDS}.get(model_type, set())
     unknown = sorted(k for k in cfg if k not in known)
     if unknown and not allow_unknown:
         raise ValueError(f"{path}: fields {unknown} are not implemented by this converter; "
@@ -157,6 +157,8 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     if model_type == "qwen2_moe":  # q/k/v biases; a shared expert with a sigmoid gate
         meta.update(add_qkv_bias=bool(cfg.get("qkv_bias", True)), moe_shared_expert_gate=True,
                     moe_shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"])
+    if model_type == llama4_layout.MODEL_TYPE:  # docs/llama4.md
+        meta.update(llama4_layout.meta_from_config(cfg, path))
     if model_type == "qwen3":  # LLaMA with per-head q/k RMSNorm
         meta.update(qk_layernorm=True, hf_architecture="qwen3")
     if model_type == "olmoe":  # q/k RMSNorm over the whole projection; softmax over all E
@@ -249,16 +251,49 @@ def _router_name(keys, i: int) -> str:
     return found[0]
 
 
-def _stream(weights: HFWeights, meta: dict):
-    yield "embeddings", {"word_embeddings": weights.get("model.embed_tokens.weight")}
-    names = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
-             "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-             "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight"}
-    if meta.get("qk_layernorm"):
-        names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
-    if meta.get("add_qkv_bias"):
-        names.update(q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
-                     v_bias="self_attn.v_proj.bias")
+def _expected_shapes(meta: dict) -> dict:
+    """``{key: shape}`` of the dense tensors of a layer as config.json describes them
+    (transformers' ``LlamaAttention`` / ``LlamaMLP``). QK norms are left out: per head (Qwen3)
+    or over the whole projection (OLMoE)."""
+    h, kv = meta["hidden_size"], meta["kv_channels"]
+    q, g, f = meta["num_attention_heads"] * kv, meta["num_query_groups"] * kv, meta["ffn_hidden_size"]
+    return {"input_norm": (h,), "post_norm": (h,), "q": (q, h), "k": (g, h), "v": (g, h),
+            "o": (h, q), "q_bias": (q,), "k_bias": (g,),
+            "v_bias": (g,), "gate": (f, h), "up": (f, h), "down": (h, f)}
+
+
+def _check_shape(folder: str, name: str, tensor, shape: tuple) -> None:
+    """Raise ValueError naming the tensor when its shape contradicts config.json (a weight file
+    of another model, or an edited config): before, the converter wrote a checkpoint whose
+    recorded sizes its tensors did not have."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{folder}: tensor {name} has shape {tuple(tensor.shape)} but config.json "
+                         f"implies {tuple(shape)}; the weights and config.json are of different "
+                         "models")
+
+
+def _check_layer(weights: HFWeights, meta: dict, names: dict, i: int, layer: dict) -> None:
+    """:func:`_check_shape` on layer ``i``'s dense tensors read by ``names``."""
+    for key, shape in _expected_shapes(meta).items():
+        if key in layer and key in names:
+            _check_shape(weights.folder, f"model.layers.{i}.{names[key]}", layer[key], shape)
+
+
+def _stream_llama4(weights: HFWeights, meta: dict, names: dict):
+    """Llama 4's layers: MoE and dense ones by ``moe_layer_freq`` (the experts gated)."""
+    gate = moe_layout.ExpertGate(meta, "hf loader")
+    for i in range(meta["num_layers"]):
+        layer = {k: weights.get(f"model.layers.{i}.{v}") for k, v in names.items()}
+        _check_layer(weights, meta, names, i, layer)
+        layer.update(llama4_layout.read_mlp(i, meta, weights.get))
+        if "router" in layer:
+            layer["expert_checksums"] = gate.layer(i, layer)
+        yield "layer", layer
+    gate.finish()
+
+
+def _stream_layers(weights: HFWeights, meta: dict, names: dict):
+    """The layers of a LLaMA, Mixtral or Qwen-MoE folder."""
     if meta.get("moe_shared_expert_intermediate_size"):
         names.update(moe_layout.HF_SHARED)
     if moe_layout.is_moe(meta):
@@ -274,6 +309,7 @@ def _stream(weights: HFWeights, meta: dict):
                      down="mlp.down_proj.weight")
     for i in range(meta["num_layers"]):
         layer = {k: weights.get(f"model.layers.{i}.{v}") for k, v in names.items()}
+        _check_layer(weights, meta, names, i, layer)
         if moe_layout.is_moe(meta):
             layer.update(moe_layout.read_hf_experts(index, i, meta, weights.get),
                          router=weights.get(_router_name(keys, i)))
@@ -281,7 +317,28 @@ def _stream(weights: HFWeights, meta: dict):
         yield "layer", layer
     if moe_layout.is_moe(meta):
         gate.finish()
+
+
+def _stream(weights: HFWeights, meta: dict):
+    embedding = weights.get("model.embed_tokens.weight")
+    _check_shape(weights.folder, "model.embed_tokens.weight", embedding,
+                 (meta["true_vocab_size"], meta["hidden_size"]))
+    yield "embeddings", {"word_embeddings": embedding}
+    names = {"input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
+             "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+             "o": "self_attn.o_proj.weight", "post_norm": "post_attention_layernorm.weight"}
+    if meta.get("qk_layernorm"):
+        names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
+    if meta.get("add_qkv_bias"):
+        names.update(q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
+                     v_bias="self_attn.v_proj.bias")
+    if meta.get("hf_architecture") == llama4_layout.MODEL_TYPE:
+        yield from _stream_llama4(weights, meta, names)
+    else:
+        yield from _stream_layers(weights, meta, names)
     output = None
     if meta["untie_embeddings_and_output_weights"]:
         output = weights.get("lm_head.weight")
+        _check_shape(weights.folder, "lm_head.weight", output,
+                     (meta["true_vocab_size"], meta["hidden_size"]))
     yield "final", {"final_norm": weights.get("model.norm.weight"), "output_layer": output}

@@ -21,11 +21,12 @@ import re
 import torch
 
 from megatron.config import rope_scaling_from_args
-from megatron.checkpointing import CheckpointError, get_checkpoint_dir, read_metadata
+from megatron.checkpointing import CheckpointError, find_checkpoint, get_checkpoint_dir
 from megatron.checkpointing.foreign import (MEGATRON_LM, describe, identify, megatron_lm,
                                           megatron_lm_args)
 from megatron.core.dist_checkpointing.safe_pickle import load_raw
-from tools.checkpoint import expert_shards, moe_layout, optimizer_state
+from megatron.model.chunked_attention import ATTENTION_FIELDS
+from tools.checkpoint import expert_shards, llama4_layout, moe_layout, optimizer_state
 from tools.checkpoint.saver_megatron import MOE_ARGS
 from tools.checkpoint.layout import DTYPES, load_torch_file, partitions_to_layer, unpad_vocab
 
@@ -66,10 +67,10 @@ def find_shards(load_dir: str):
     Raises:
         CheckpointError: no tracker, no shards, or an incomplete TP x PP grid.
     """
-    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
+    found = find_checkpoint(load_dir)  # a tracker that is a pipe or a folder: named, not opened
+    if found is None:
         raise CheckpointError(f"--load-dir {load_dir} has no latest_checkpointed_iteration.txt")
-    folder = get_checkpoint_dir(load_dir, *read_metadata(tracker))
+    folder = get_checkpoint_dir(load_dir, *found)
     shards = {}
     for path in sorted(glob.glob(os.path.join(folder, "mp_rank_*"))):
         m = _SHARD.match(os.path.basename(path))
@@ -95,8 +96,10 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parall
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
         "rope_scaling", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
         "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "qk_layernorm_full_width",
-        "add_qkv_bias", *MOE_ARGS)}
-    if meta["num_experts"]:
+        "add_qkv_bias", *MOE_ARGS, *ATTENTION_FIELDS)}
+    if llama4_layout.is_llama4(saved):
+        meta.update(llama4_layout.meta_from_args(saved), hf_architecture=llama4_layout.MODEL_TYPE)
+    elif meta["num_experts"]:
         _check_moe_args(saved, expert_parallel)
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]
     meta["num_query_groups"] = meta["num_query_groups"] or meta["num_attention_heads"]
@@ -140,9 +143,9 @@ def load_checkpoint(args):
     """``(meta, stream)`` of the checkpoint under ``args.load_dir`` (see ``convert.py``)."""
     from megatron.checkpointing import torch_dist
 
-    tracker = os.path.join(args.load_dir, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(tracker):
-        folder = get_checkpoint_dir(args.load_dir, *read_metadata(tracker))
+    found = find_checkpoint(args.load_dir)
+    if found is not None:
+        folder = get_checkpoint_dir(args.load_dir, *found)
         if torch_dist.is_torch_dist_checkpoint(folder):
             return load_torch_dist(folder, args)
     ep, ep_args = expert_shards.saved_expert_parallel_size(args.load_dir)
@@ -328,7 +331,7 @@ def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int |
         if not parts[0]:
             raise CheckpointError(f"pipeline stage {p} lacks layer {i} ({prefix}*)")
         layer = partitions_to_layer(parts, meta)
-        if meta.get("num_experts"):
+        if "router" in layer:
             layer["expert_checksums"] = moe_layout.expert_checksums(layer)
         yield "layer", layer
     if p == pp - 1:

@@ -66,7 +66,7 @@ def pretrain_flags(saved: dict) -> list[str]:
         flags.append("--qk-layernorm-full-width")
     if saved.get("add_qkv_bias"):
         flags.append("--add-qkv-bias")
-    flags += moe_flags(saved)
+    flags += moe_flags(saved) + llama4_flags(saved)
     flags += ["--hidden-dropout", "0", "--attention-dropout", "0",
               "--make-vocab-size-divisible-by", saved["make_vocab_size_divisible_by"],
               "--tensor-model-parallel-size", saved.get("tensor_model_parallel_size", 1),
@@ -98,6 +98,36 @@ def moe_flags(saved: dict) -> list:
             flags.append("--moe-shared-expert-gate")
     if saved.get("moe_aux_loss_coeff"):
         flags += ["--moe-aux-loss-coeff", _number(saved["moe_aux_loss_coeff"])]
+    if saved.get("moe_router_score_function", "softmax") != "softmax":
+        flags += ["--moe-router-score-function", saved["moe_router_score_function"]]
+    if saved.get("moe_apply_probs_on_input"):
+        flags.append("--moe-apply-probs-on-input")
+    freq = saved.get("moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)) and not all(freq):
+        flags += ["--moe-layer-freq", _pattern(freq)]
+    return flags
+
+
+def _pattern(values) -> str:
+    """A per-layer 0/1 pattern as ``--moe-layer-freq`` / ``--no-rope-freq`` read it."""
+    return "[" + ",".join(str(int(v)) for v in values) + "]"
+
+
+def llama4_flags(saved: dict) -> list:
+    """Llama 4's attention flags (docs/llama4.md; [] for other models)."""
+    flags = []
+    if saved.get("rotary_interleaved"):
+        flags.append("--rotary-interleaved")
+    if saved.get("qk_l2_norm"):
+        flags.append("--qk-l2-norm")
+    if saved.get("no_rope_freq") is not None and any(saved["no_rope_freq"]):
+        flags += ["--no-rope-freq", _pattern(saved["no_rope_freq"])]
+    if saved.get("attention_chunk_size"):
+        flags += ["--attention-chunk-size", saved["attention_chunk_size"]]
+    if saved.get("attn_temperature_tuning"):
+        flags += ["--attn-temperature-tuning", "--attn-temperature-floor-scale",
+                  _number(saved["attn_temperature_floor_scale"]), "--attn-temperature-scale",
+                  _number(saved["attn_temperature_scale"])]
     return flags
 
 

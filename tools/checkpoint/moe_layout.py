@@ -65,6 +65,15 @@ def is_moe(meta: dict) -> bool:
     return bool(meta.get("num_experts"))
 
 
+def moe_layer_indices(meta: dict) -> List[int]:
+    """0-based indices of the MoE layers: ``meta["moe_layer_freq"]``'s 1s (Llama 4 interleaves
+    dense layers), or every layer."""
+    freq = meta.get("moe_layer_freq")
+    if isinstance(freq, (list, tuple)):
+        return [i for i, v in enumerate(freq) if v]
+    return list(range(meta["num_layers"]))
+
+
 def hf_expert_index(names) -> Dict[int, dict]:
     """``{layer: {"per_expert": {e: {part: [names]}}, "fused": {kind: [names]}}}`` of the expert
     tensors among ``names`` (both of the Hub's layouts)."""
@@ -172,8 +181,9 @@ class ExpertGate:
 
     def finish(self) -> int:
         """The number of expert parameters handled; raises when a layer's experts are missing."""
-        n = self.meta["num_layers"]
-        missing = [i for i in range(n) if i not in self.seen]
+        layers = moe_layer_indices(self.meta)
+        n = len(layers)
+        missing = [i for i in layers if i not in self.seen]
         if missing:
             raise ExpertError(f"{self.side}: the experts of layer {missing[0]} were never handled "
                               f"({len(missing)} of {n} layers missing)")
@@ -192,8 +202,9 @@ def to_ours(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     if "shared_gate" in layer:  # the shared expert: linear_fc1 = [gate; up], the gate [1, h]
         out.update({"mlp.shared_experts.linear_fc1": torch.cat([layer["shared_gate"],
                                                                  layer["shared_up"]], 0),
-                    "mlp.shared_experts.linear_fc2": layer["shared_down"],
-                    "mlp.shared_experts.gate_weight": layer["shared_expert_gate"]})
+                    "mlp.shared_experts.linear_fc2": layer["shared_down"]})
+        if "shared_expert_gate" in layer:  # Qwen2-MoE's; Llama 4's shared expert has none
+            out["mlp.shared_experts.gate_weight"] = layer["shared_expert_gate"]
     return out
 
 
@@ -253,9 +264,11 @@ def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "")
     """
     names = ("mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2")
     shared = meta.get("moe_shared_expert_intermediate_size")
+    gated = shared and meta.get("moe_shared_expert_gate")
     if shared:
-        names += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2",
-                  "mlp.shared_experts.gate_weight")
+        names += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+    if gated:
+        names += ("mlp.shared_experts.gate_weight",)
     for r, p in enumerate(parts):
         for name in names:
             if name not in p:
@@ -270,6 +283,7 @@ def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "")
     if shared:
         fc1 = parts[0]["mlp.shared_experts.linear_fc1"]
         out.update(shared_gate=fc1[:shared], shared_up=fc1[shared:],
-                   shared_down=parts[0]["mlp.shared_experts.linear_fc2"],
-                   shared_expert_gate=parts[0]["mlp.shared_experts.gate_weight"])
+                   shared_down=parts[0]["mlp.shared_experts.linear_fc2"])
+    if gated:
+        out["shared_expert_gate"] = parts[0]["mlp.shared_experts.gate_weight"]
     return out

@@ -18,7 +18,7 @@ import torch
 
 from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 from megatron.hf_folder import refuse_custom_code
-from tools.checkpoint import moe_layout
+from tools.checkpoint import llama4_layout, moe_layout
 from tools.checkpoint.layout import DTYPES
 from tools.checkpoint.loader_hf import TOKENIZER_FILES
 from tools.checkpoint.tokenizer_files import tokenizer_info
@@ -75,7 +75,9 @@ def hf_config(meta: dict, dtype: torch.dtype, tokenizer_dir: str | None = None) 
         "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
         "pad_token_id": ids.get("pad_token_id"),
     }
-    if moe_layout.is_moe(meta):
+    if meta.get("hf_architecture") == llama4_layout.MODEL_TYPE:
+        config.update(llama4_layout.hf_config(meta))
+    elif moe_layout.is_moe(meta):
         config.update(mixtral_config(meta))
     else:
         config.update(dense_config(meta))
@@ -263,8 +265,10 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     os.makedirs(folder, exist_ok=True)
     dtype = DTYPES[args.target_params_dtype or meta.get("params_dtype") or "fp32"]
     writer = _ShardWriter(folder, args.max_shard_size)
+    llama4 = meta.get("hf_architecture") == llama4_layout.MODEL_TYPE
     if moe_layout.is_moe(meta):
-        mixtral_config(meta)  # refused before anything is written
+        if not llama4:
+            mixtral_config(meta)  # refused before anything is written
         experts = moe_layout.ExpertGate(meta, "hf saver")
     layer, reward = 0, False
     for kind, payload in stream:
@@ -272,7 +276,13 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             writer.add("model.embed_tokens.weight", payload["word_embeddings"].to(dtype))
         elif kind == "layer":
             dense = _HF_LAYER
-            if moe_layout.is_moe(meta):
+            if llama4:  # MoE and dense layers interleaved, the experts gated
+                dense = {k: v for k, v in _HF_LAYER.items() if k not in ("gate", "up", "down")}
+                if "router" in payload:
+                    experts.layer(layer, payload, payload.get("expert_checksums"))
+                for name, tensor in llama4_layout.write_mlp(layer, payload).items():
+                    writer.add(name, tensor.to(dtype))
+            elif moe_layout.is_moe(meta):
                 dense = {k: v for k, v in _HF_LAYER.items() if k not in ("gate", "up", "down")}
                 experts.layer(layer, payload, payload.get("expert_checksums"))
                 for name, tensor in moe_tensors(layer, payload,
@@ -281,7 +291,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             if meta.get("add_qkv_bias"):
                 dense = dict(dense, q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
                              v_bias="self_attn.v_proj.bias")
-            if meta.get("moe_shared_expert_intermediate_size"):
+            if meta.get("moe_shared_expert_intermediate_size") and not llama4:
                 dense = dict(dense, **moe_layout.HF_SHARED)
             if meta.get("qk_layernorm"):
                 dense = dict(dense, q_norm="self_attn.q_norm.weight",

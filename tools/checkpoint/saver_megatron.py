@@ -31,6 +31,7 @@ from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
 from megatron.checkpointing import (CHECKPOINT_VERSION, get_checkpoint_name,
                                     get_checkpoint_tracker_filename)
 from megatron.tokenizer import vocab_size_with_padding
+from megatron.model.chunked_attention import ATTENTION_FIELDS
 from tools.checkpoint import model_flags, moe_layout, optimizer_state
 from tools.checkpoint.layout import DTYPES, check_layout, layer_to_partitions, pad_vocab, split
 
@@ -92,12 +93,14 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "qk_layernorm": bool(meta.get("qk_layernorm")),
         "qk_layernorm_full_width": bool(meta.get("qk_layernorm_full_width")),
         "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta, ep),
+        **{k: (list(meta[k]) if isinstance(meta[k], tuple) else meta[k])
+           for k in ATTENTION_FIELDS if meta.get(k) is not None},
     }
 
 
 MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
             "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-            "hf_architecture")
+            "hf_architecture", "moe_router_score_function", "moe_apply_probs_on_input")
 
 
 def moe_args(meta: dict, ep: int = 1) -> dict:
@@ -107,7 +110,10 @@ def moe_args(meta: dict, ep: int = 1) -> dict:
     if not meta.get("num_experts"):
         return {}
     out = {k: meta.get(k) for k in MOE_ARGS}
-    out.update(moe_layer_freq=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    out.update(moe_layer_freq=list(meta["moe_layer_freq"]) if meta.get("moe_layer_freq") else 1,
+               expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    out["moe_router_score_function"] = out["moe_router_score_function"] or "softmax"
+    out["moe_apply_probs_on_input"] = bool(out["moe_apply_probs_on_input"])
     return out
 
 
@@ -253,7 +259,7 @@ def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
         if kind not in ("embeddings", "layer", "final"):
             raise ValueError(f"unknown message {kind!r} from the loader")
         if kind == "layer":
-            if experts is not None:  # before the cast: the checksums are of the source's bytes
+            if experts is not None and "router" in payload:  # before the cast: the checksums are of the source's bytes
                 experts.layer(layers, payload, payload.get("expert_checksums"))
             layers += 1
         if kind == "embeddings" and not meta["untie_embeddings_and_output_weights"] and pp > 1:

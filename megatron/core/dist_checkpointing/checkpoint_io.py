@@ -278,7 +278,9 @@ def load_torch_file(path: str, *, what: str = "file", mmap: bool = False, extra_
             file was run).
     """
     if not os.path.isfile(path):
-        raise UnreadableFileError(f"cannot read {what} {path}: it does not exist")
+        raise UnreadableFileError(f"cannot read {what} {path}: " + (
+            "it is no regular file (a named pipe, a folder, a device or a broken link; it was "
+            "not opened)" if os.path.lexists(path) else "it does not exist"))
     is_zip = zipfile.is_zipfile(path)
     if verify and is_zip:
         verify_checksums(path, what)

@@ -83,10 +83,12 @@ def test_bad_rope_scaling_flags_are_refused():
     from megatron.config import rope_scaling_from_args
 
     args = argparse.Namespace(use_rope_scaling=True, rope_scaling_factor=8.0,
-                              rope_scaling_low_freq_factor=4.0, rope_scaling_high_freq_factor=4.0,
+                              rope_scaling_low_freq_factor=4.0, rope_scaling_high_freq_factor=2.0,
                               rope_scaling_original_max_position_embeddings=8192)
     with pytest.raises(ValueError, match="--rope-scaling-high-freq-factor"):
         rope_scaling_from_args(args)
+    args.rope_scaling_high_freq_factor = 4.0  # equal factors: Llama 4 Scout's 1 and 1
+    assert rope_scaling_from_args(args)["high_freq_factor"] == 4.0
     args.rope_scaling_factor = 0.0
     with pytest.raises(ValueError, match="--rope-scaling-factor"):
         rope_scaling_from_args(args)

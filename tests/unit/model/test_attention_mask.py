@@ -190,16 +190,18 @@ def test_context_parallel_documents_equal_one_process(comm_type):
         _assert_same(got, (split_for_context_parallel(loss, 2, rank), grads), f"CP=2 rank {rank}")
 
 
-def test_packed_documents_equal_each_document_alone():
-    """Per-token losses and the gradients of their weighted sum: one packed row of four
-    documents against four runs of one document each (positions from 0, no mask)."""
-    config = small_config()
+def packed_and_alone(config, spy_length=None):
+    """``(packed, alone)``: the per-token losses and weighted-sum gradients of one packed row of
+    four documents, and of four runs of one document each (positions from 0, no mask); with
+    ``spy_length`` the packed run is also checked to form no ``[s, s]`` tensor."""
     model = LlamaModel(config, pg_collection=current_groups())
     tokens, labels, positions, mask = _packed(config)
     tokens, labels, positions = tokens[:1], labels[:1], positions[:1]
     mask = AttentionMask.from_document_ids(mask.document_ids[:1])
     weights = _weights(tokens.shape)
-    packed = _loss_and_grads(model, tokens, positions, mask, labels, weights)
+    with _NoSquareTensors(spy_length or 0) as spy:
+        packed = _loss_and_grads(model, tokens, positions, mask, labels, weights)
+    assert spy.found == []
     losses, grads = [], {}
     for a, e in mask.documents(0):
         loss, g = _loss_and_grads(model, tokens[:, a:e], None, None, labels[:, a:e],
@@ -207,7 +209,13 @@ def test_packed_documents_equal_each_document_alone():
         losses.append(loss)
         grads = {n: grads.get(n, 0) + g[n] for n in g}
     assert len(losses) == 4
-    _assert_same(packed, (torch.cat(losses, dim=1), grads), "packed vs alone")
+    return packed, (torch.cat(losses, dim=1), grads)
+
+
+def test_packed_documents_equal_each_document_alone():
+    """One packed row of four documents against four runs of one document each."""
+    packed, alone = packed_and_alone(small_config())
+    _assert_same(packed, alone, "packed vs alone")
 
 
 def test_a_dense_tensor_is_refused_with_the_fix():

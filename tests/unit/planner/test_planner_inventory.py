@@ -85,3 +85,13 @@ def test_expert_marks_come_from_the_model():
     experts = [p.numel() // 2 for p in model.parameters() if is_expert_param(p)]
     assert list(inv.expert) == experts
     assert list(inv.dense) == [p.numel() for p in model.parameters() if not is_expert_param(p)]
+
+
+def test_a_config_with_rope_scaling_is_inventoried():
+    """A Llama-3.1 config carries ``rope_scaling`` as a dict: the cached inventory takes it (a
+    run with --rope-scaling crashed in the save folder's byte estimate before)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = ModelConfig(**TINY, rope_scaling=scaling)
+    assert param_numels(config, 1) == [p.numel() for p in _built(config).parameters()]
+    assert stage_inventory(config, 1) is stage_inventory(ModelConfig(**TINY, rope_scaling=dict(scaling)), 1)

@@ -158,6 +158,7 @@ def test_generate_rebuilds_the_run_tokenizer_and_never_samples_padding(workflow)
     """tools/generate.py on the TP=2 training checkpoint: the NullTokenizer of the run (its
     --vocab-size, EOD 250) and greedy samples over the 251 real ids only (the 5 padding rows hold
     zeros, logit 0: unmasked, they would win wherever every real logit is negative)."""
+    from megatron.inference.launch import tokenizer_of
     from megatron.inference.model_loader import checkpoint_args
     from tools import generate
 
@@ -165,12 +166,11 @@ def test_generate_rebuilds_the_run_tokenizer_and_never_samples_padding(workflow)
     load = str(root / "trained")
     saved = checkpoint_args(load)
     assert saved["true_vocab_size"] == VOCAB and saved["padded_vocab_size"] == 256
-    tokenizer = generate.tokenizer_of(generate.parse_args(["--load", load, "--prompt", "1"]), saved)
+    tokenizer = tokenizer_of(generate.parse_args(["--load", load, "--prompt", "1"]), saved)
     assert (tokenizer.vocab_size, tokenizer.eod) == (VOCAB, VOCAB - 1)
     # a converted checkpoint records the true vocabulary only
     converted = {"tokenizer_type": "NullTokenizer", "true_vocab_size": VOCAB}
-    tokenizer = generate.tokenizer_of(generate.parse_args(["--load", load, "--prompt", "1"]),
-                                      converted)
+    tokenizer = tokenizer_of(generate.parse_args(["--load", load, "--prompt", "1"]), converted)
     assert (tokenizer.vocab_size, tokenizer.eod) == (VOCAB, VOCAB - 1)
     texts = run_distributed(2, generate.main, ["--load", load, "--prompt", "3 1 4 1 5",
                                                "--max-new-tokens", "16", "--greedy"])[0]

@@ -142,10 +142,13 @@ def weight_map(index_path: str, folder: str) -> dict:
     """``{tensor name: shard path}`` of a ``*.index.json`` of ``folder``.
 
     Raises:
-        ValueError: the index is not valid JSON or has no ``weight_map``, or an entry is not a
+        ValueError: the index is not a regular file, not valid JSON or has no ``weight_map``, or an entry is not a
             plain file name inside the folder (absolute, ``..``, or a symlink resolving
             outside); the message names the index file and the entry.
     """
+    if os.path.exists(index_path) and not os.path.isfile(index_path):  # a FIFO would block open()
+        raise ValueError(f"{index_path}: not a regular file (a pipe, device or folder); replace it "
+                         "with the checkpoint's index file")
     try:
         with open(index_path, encoding="utf-8") as f:
             entries = json.load(f)["weight_map"]

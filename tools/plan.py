@@ -69,8 +69,9 @@ def get_args(argv=None) -> argparse.Namespace:
     e.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="the shared expert's SwiGLU width")
     e.add_argument("--moe-shared-expert-gate", action="store_true", help="gated shared expert")
-    e.add_argument("--expert-tensor-parallel-size", type=int, default=1,
-                   help="expert-TP (the expert-parallel size is searched)")
+    e.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="expert-TP (default: each layout's TP, as Megatron-Core; the "
+                        "expert-parallel size is searched)")
     t = p.add_argument_group("training")
     t.add_argument("--global-batch-size", type=int, required=True)
     t.add_argument("--seq-length", type=int, required=True)
@@ -105,7 +106,7 @@ def get_args(argv=None) -> argparse.Namespace:
                                              and 1 <= args.moe_router_topk <= args.num_experts):
         p.error(f"--num-experts ({args.num_experts}) must be >= 1 and --moe-router-topk "
                 f"({args.moe_router_topk}) between 1 and it")
-    if args.expert_tensor_parallel_size < 1:
+    if args.expert_tensor_parallel_size is not None and args.expert_tensor_parallel_size < 1:
         p.error(f"--expert-tensor-parallel-size ({args.expert_tensor_parallel_size}) must be >= 1")
     return args
 
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
               f"ffn {moe.moe_ffn_hidden_size or config.ffn_hidden_size}, shared expert "
               f"{moe.moe_shared_expert_intermediate_size or 0}, {sum(moe.moe_layer_freq)} of "
               f"{config.num_layers} layers MoE; EP searched, expert-TP "
-              f"{args.expert_tensor_parallel_size}")
+              f"{args.expert_tensor_parallel_size or 'TP (default)'}")
     print(assumptions(args))
     if not ranked:
         print("no layout fits: add GPUs, lower --seq-length, or use GPUs with more memory")
@@ -319,8 +320,8 @@ def main(argv=None) -> int:
     print(f"  parameters {_gib(best.memory.parameters)}   gradients (fp32 buffer) {_gib(best.memory.gradients)}"
           f"   optimizer {_gib(best.memory.optimizer)} plain / {_gib(best.memory.optimizer_distributed)} distributed")
     strategies = (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"), ("optim_grads_params", "ZeRO-3"))
-    if moe is not None:  # the planner models MoE with ZeRO-1 only
-        strategies = strategies[:1]
+    if moe is not None:  # the planner models MoE with ZeRO-1 and ZeRO-3 (not ZeRO-2 yet)
+        strategies = (strategies[0], strategies[2])
     for strategy, label in strategies:
         z = estimate_memory(tp_config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=args.seq_length,
                             micro_batch_size=L.micro_batch_size,

@@ -24,12 +24,15 @@ messages); the outputs are ``{prefix}_chosen_document``, ``{prefix}_chosen_loss_
 ``{prefix}_rejected_document`` and ``{prefix}_rejected_loss_mask_document``, document ``k`` of
 each being pair ``k``; the masks cover the response only (the messages after the prompt). A pair
 whose two sides' prompt tokens (those before the first masked token) differ is skipped and listed
-(``prompt_mismatch``): the tokenizer merged across the prompt's end differently.
+(``prompt_mismatch``): the tokenizer merged across the prompt's end differently. A pair whose
+two sides are the same tokens is skipped and listed (``same_response``): its DPO loss is log 2
+with no gradient and its reward-model loss teaches nothing.
 
 A conversation whose mask comes out empty (no assistant token: no assistant turn, or one the
 template drops) or all ones (nothing but assistant tokens: no prompt) is never trained on: it is
 skipped, counted, and its line listed in the summary and the report. A line that is not a
-conversation stops the run with its file and line number (exit 2), or with ``--skip-invalid``
+conversation (including one that is not UTF-8: it is never replaced with U+FFFD and trained
+on) stops the run with its file and line number (exit 2), or with ``--skip-invalid``
 is skipped and listed likewise. Outputs are written to temporary names and renamed at the end,
 so a failed run leaves no partial dataset.
 """
@@ -58,7 +61,7 @@ from megatron.usage_error import run_command  # noqa: E402
 
 LINES_PER_CHUNK = 256
 LISTED = 20  # skipped line numbers printed per reason (all of them go to the report)
-SKIP_REASONS = ("invalid", "empty_mask", "all_ones_mask", "prompt_mismatch")
+SKIP_REASONS = ("invalid", "empty_mask", "all_ones_mask", "prompt_mismatch", "same_response")
 
 
 class InputError(ValueError):
@@ -101,10 +104,11 @@ def input_files(pattern: str) -> List[str]:
 
 
 def read_chunks(files: List[str]) -> Iterator[Tuple[str, int, List[str]]]:
-    """``(path, first line number, lines)`` in input order."""
+    """``(path, first line number, lines as bytes)`` in input order (decoded per line, so a
+    line that is not UTF-8 is named by its number)."""
     for path in files:
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        with opener(path, "rb") as f:
             lines, first = [], 1
             for n, line in enumerate(f, 1):
                 lines.append(line)
@@ -172,10 +176,12 @@ def encode_line(line: str):
         pa, pb = int(np.argmax(ma)), int(np.argmax(mb))
         if pa != pb or not np.array_equal(a[:pa], b[:pb]):
             return "prompt_mismatch", ""
+        if np.array_equal(a, b):
+            return "same_response", ""
     return "ok", sides
 
 
-def encode_chunk(path: str, first_line: int, lines: List[str]) -> List[Tuple[int, str, object]]:
+def encode_chunk(path: str, first_line: int, lines: List[bytes]) -> List[Tuple[int, str, object]]:
     """``[(line number, status, sides or message)]`` for the non-blank lines of a chunk.
 
     Raises:
@@ -186,9 +192,10 @@ def encode_chunk(path: str, first_line: int, lines: List[str]) -> List[Tuple[int
         if not line.strip():
             continue
         try:
-            status, value = encode_line(line)
-        except (json.JSONDecodeError, ConversationError) as e:
-            what = "malformed JSON" if isinstance(e, json.JSONDecodeError) else "not a conversation"
+            status, value = encode_line(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, ConversationError) as e:
+            what = ("not UTF-8" if isinstance(e, UnicodeDecodeError) else
+                    "malformed JSON" if isinstance(e, json.JSONDecodeError) else "not a conversation")
             message = f"{path}:{n}: {what} ({e})"
             if not _W["skip"]:
                 raise InputError(message) from None
@@ -282,7 +289,8 @@ def _print_summary(report: dict, args: argparse.Namespace) -> None:
     why = {"invalid": "not conversations (--skip-invalid)",
            "empty_mask": "with an empty loss mask (no assistant token)",
            "all_ones_mask": "with an all-ones loss mask (no prompt)",
-           "prompt_mismatch": "whose chosen and rejected prompts tokenize differently"}
+           "prompt_mismatch": "whose chosen and rejected prompts tokenize differently",
+           "same_response": "whose chosen and rejected responses are the same"}
     for reason, lines in report["skipped"].items():
         if lines:
             listed = ", ".join(map(str, lines[:LISTED])) + (", ..." if len(lines) > LISTED else "")

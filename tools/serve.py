@@ -125,6 +125,7 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
 
     from megatron.inference.engine.openai_protocol import (CHAT_STOP, RequestError,
                                                             completion_prompt, error_body,
+                                                            request_body,
                                                             held_back, render_chat,
                                                             sampling_params)
 
@@ -142,13 +143,7 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
         if len(raw) > max_body_bytes:
             raise RequestError(f"the request body exceeds --max-body-bytes ({max_body_bytes})",
                                status=413)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
+        return request_body(raw)
 
     def tokens_of(prompt):
         ids = tokenizer.tokenize(prompt) if isinstance(prompt, str) else prompt

@@ -320,18 +320,16 @@ def validate_moe(args, defaults: dict) -> None:
         (etp > 1 and getattr(args, "use_megatron_fsdp", False),
          f"--use-megatron-fsdp at --expert-tensor-parallel-size {etp}"),
     ]
-    # Experts split over expert-TP are checkpointed by the legacy format only, where tensor rank
-    # t's mp_rank_TT folder holds expert-TP slice t (expert-TP = TP); torch_dist would record
-    # expert-TP rank 0's slice as the whole expert (model/sharded_state.py refuses it too).
-    if etp > 1 and (args.save is not None or args.load is not None) and etp != tp:
+    # A legacy mp_rank_TT folder holds tensor rank t's expert-TP slice, so the legacy format saves
+    # experts only at expert-TP = TP (its loader refuses, in one line, a shard saved at another
+    # expert-TP); torch_dist saves whole experts on a global axis at any expert-TP
+    # (model/sharded_state.py) and loads at any other.
+    if etp > 1 and etp != tp and args.save is not None and args.ckpt_format == "torch":
         raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} with "
-                         f"--tensor-model-parallel-size {tp} and --save / --load: checkpoints of "
-                         "experts split over expert-TP need expert-TP = TP; set "
-                         f"--expert-tensor-parallel-size {tp if tp == 1 else f'{tp} or 1'}")
-    if etp > 1 and args.save is not None and args.ckpt_format != "torch":
-        raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} with --ckpt-format "
-                         f"{args.ckpt_format}: only the legacy format saves experts split over "
-                         "expert-TP; use --ckpt-format torch or --expert-tensor-parallel-size 1")
+                         f"--tensor-model-parallel-size {tp}, --save and --ckpt-format torch: "
+                         "legacy checkpoints of experts split over expert-TP need expert-TP = "
+                         f"TP; use --ckpt-format torch_dist or set --expert-tensor-parallel-size "
+                         f"{tp if tp == 1 else f'{tp} or 1'}")
     for bad, flag in refused:
         if bad:
             raise UsageError(f"--num-experts with {flag} is not supported yet (docs/moe.md "

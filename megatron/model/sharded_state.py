@@ -22,7 +22,10 @@ its grouped experts on a global expert axis: the local ``weight1 [E_local, 2f, h
 ``weight2 [E_local, h, f]`` of EP rank r are the box at offset ``r * E_local`` (the module's
 ``first_expert``) along dim 0 of the global ``layers.{n}.mlp.experts.weight1 [E, 2f, h]`` /
 ``weight2 [E, h, f]``, so expert e is row e whatever EP rank holds it and a checkpoint loads at
-any EP size dividing E. The router's ``weight [E, h]``, its ``expert_bias [E]`` buffer (state of
+any EP size dividing E. Under expert-TP the slice of rank t is boxed into the same global
+tensors: ``weight2``'s columns ``f_t`` are an offset along dim 2, and ``weight1``'s rows
+``[gate_t; up_t]`` are two boxes per expert (rows ``t*f/etp`` of the gate half and of the up
+half), so the checkpoint does not depend on expert-TP either. The router's ``weight [E, h]``, its ``expert_bias [E]`` buffer (state of
 the aux-loss-free balancing) and the shared expert are dense tensors.
 
 Every sharding takes this rank's :class:`~megatron.core.process_groups.ProcessGroupCollection`:
@@ -129,15 +132,20 @@ def param_shardings(chunk, pg_collection: ProcessGroupCollection) -> Dict[str, P
         key = _global_name(model, local)
         tp, replicas = _grid(p, pg_collection)
         tp_rank, tp_size = tp.rank, tp.size
-        if local in experts:  # not partitioned over expert-TP: expert-TP rank 0 writes
-            if tp_size > 1:  # rank 0's slice would be recorded as the whole expert
-                raise ValueError(f"{key}: experts split over --expert-tensor-parallel-size "
-                                 f"{tp_size} have no torch_dist checkpoint yet; use "
-                                 "--ckpt-format torch (legacy) or --expert-tensor-parallel-size 1")
+        if local in experts:
             total, first = experts[local]
-            out[local] = ParamSharding.expert_axis(
-                key, p.shape, total, first, replica_id=1 if tp_rank else 0,
-                replica_group=replicas.ranks)
+            if tp_size > 1 and getattr(p, "partition_dim", None) == 1:  # [gate_t; up_t] rows
+                out[local] = ParamSharding.expert_row_blocks(
+                    key, 2, p.shape, total, first, tp_rank, tp_size,
+                    replica_group=replicas.ranks)
+            elif tp_size > 1:  # weight2's columns f_t
+                out[local] = ParamSharding.expert_axis(
+                    key, p.shape, total, first, replica_group=replicas.ranks,
+                    partition_dim=p.partition_dim, tp_rank=tp_rank, tp_size=tp_size)
+            else:  # not partitioned over expert-TP: expert-TP rank 0 writes
+                out[local] = ParamSharding.expert_axis(
+                    key, p.shape, total, first, replica_id=1 if tp_rank else 0,
+                    replica_group=replicas.ranks)
             continue
         if local in fused:
             prefix, rows = fused[local]

@@ -147,14 +147,18 @@ def expert_parallel_sizes(moe: Optional[MoEConfig], stage_ranks: int, etp: int =
 
 def enumerate_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int,
                       seq_length: Optional[int] = None, moe: Optional[MoEConfig] = None,
-                      etp: int = 1) -> Iterator[Layout]:
+                      etp: Optional[int] = None) -> Iterator[Layout]:
     """Every layout with TP x CP x PP x DP = GPUs, layers divisible by PP, global batch divisible
     by micro-batch x DP, micro-batch a power of two; CP > 1 only given ``seq_length`` (split in
     ``2 CP`` chunks, and in ``2 CP TP`` with sequence parallelism); with ``moe`` every EP of
-    :func:`expert_parallel_sizes` at expert-TP ``etp``."""
+    :func:`expert_parallel_sizes` at expert-TP ``etp`` (None: each layout's TP, Megatron-Core's
+    default of ``--expert-tensor-parallel-size``)."""
     for tp in tensor_parallel_sizes(config, min(hw.gpus_per_node, hw.num_gpus)):
         if hw.num_gpus % tp:
             continue
+        etp_of = tp if etp is None else etp
+        if etp is None and is_moe(moe) and (moe.moe_ffn_hidden_size or config.ffn_hidden_size) % tp:
+            continue  # the default expert-TP (= TP) must split the expert width
         for cp in context_parallel_sizes(hw.num_gpus // tp, seq_length):
             for pp in _divisors(hw.num_gpus // (tp * cp)):
                 if config.num_layers % pp:
@@ -171,9 +175,9 @@ def enumerate_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int,
                         for recompute in RECOMPUTE_CHOICES:
                             for sp in sps:
                                 for dist_opt in ((False, True) if dp * cp > 1 else (False,)):
-                                    for ep in expert_parallel_sizes(moe, tp * cp * dp, etp):
+                                    for ep in expert_parallel_sizes(moe, tp * cp * dp, etp_of):
                                         yield Layout(tp, pp, dp, mbs, per_replica // mbs, recompute,
-                                                     sp, dist_opt, cp, ep, etp if is_moe(moe) else 1)
+                                                     sp, dist_opt, cp, ep, etp_of if is_moe(moe) else 1)
                     mbs *= 2
 
 
@@ -277,10 +281,10 @@ def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_
                  bf16: bool = True, allow_sequence_parallel: bool = True,
                  vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                  allow_context_parallel: bool = True, moe: Optional[MoEConfig] = None,
-                 expert_tensor_parallel_size: int = 1) -> List[Estimate]:
+                 expert_tensor_parallel_size: Optional[int] = None) -> List[Estimate]:
     """Feasible layouts, fastest first (ties: less memory first), without redundant rows
     (:func:`distinct`). ``moe``: a mixture-of-experts model (EP searched, expert-TP
-    ``expert_tensor_parallel_size``).
+    ``expert_tensor_parallel_size``; None: each layout's TP, as Megatron-Core's default).
 
     ``vocab_size`` (unpadded) re-pads the vocabulary for each TP size, as training would;
     without it ``config.padded_vocab_size`` is used for every layout.

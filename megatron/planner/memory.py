@@ -24,6 +24,7 @@ t = tensor-parallel size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -109,20 +110,42 @@ def sharded_grad_window_numel(buckets: List[int], *, overlap_grad_reduce: bool,
     return best
 
 
-def zero3_unit_numels(config: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int) -> List[int]:
+def zero3_unit_numels(config: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int,
+                      moe: Optional[MoEConfig] = None) -> List[int]:
     """Padded elements of ZeRO-3's units on one rank of stage ``pp_rank``
     (:mod:`megatron.core.distributed.param_units`): the root unit (embedding, final norm, output
     layer: one bucket, the tied copy at PP > 1 a bucket of its own) first, then one bucket per
-    transformer layer, each padded to a multiple of ``dp``. The units and the parameter with a
+    transformer layer, each padded to a multiple of ``dp``; dense parameters only (an MoE
+    layer's experts: :func:`zero3_expert_unit_numels`). The units and the parameter with a
     bucket of its own are read from the stage built on the meta device
     (:func:`megatron.planner.inventory.stage_inventory`)."""
     pad = lambda n: -(-n // dp) * dp  # noqa: E731
     out = []
-    for unit in stage_inventory(config, tp, pp, pp_rank).units:
+    for unit in stage_inventory(config, tp, pp, pp_rank, moe).units:  # dense: EP changes none
         alone = [n for n, own in unit if own]
         others = [n for n, own in unit if not own]
         out.append(sum(pad(n) for n in alone) + (pad(sum(others)) if others else 0))
     return out
+
+
+def zero3_expert_unit_numels(config: ModelConfig, moe: MoEConfig, pp: int, pp_rank: int, ep: int,
+                             etp: int, expert_dp: int) -> List[int]:
+    """Padded elements of each transformer layer's expert bucket under ZeRO-3 (one per layer of
+    stage ``pp_rank``, 0 for a dense layer): the layer's expert parameters on one EP and
+    expert-TP rank, padded to a multiple of expert-DP (an MoE layer's unit gathers its dense
+    bucket over DP x CP and its expert bucket over expert-DP)."""
+    pad = lambda n: -(-n // expert_dp) * expert_dp  # noqa: E731
+    stage_expert_numels(config, moe, pp, pp_rank, ep, etp)  # E % EP and f % expert-TP
+    shapes = stage_inventory(config, 1, pp, pp_rank, moe, ep).expert_shapes
+    return [pad(sum(math.prod(s) // etp for s in layer)) if layer else 0 for layer in shapes]
+
+
+def _gather_window(layer_units: List[int]) -> int:
+    """Most layer elements ZeRO-3 holds gathered at once besides the root unit: the layer
+    computing and the next one, prefetched (in forward and backward alike, neighbours)."""
+    if len(layer_units) < 2:
+        return sum(layer_units)
+    return max(a + b for a, b in zip(layer_units, layer_units[1:]))
 
 
 def optimizer_state_bytes(numels: List[int], *, mixed_precision: bool, distributed: bool = False,
@@ -326,7 +349,8 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
       shards) + the full buckets held at once while reduce-scattered per micro-batch
       (:func:`sharded_grad_window_numel`, ``overlap_grad_reduce``);
     * ``optim_grads_params`` (ZeRO-3): params ``e Psi_pad / N`` + the gather window (the root
-      unit and the two largest layers: the one computing and the prefetched next), grads
+      unit and the largest two neighbouring layers: the one computing and the prefetched
+      next), grads
       ``4 Psi_pad / N`` + the root unit's and the largest layer's full gradients (the root's
       live from the loss to the embedding, a layer's during its own backward), ``Psi_pad``
       padded per unit (:func:`zero3_unit_numels`).
@@ -338,18 +362,25 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     ``--expert-tensor-parallel-size``): the router and shared expert count as dense parameters,
     the stage's routed experts are added as :func:`expert_memory` gives
     them (their own buffer over expert-DP = TP x CP x DP / (EP x expert-TP); the stage chosen
-    by dense and expert elements together); only ``optim`` (ZeRO-1) or no sharding are modelled.
+    by dense and expert elements together) under ``optim`` (ZeRO-1) or no sharding; under
+    ``optim_grads_params`` (ZeRO-3) each MoE layer's unit is its dense bucket (padded to DP x CP)
+    and its expert bucket (:func:`zero3_expert_unit_numels`, padded to expert-DP): shards
+    ``Psi_dense_pad / N + Psi_expert_pad / expert-DP``, the gather window the root unit and the
+    largest two neighbouring layer units, the gradient peak the root and the largest layer unit
+    (``tests/unit/planner/test_planner_moe.py`` against a built model at EP 1 and 2).
+    ``optim_grads`` (ZeRO-2) with experts is not modelled (two buffers' buckets interleave in
+    backward).
     Activations of an MoE layer are estimated as those of a dense layer whose ffn width is the
     active one (top-k x expert width + shared expert; :func:`active_ffn_hidden_size`); the
     dispatched copies of the hidden states and the dispatch buffers are not counted.
 
     Raises:
-        ValueError: MoE with ZeRO-2/3, or EP x expert-TP not dividing TP x CP x DP."""
+        ValueError: MoE with ZeRO-2, or EP x expert-TP not dividing TP x CP x DP."""
     e = 2 if bf16 else 4
     expert_dp = expert_data_parallel_size(tp, cp, dp, ep, etp) if is_moe(moe) else 1
-    if is_moe(moe) and use_distributed_optimizer and sharding_strategy != "optim":
-        raise ValueError(f"the planner models MoE with --use-distributed-optimizer (ZeRO-1) "
-                         f"only, not --data-parallel-sharding-strategy {sharding_strategy}")
+    if is_moe(moe) and use_distributed_optimizer and sharding_strategy == "optim_grads":
+        raise ValueError("the planner models MoE with --use-distributed-optimizer (ZeRO-1) and "
+                         "ZeRO-3 only, not --data-parallel-sharding-strategy optim_grads")
     seq_length, dp = seq_length // cp, dp * cp
     ranks = sorted({0, pp - 1})
     experts = {r: expert_memory(config, moe, pp=pp, pp_rank=r, ep=ep, etp=etp, expert_dp=expert_dp,
@@ -360,6 +391,7 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     heaviest = max(range(len(ranks)), key=lambda i: e * sum(stages[i]) + experts[ranks[i]][0])
     numels, stage = stages[heaviest], ranks[heaviest]
     expert_params, expert_grads, expert_opt, expert_opt_dist = experts[stage]
+    model_config = config
     if is_moe(moe):  # activations: a dense layer of the mean active width
         width = sum(active_ffn_hidden_size(config, moe, i) for i in range(config.num_layers))
         config = config.replace(ffn_hidden_size=width // config.num_layers)
@@ -379,10 +411,18 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
                 live_throughout=len(buckets) - 1 if pp == 1 and tied else None)
             grads = 4 * psi_pad // dp + 4 * window
     elif strategy == "optim_grads_params":
-        units = zero3_unit_numels(config, tp, pp, stage, dp)
+        units = zero3_unit_numels(model_config, tp, pp, stage, dp, moe if is_moe(moe) else None)
         psi_pad = sum(units)
-        grads = 4 * psi_pad // dp + 4 * (units[0] + max(units[1:], default=0))
-        params = e * psi_pad // dp + e * (units[0] + sum(sorted(units[1:])[-2:]))
+        shards = psi_pad // dp
+        layers = units[1:]
+        if is_moe(moe):  # experts sharded over expert-DP, gathered with their layer's unit
+            experts = zero3_expert_unit_numels(model_config, moe, pp, stage, ep, etp, expert_dp)
+            shards += sum(experts) // expert_dp
+            layers = [d + x for d, x in zip(layers, experts)]
+            expert_params = expert_grads = expert_opt_dist = 0
+        grads = 4 * shards + 4 * (units[0] + max(layers, default=0))
+        params = e * shards + e * (units[0] + _gather_window(layers))
+        psi_pad = shards * dp  # the optimizer's shards below
     rc = dict(recompute=recompute, recompute_method=recompute_method,
               recompute_num_layers=recompute_num_layers)
     act = stage_activation_bytes(config, seq_length, micro_batch_size, tp, pp, num_microbatches,

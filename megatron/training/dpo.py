@@ -39,6 +39,7 @@ Not supported (refused with one line): context parallelism, ``--dataloader-type 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -112,10 +113,11 @@ def check_dpo_flags(config, vocab_size: Optional[int] = None) -> None:
     from megatron.training.pairs import check_pair_flags
 
     dpo = config.extra["dpo"]
-    if not dpo.dpo_beta > 0:
-        raise UsageError(f"--dpo-beta {dpo.dpo_beta}: must be > 0 (0.1 is common)")
-    if not dpo.dpo_sft_weight >= 0:
-        raise UsageError(f"--dpo-sft-weight {dpo.dpo_sft_weight}: must be >= 0")
+    # inf passed '> 0' and made every loss inf or NaN; NaN fails both comparisons.
+    if not (math.isfinite(dpo.dpo_beta) and dpo.dpo_beta > 0):
+        raise UsageError(f"--dpo-beta {dpo.dpo_beta}: must be a finite number > 0 (0.1 is common)")
+    if not (math.isfinite(dpo.dpo_sft_weight) and dpo.dpo_sft_weight >= 0):
+        raise UsageError(f"--dpo-sft-weight {dpo.dpo_sft_weight}: must be a finite number >= 0")
     check_pair_flags(config, "--dpo")
     if resumes(config):
         from megatron.checkpointing import resume_point

@@ -120,7 +120,10 @@ def test_flags(dpo_prefix, tmp_path):
 
     config = check()
     assert config.extra["dpo"].dpo_beta == 0.5
-    for extra, match in ((("--dpo-beta", "0"), "--dpo-beta 0.0: must be > 0"),
+    for extra, match in ((("--dpo-beta", "0"), "--dpo-beta 0.0: must be a finite number > 0"),
+                         (("--dpo-beta", "inf"), "--dpo-beta inf: must be a finite"),
+                         (("--dpo-beta", "nan"), "--dpo-beta nan: must be a finite"),
+                         (("--dpo-sft-weight", "inf"), "--dpo-sft-weight inf: must be a finite"),
                          (("--micro-batch-size", "3", "--global-batch-size", "9"),
                           "--micro-batch-size 3: --dpo needs an even"),
                          (("--dataloader-type", "cyclic"), "--dataloader-type cyclic"),

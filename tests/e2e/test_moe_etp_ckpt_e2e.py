@@ -4,7 +4,12 @@ mixture-of-experts model with the experts split over expert-TP (``--expert-tenso
 resumed: the whole run (first half + resumed half) equals one process's 20 iterations within
 rtol 1e-6 (losses, grad norms, validation losses; clipping on). Layouts: TP=2 x EP=2 x DP=2 with
 the distributed optimizer resumed at TP=2 x EP=1 (experts joined from the two EP folders of each
-tensor rank), and TP=2 x EP=1 x DP=2 with the plain optimizer resumed at its own layout."""
+tensor rank), and TP=2 x EP=1 x DP=2 with the plain optimizer resumed at its own layout.
+
+torch_dist (whole experts on a global axis, independent of expert-TP): saved at TP=2 x EP=2 x
+expert-TP 2 with the distributed optimizer and resumed at TP=2 x expert-TP 1, at TP=1 x EP=2 and
+at EP=4 (each a new expert-TP, EP and DP): every resumed run equals one process, the run at the
+new layout (weights and Adam moments bitwise: tests/unit/model/test_expert_checkpoint.py)."""
 
 from tests.e2e.test_moe_layouts_e2e import HALF, ep
 from tests.e2e.test_moe_legacy_ckpt_e2e import DISTOPT, _first_half, _joined, _second_half
@@ -32,3 +37,26 @@ def test_moe_legacy_checkpoint_at_expert_tp2_resumes(data_prefix, tmp_path_facto
                           ("tp2 etp2 plain", "tp2 etp2 plain resumed")):
         assert_close_history(_joined(got[first], got[second]), one,
                              f"MoE legacy expert-TP 2 {first} -> {second}")
+
+
+def _dist_half(data_prefix, cache, ckpt, first, *extra):
+    where = (["--save", ckpt, "--save-interval", str(HALF), "--exit-interval", str(HALF)]
+             if first else ["--load", ckpt])
+    return _argv(data_prefix, cache, "--ckpt-format", "torch_dist", *where, *extra)
+
+
+def test_moe_torch_dist_at_expert_tp2_resumes_at_other_layouts(data_prefix, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("moe_etp_dist_cache"))
+    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    ckpt = str(tmp_path_factory.mktemp("moe_etp_dist"))
+    tp2_etp1 = [*layout_args(2, 1), "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    runs = [
+        ("tp2 ep2 etp2", _dist_half(data_prefix, cache, ckpt, True, *TP2_ETP2, *ep(2), *DISTOPT)),
+        ("tp2 etp1", _dist_half(data_prefix, cache, ckpt, False, *tp2_etp1, *DISTOPT)),
+        ("tp1 ep2", _dist_half(data_prefix, cache, ckpt, False, *ep(2), *DISTOPT)),
+        ("ep4", _dist_half(data_prefix, cache, ckpt, False, *ep(4), *DISTOPT)),
+    ]
+    got = run_distributed(4, run_many, runs, timeout=1500)[-1]
+    for second in ("tp2 etp1", "tp1 ep2", "ep4"):
+        assert_close_history(_joined(got["tp2 ep2 etp2"], got[second]), one,
+                             f"MoE torch_dist expert-TP 2 -> {second}")

@@ -164,3 +164,20 @@ def test_moe_skewed_router_with_drop_policies_and_padding(data_prefix, tmp_path_
     assert one["position"]["lm loss"] != one["probs"]["lm loss"]
     assert one["probs pad"]["lm loss"] == one["probs"]["lm loss"]
     assert one["position pad"]["lm loss"] == one["position"]["lm loss"]
+
+
+def test_a_pipeline_stage_without_moe_layers(data_prefix, tmp_path_factory):
+    """``--moe-layer-freq [0,0,1,1]`` at PP = 2: stage 0 holds no expert; its empty expert part
+    joins the expert norm and flag over ``tp_ep_pp`` (before, stage 1 waited for it forever), and
+    both stages clip with the whole model's norm: one process's losses and grad norms, with the
+    plain and the distributed optimizer."""
+    cache = str(tmp_path_factory.mktemp("moe_stage_cache"))
+    freq = ["--moe-layer-freq", "[0,0,1,1]"]
+    want = run_distributed(1, run_many, [("one", _argv(data_prefix, cache, *freq))],
+                           timeout=900)[0]["one"]
+    runs = [("pp2", _argv(data_prefix, cache, *freq, *layout_args(1, 2))),
+            ("pp2 distopt", _argv(data_prefix, cache, *freq, *layout_args(1, 2),
+                                  "--use-distributed-optimizer"))]
+    got = run_distributed(2, run_many, runs, timeout=900)[-1]
+    for name, _ in runs:
+        _assert_equal_runs(got[name], want, name)

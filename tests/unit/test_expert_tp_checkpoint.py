@@ -1,14 +1,16 @@
-"""Checkpoints of experts split over expert-TP: what is refused, in one line.
+"""Checkpoints of experts split over expert-TP: torch_dist boxes, and what is refused in one line.
 
 The legacy format saves them (each tensor rank's ``mp_rank_TT[_EEE]`` file holds its expert-TP
 slice, expert-TP = TP; resumed end to end in tests/e2e/test_moe_etp_ckpt_e2e.py). torch_dist
-names grouped experts on a global expert axis only, so an expert-TP slice would be recorded as
-the whole expert: refused where the boxes are made. A legacy shard saved at another expert-TP
+boxes each slice into the global expert tensors of an expert-TP 1 model (``weight1``'s
+``[gate_t; up_t]`` as two boxes per expert): checked here element for element against an
+expert-TP 1 module's weights, for whole slices and distributed-optimizer pieces. A legacy shard saved at another expert-TP
 than the run's holds slices of another width: refused naming both sizes."""
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron.checkpointing import CheckpointError
 from megatron.checkpointing.legacy import check_saved_expert_tp
@@ -32,12 +34,70 @@ def _experts(expert_tp_rank, expert_tp):
     return module
 
 
-@pytest.mark.parametrize("expert_tp_rank", [0, 1])
-def test_torch_dist_boxes_of_expert_tp_slices_are_refused(expert_tp_rank):
-    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 2 have no torch_dist "
-                       "checkpoint yet; use --ckpt-format torch") as e:
-        param_shardings(_experts(expert_tp_rank, 2), _groups(expert_tp_rank, 2))
-    assert "\n" not in str(e.value)
+def _assemble(shardings, modules, global_shapes):
+    """The global tensors written from every rank's boxes (each element once: asserted)."""
+    out = {k: torch.full(s, float("nan")) for k, s in global_shapes.items()}
+    written = {k: torch.zeros(s, dtype=torch.int32) for k, s in global_shapes.items()}
+    for sharding, module in zip(shardings, modules):
+        for name, p in module.named_parameters():
+            for box in sharding[name].boxes(p.data, ""):
+                if box.replica_id:
+                    continue
+                where = tuple(slice(o, o + n) for o, n in zip(box.global_offset, box.data.shape))
+                out[name][where] = box.data
+                written[name][where] += 1
+    for k in out:
+        assert bool((written[k] == 1).all()), k
+    return out
+
+
+@pytest.mark.parametrize("expert_tp", [2, 3])
+def test_torch_dist_boxes_of_expert_tp_slices_are_the_whole_experts(expert_tp):
+    """The boxes of every expert-TP rank's slice rebuild, element for element, the global
+    tensors an expert-TP 1 module saves (its parameters: the independent oracle)."""
+    whole = _experts(0, 1)
+    shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+    modules = [_experts(r, expert_tp) for r in range(expert_tp)]
+    shardings = [param_shardings(m, _groups(r, expert_tp)) for r, m in enumerate(modules)]
+    got = _assemble(shardings, modules, shapes)
+    for name, p in whole.named_parameters():
+        assert torch.equal(got[name], p.data), name
+
+
+@pytest.mark.parametrize("expert_tp", [2, 3])
+def test_flat_boxes_of_expert_tp_slices_match_the_whole_experts(expert_tp):
+    """Distributed-optimizer pieces (any flat range of the slice) land on the same global
+    elements as the slice's own boxes: every range of a rank split in three pieces."""
+    whole = _experts(0, 1)
+    for rank in range(expert_tp):
+        module = _experts(rank, expert_tp)
+        sharding = param_shardings(module, _groups(rank, expert_tp))
+        for name, p in module.named_parameters():
+            target = getattr(whole, name).data
+            n = p.numel()
+            for lo, hi in ((0, n // 3 + 1), (n // 3 + 1, 2 * n // 3 + 5), (2 * n // 3 + 5, n)):
+                flat = p.data.reshape(-1)[lo:hi]
+                boxes = sharding[name].flat_boxes(lo, hi, flat, "")
+                assert sum(b.data.numel() for b in boxes) == hi - lo
+                for box in boxes:
+                    where = tuple(slice(o, o + k)
+                                  for o, k in zip(box.global_offset, box.data.shape))
+                    assert torch.equal(box.data, target[where]), (name, lo, hi)
+
+
+def test_expert_tp_boxes_load_in_place():
+    """A load writes into the boxes' views: a zeroed slice filled from the global tensors is the
+    rank's slice again."""
+    whole = _experts(0, 1)
+    module = _experts(1, 2)
+    want = {n: p.data.clone() for n, p in module.named_parameters()}
+    sharding = param_shardings(module, _groups(1, 2))
+    for name, p in module.named_parameters():
+        p.data.zero_()
+        for box in sharding[name].boxes(p.data, ""):
+            where = tuple(slice(o, o + k) for o, k in zip(box.global_offset, box.data.shape))
+            box.data.copy_(getattr(whole, name).data[where])
+        assert torch.equal(p.data, want[name]), name
 
 
 def test_torch_dist_boxes_of_whole_experts_cover_the_global_axis():

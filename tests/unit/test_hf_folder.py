@@ -186,3 +186,12 @@ def test_a_safetensors_header_that_lies_is_named_in_one_line(tmp_path, how):
     message = str(err.value)
     assert message.startswith(f"{path} is not a valid safetensors file (") and "\n" not in message
     assert message.endswith("re-download or re-convert it")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_an_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO without a writer blocks forever; the index is checked to be a plain file."""
+    index = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(index)
+    with pytest.raises(ValueError, match="not a regular file"):
+        weight_map(str(index), str(tmp_path))

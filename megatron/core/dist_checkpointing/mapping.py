@@ -117,6 +117,9 @@ class ParamSharding:
         replica_group: the global ranks holding the same parameter (see
             :class:`ShardedTensor`); its :meth:`boxes` carry it, its :meth:`flat_boxes` (one
             rank's shard) do not.
+        param_shape: the parameter's own shape when the regions describe a row-major view of it
+            of another shape (``local_shape``, same elements in the same order; the grouped
+            experts split over expert-TP, :meth:`expert_row_blocks`); None: ``local_shape``.
     """
 
     local_shape: Tuple[int, ...]
@@ -124,6 +127,7 @@ class ParamSharding:
     replica_id: int = 0
     resizable: bool = False
     replica_group: Tuple[int, ...] = ()
+    param_shape: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         at = 0
@@ -133,6 +137,10 @@ class ParamSharding:
             at = r.stop
         if at != self.local_shape[0]:
             raise ValueError(f"regions cover {at} of the {self.local_shape[0]} local rows")
+        if self.param_shape is not None and \
+                math.prod(self.param_shape) != math.prod(self.local_shape):
+            raise ValueError(f"a view of shape {self.local_shape} of a parameter of shape "
+                             f"{self.param_shape}")
 
     @classmethod
     def partition(cls, key: str, local_shape: Sequence[int], partition_dim: Optional[int],
@@ -168,17 +176,52 @@ class ParamSharding:
     @classmethod
     def expert_axis(cls, key: str, local_shape: Sequence[int], num_experts: int,
                     first_expert: int, *, replica_id: int = 0,
-                    replica_group: Tuple[int, ...] = ()) -> "ParamSharding":
+                    replica_group: Tuple[int, ...] = (), partition_dim: Optional[int] = None,
+                    tp_rank: int = 0, tp_size: int = 1) -> "ParamSharding":
         """Grouped expert weights ``[E_local, ...]`` whose dim 0 is experts ``first_expert ..
         first_expert + E_local - 1`` of the global ``[num_experts, ...]`` (Megatron-Core's
-        global expert index; the box of one expert-parallel rank)."""
+        global expert index; the box of one expert-parallel rank); with ``partition_dim`` (> 0)
+        also expert-TP slice ``tp_rank`` of ``tp_size`` along that dimension (``weight2``'s
+        columns ``f_t``)."""
         local_shape = tuple(local_shape)
         if first_expert < 0 or first_expert + local_shape[0] > num_experts:
             raise ValueError(f"{key}: experts {first_expert}..{first_expert + local_shape[0] - 1}"
                              f" outside the {num_experts} experts")
-        region = Region(key, 0, local_shape[0], (num_experts, *local_shape[1:]),
-                        (first_expert,) + (0,) * (len(local_shape) - 1))
+        global_shape = [num_experts, *local_shape[1:]]
+        offset = [first_expert] + [0] * (len(local_shape) - 1)
+        if partition_dim is not None:
+            global_shape[partition_dim] *= tp_size
+            offset[partition_dim] = tp_rank * local_shape[partition_dim]
+        region = Region(key, 0, local_shape[0], tuple(global_shape), tuple(offset))
         return cls(local_shape, (region,), replica_id, False, tuple(replica_group))
+
+    @classmethod
+    def expert_row_blocks(cls, key: str, num_blocks: int, local_shape: Sequence[int],
+                          num_experts: int, first_expert: int, tp_rank: int, tp_size: int, *,
+                          replica_group: Tuple[int, ...] = ()) -> "ParamSharding":
+        """Grouped expert weights ``[E_local, B*r, c]`` split over expert-TP whose dim 1 is, per
+        expert, ``r`` rows of each of ``B = num_blocks`` fused blocks in turn (``[gate_t; up_t]`` of
+        ``weight1``), rank ``tp_rank``'s slice of each block: block ``b`` of local expert ``i`` is
+        rows ``[b*R + tp_rank*r, b*R + (tp_rank+1)*r)`` (``R = r * tp_size``) of expert
+        ``first_expert + i`` in the global ``[num_experts, B*R, c]``, as at expert-TP 1. The
+        regions describe the row-major view ``[E_local*B, r, c]`` (one row per expert and block:
+        ``param_shape`` is the parameter's shape), so a saved tensor does not depend on expert-TP.
+        """
+        param_shape = tuple(local_shape)
+        experts, rows, rest = param_shape[0], param_shape[1], param_shape[2:]
+        n = num_blocks
+        if rows % n:
+            raise ValueError(f"{key}: {rows} rows per expert are not {n} equal blocks")
+        r = rows // n
+        if first_expert < 0 or first_expert + experts > num_experts:
+            raise ValueError(f"{key}: experts {first_expert}..{first_expert + experts - 1}"
+                             f" outside the {num_experts} experts")
+        global_shape = (num_experts, n * r * tp_size, *rest)
+        regions = [Region(key, i * n + b, i * n + b + 1, global_shape,
+                          (first_expert + i, b * r * tp_size + tp_rank * r) + (0,) * len(rest))
+                   for i in range(experts) for b in range(n)]
+        return cls((experts * n, r, *rest), tuple(regions), replica_group=tuple(replica_group),
+                   param_shape=param_shape)
 
     @property
     def row_numel(self) -> int:
@@ -187,9 +230,11 @@ class ParamSharding:
 
     def boxes(self, tensor: torch.Tensor, prefix: str) -> List[ShardedTensor]:
         """The boxes of ``tensor`` (shaped like the parameter), keys prefixed with ``prefix``."""
-        if tuple(tensor.shape) != self.local_shape:
+        shape = self.param_shape or self.local_shape
+        if tuple(tensor.shape) != shape:
             raise ValueError(f"tensor of shape {tuple(tensor.shape)} for a parameter of shape "
-                             f"{self.local_shape}")
+                             f"{shape}")
+        tensor = tensor.view(self.local_shape)  # a view: a load writes into the parameter
         return [ShardedTensor(prefix + r.key, tensor[r.start:r.stop], r.global_shape,
                               r.global_offset, self.replica_id, self.resizable,
                               self.replica_group)

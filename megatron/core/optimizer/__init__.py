@@ -58,6 +58,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         grad_scaler = build_grad_scaler(config)
 
     def make_adamw(groups):
+        # An empty expert part (a pipeline stage without MoE layers) holds one empty group.
+        groups = groups or [{"params": []}]
         device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
         # torch's fused AdamW (CUDA and CPU): one pass per parameter instead of about ten
         # element-wise passes (on CPU, foreach falls back to one kernel per op and tensor).
@@ -65,7 +67,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                  eps=config.adam_eps, weight_decay=config.weight_decay, **kernel)
 
-    has_experts = bool(get_param_groups(model_chunks, config.weight_decay, expert=True))
+    has_experts = _model_has_experts(model_chunks, config, pg_collection)
 
     def part(expert):
         """The optimizer of the dense (``expert`` False) or the expert parameters (None: all,
@@ -76,7 +78,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                                         pg_collection=pg_collection,
                                         data_parallel_group=group.group, expert=bool(expert))
         groups = get_param_groups(model_chunks, config.weight_decay, expert)
-        if not groups:
+        if not groups and not expert:
             raise ValueError("the model has no trainable parameters")
         if config.bf16 or config.fp16:
             return Float16OptimizerWithFloat16Params(make_adamw(groups), config, grad_scaler,
@@ -89,3 +91,19 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         return part(None)
     dense = [part(False)] if get_param_groups(model_chunks, config.weight_decay, False) else []
     return ChainedOptimizer(dense + [part(True)])
+
+
+def _model_has_experts(model_chunks, config, pg_collection) -> bool:
+    """Whether any pipeline stage holds expert parameters. A stage without MoE layers (e.g.
+    ``--moe-layer-freq [0,0,1,1]`` at PP = 2) still builds an (empty) expert part, because the
+    expert part's skip flag and norm are reduced over ``tp_ep_pp``, which spans the stages: a
+    stage that skipped them would hang the others and miss their expert norm."""
+    local = bool(get_param_groups(model_chunks, config.weight_decay, expert=True))
+    pp = pg_collection.pp
+    if pp.size == 1:
+        return local
+    device = next((p.device for chunk in model_chunks for p in chunk.parameters()),
+                  torch.device("cpu"))
+    flag = torch.tensor([float(local)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=pp.group)
+    return bool(flag.item())

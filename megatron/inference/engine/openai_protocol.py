@@ -9,6 +9,8 @@ decoding. Refused with a 400: ``n`` or ``best_of`` other than 1, ``echo``, ``suf
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -49,11 +51,33 @@ class Limits:
     max_stop: int = 4
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def request_body(raw: bytes) -> Dict[str, Any]:
+    """The request's JSON object (UTF-8, as RFC 8259 requires of JSON between systems).
+
+    Raises:
+        RequestError: bytes that are not UTF-8, not JSON, nested beyond the parser's depth,
+            holding NaN/Infinity (Python's extension, not JSON), or not an object.
+    """
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
 def _number(body, name, default, kind=float, low=None, high=None):
     value = body.get(name, default)
     if value is None:
         value = default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # NaN compares False against both bounds, so it must be refused by name.
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value))
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok or (low is not None and value < low) or (high is not None and value > high):
@@ -84,21 +108,25 @@ def sampling_params(body: Dict[str, Any], limits: Limits, extra_stop: Tuple[str,
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _refuse_unsupported(body)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:  # a null newer field must not hide the older one
+        max_tokens = body.get("max_tokens")
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", limits.default_max_tokens,
                          int, 1, limits.max_tokens)
     temperature = _number(body, "temperature", 1.0, float, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, float, 0.0, 1.0)
     top_k = _number(body, "top_k", 0, int, -1)
     seed = _number(body, "seed", 0, int, 0, 2 ** 63 - 1)
-    stop = body.get("stop") or ()
-    if isinstance(stop, str):
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
         stop = (stop,)
     if (not isinstance(stop, (list, tuple)) or len(stop) > limits.max_stop
             or not all(isinstance(s, str) and s for s in stop)):
         raise RequestError(f"'stop' must be a non-empty string or a list of at most "
                            f"{limits.max_stop} of them (got {body.get('stop')!r})", "stop")
-    if not isinstance(body.get("stream", False), bool):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise RequestError(f"'stream' must be true or false (got {body['stream']!r})", "stream")
     return SamplingParams(max_tokens=max_tokens, greedy=temperature == 0.0,
                           temperature=temperature if temperature > 0 else 1.0,

@@ -84,7 +84,8 @@ def test_formats_masks_and_report(tmp_path, hf_folder, workers):
         assert ids[k] == want_ids.tolist() and masks[k] == want_mask.tolist()
     report = json.loads((tmp_path / "o_report.json").read_text())
     assert report["conversations"] == 3 and report["skipped"] == {"invalid": [], "empty_mask": [4],
-                                                                  "all_ones_mask": [5], "prompt_mismatch": []}
+                                                                  "all_ones_mask": [5], "prompt_mismatch": [],
+                                                                  "same_response": []}
     assert report["loss_tokens"] == [sum(map(sum, masks))]
     # The SFT dataset reads the pair back.
     ds = SFTDataset(str(tmp_path / "o_text_document"), 64, packed=False, shuffle=False)
@@ -196,3 +197,34 @@ def test_example_conversations_from_a_wheel(tmp_path):
     bad = subprocess.run([sys.executable, tool, "--wheel", str(tmp_path / "none.whl"), "--output-dir", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "none.whl" in bad.stderr
+
+
+def test_a_pair_whose_chosen_equals_rejected_is_skipped(tmp_path, hf_folder):
+    """Identical sides give the DPO loss log 2 and no gradient: never trained on silently."""
+    pairs = [{"prompt": "hi there", "chosen": "hello friend", "rejected": "bye now"},
+             {"prompt": "hi there", "chosen": "same", "rejected": "same"}]
+    src = _write_jsonl(tmp_path / "p.jsonl", pairs)
+    out = _run("--input", src, "--output-prefix", str(tmp_path / "p"), "--tokenizer-type", "HuggingFaceTokenizer",
+               "--tokenizer-name-or-path", hf_folder, "--preference-pairs")
+    assert out.returncode == 0, out.stderr
+    assert "whose chosen and rejected responses are the same: lines 2" in out.stdout
+    report = json.loads((tmp_path / "p_report.json").read_text())
+    assert report["conversations"] == 1 and report["skipped"]["same_response"] == [2]
+    assert len(_read(str(tmp_path / "p_chosen"))[0]) == 1
+
+
+def test_a_line_that_is_not_utf8_is_invalid_not_replaced(tmp_path, hf_folder):
+    """Bytes that are not UTF-8 used to become U+FFFD inside the trained text."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(json.dumps(LINES[0]).encode() + b"\n"
+                    + b'{"messages": [{"role": "user", "content": "h\xff\xfei"}, '
+                      b'{"role": "assistant", "content": "ok"}]}\n')
+    flags = ["--input", str(src), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+             "HuggingFaceTokenizer", "--tokenizer-name-or-path", hf_folder]
+    out = _run(*flags)
+    assert out.returncode == 2 and "in.jsonl:2" in out.stderr and "UTF-8" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    out = _run(*flags, "--skip-invalid")
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "o_report.json").read_text())
+    assert report["conversations"] == 1 and report["skipped"]["invalid"] == [2]

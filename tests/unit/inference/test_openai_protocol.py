@@ -6,7 +6,8 @@ import pytest
 from megatron.inference.engine import SamplingParams
 from megatron.inference.engine.openai_protocol import (CHAT_STOP, Limits, RequestError,
                                                         completion_prompt, held_back,
-                                                        render_chat, sampling_params)
+                                                        render_chat, request_body,
+                                                        sampling_params)
 
 LIMITS = Limits(max_prompt_tokens=100, max_tokens=64)
 
@@ -52,3 +53,34 @@ def test_stream_holds_back_a_possible_stop_string_and_unfinished_characters():
     assert held_back("hello", ("world",)) == 0
     assert held_back("abc\n", ("\nuser:",)) == 1
     assert held_back("ab\ufffd", ()) == 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+    ({"stop": 0}, "stop"), ({"stop": False}, "stop"), ({"stop": ""}, "stop"), ({"stop": {}}, "stop"),
+    ({"max_completion_tokens": None, "max_tokens": 999}, "max_tokens"),
+])
+def test_values_that_used_to_pass_silently_are_refused(body, param):
+    """NaN compared False against both bounds and was read as temperature 1 / top_p off; a falsy
+    non-list ``stop`` and a null ``max_completion_tokens`` hid the field the user sent."""
+    with pytest.raises(RequestError) as e:
+        sampling_params(body, LIMITS)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_null_fields_take_their_defaults():
+    assert sampling_params({"stream": None, "stop": None, "n": None}, LIMITS) == \
+        SamplingParams(max_tokens=16, seed=0)
+    assert sampling_params({"max_completion_tokens": None, "max_tokens": 5}, LIMITS).max_tokens == 5
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b'{"prompt": "\xff"}', "not valid JSON"), (b"[" * 5000 + b"]" * 5000, "not valid JSON"),
+    (b'{"prompt": "a", "temperature": NaN}', "not valid JSON"), (b"[1]", "JSON object"),
+    (b'{"prompt": "a", "top_p": Infinity}', "not valid JSON"),
+])
+def test_request_bodies_that_are_not_one_json_object_are_refused(raw, message):
+    with pytest.raises(RequestError, match=message) as e:
+        request_body(raw)
+    assert e.value.status == 400
+    assert request_body(b'{"prompt": "a"}') == {"prompt": "a"}

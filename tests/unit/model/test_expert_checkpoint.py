@@ -2,7 +2,8 @@
 
 A :class:`MoELayer` (4 experts, top-2, shared expert, expert bias) wrapped in DDP with its expert
 weights marked, trained 3 steps with the chained optimizer (dense and expert parts, plain or
-distributed) on rank-dependent tokens, is saved at one expert-parallel size and loaded at another.
+distributed) on rank-dependent tokens, is saved at one expert-parallel size (and expert-TP size)
+and loaded at another.
 Oracles: the checkpoint's global tensors reassembled in one process, compared (a) expert by expert
 with the weights and Adam moments each EP rank held when it saved, and (b) with the global tensors
 of a checkpoint saved again right after loading at the new layout: weights, Adam moments and the
@@ -31,11 +32,13 @@ CFG = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, moe_router_topk=2,
 EXPERT_KEYS = ("experts.weight1", "experts.weight2")
 
 
-def _build(ep: int, distributed: bool, groups=None):
+def _build(ep: int, distributed: bool, groups=None, etp: int = 1):
     if groups is None:
-        groups = ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+        groups = ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep,
+                                              expert_tensor_parallel_size=etp)
     layer = MoELayer(CFG, hidden_size=H, seed=5, layer_number=1,
-                     ep_group=groups.ep.group if ep > 1 else None)
+                     ep_group=groups.ep.group if ep > 1 else None,
+                     expert_tp_group=groups.expt_tp.group if etp > 1 else None)
     for p in layer.experts.parameters():
         mark_expert(p)
     ddp = DistributedDataParallel(layer, data_parallel_group=groups.dp_cp.group,
@@ -76,10 +79,22 @@ def _save(folder, groups, ddp, opt):
         torch.save(state.common, os.path.join(folder, "optimizer_common.pt"))
 
 
+def _slice(name, rank, size):
+    """The index, in one global expert ``[2F, H]`` / ``[H, F]``, of expert-TP rank ``rank``'s
+    slice of ``name`` (``weight1``: ``[gate_t; up_t]`` rows, ``weight2``: columns ``f_t``)."""
+    f = F // size
+    cols = torch.arange(rank * f, (rank + 1) * f)
+    if name.endswith("weight1"):
+        return (torch.cat([cols, F + cols]),)
+    return (slice(None), cols)
+
+
 def _held(layer, opt, groups):
-    """``{(key, global expert): tensor}`` of this rank's experts: weights, and the plain
-    optimizer's Adam moments (the distributed one holds pieces)."""
+    """``{(key, global expert, expert-TP rank, expert-TP size): tensor}`` of this rank's
+    experts (its expert-TP slice of each): weights, and the plain optimizer's Adam moments (the
+    distributed one holds pieces)."""
     out = {}
+    tp = (groups.expt_tp.rank, groups.expt_tp.size)
     first = groups.ep.rank * layer.experts.num_local_experts  # MoELayer: rank r, experts r E/EP..
     mains = dict(opt.parts[1].model_main_pairs()) if hasattr(opt.parts[1], "model_main_pairs") \
         else {}
@@ -87,16 +102,16 @@ def _held(layer, opt, groups):
         p = getattr(layer.experts, name)
         state = opt.parts[1].optimizer.state.get(mains.get(p), {}) if p in mains else {}
         for i in range(p.shape[0]):
-            out[(f"model.experts.{name}", first + i)] = p.detach()[i].clone()
+            out[(f"model.experts.{name}", first + i, *tp)] = p.detach()[i].clone()
             for moment in ("exp_avg", "exp_avg_sq"):
                 if moment in state:
-                    out[(f"optimizer.state.{moment}.experts.{name}", first + i)] = \
+                    out[(f"optimizer.state.{moment}.experts.{name}", first + i, *tp)] = \
                         state[moment][i].clone()
     return out
 
 
-def _save_at(folder, ep, distributed):
-    groups, layer, ddp, opt = _build(ep, distributed)
+def _save_at(folder, ep, distributed, etp=1):
+    groups, layer, ddp, opt = _build(ep, distributed, etp=etp)
     with torch.no_grad():  # a state of its own, the same on every rank
         layer.router.expert_bias.copy_(torch.arange(E, dtype=torch.float32) * 0.25 - 0.3)
     _train(groups, ddp, opt)
@@ -105,8 +120,8 @@ def _save_at(folder, ep, distributed):
     return _held(layer, opt, groups)
 
 
-def _load_and_resave(folder, again, ep, distributed):
-    groups, layer, ddp, opt = _build(ep, distributed)
+def _load_and_resave(folder, again, ep, distributed, etp=1):
+    groups, layer, ddp, opt = _build(ep, distributed, etp=etp)
     saved = set(dcp.tensor_shapes(dcp.read_metadata(folder)))
     boxes, targets = _boxes(groups, ddp, opt, saved)
     dcp.load(boxes, folder)
@@ -126,12 +141,13 @@ def _global_tensors(folder):
 
 
 def _check_every_expert(tensors, held_by_rank, ep):
-    """Each EP rank's experts are rows of the global tensor at their global index; all E rows
-    are there (each held by exactly one EP rank's boxes) and distinct."""
+    """Each EP rank's experts are rows of the global tensor at their global index (an expert-TP
+    rank's slice: its rows / columns of the row, :func:`_slice`); all E rows are there (each
+    held by exactly one EP rank's boxes) and distinct."""
     seen = set()
     for held in held_by_rank:
-        for (key, expert), value in held.items():
-            assert torch.equal(tensors[key][expert], value), (key, expert)
+        for (key, expert, t, size), value in held.items():
+            assert torch.equal(tensors[key][expert][_slice(key, t, size)], value), (key, expert)
             seen.add((key, expert))
     for key in EXPERT_KEYS:
         assert {e for k, e in seen if k == "model." + key} == set(range(E))
@@ -167,6 +183,38 @@ def test_saved_at_one_ep_loads_at_another_bitwise(tmp_path, save_ep, load_ep, di
     assert all(a[k].abs().sum() > 0 for k in moments)  # trained: the moments are not zeros
 
 
+@pytest.mark.parametrize("save,load,distributed", [
+    ((2, 2), (1, 1), False), ((2, 2), (1, 1), True), ((2, 2), (4, 1), True),
+    ((1, 1), (2, 2), True), ((1, 2), (2, 1), False)],
+    ids=["ep2etp2-to-ep1etp1", "ep2etp2-to-ep1etp1-distopt", "ep2etp2-to-ep4etp1-distopt",
+         "ep1etp1-to-ep2etp2-distopt", "ep1etp2-to-ep2etp1"])
+def test_saved_at_one_expert_tp_loads_at_another_bitwise(tmp_path, save, load, distributed):
+    """torch_dist at expert-TP > 1: each expert-TP rank's slice lands in the global expert
+    tensors an expert-TP 1 run saves (every expert's slices compared with what each rank held),
+    and a checkpoint saved at one (EP, expert-TP) and loaded at another is saved again with the
+    same global tensors: weights, Adam moments (plain, or the distributed optimizer's pieces) and
+    the expert bias bitwise."""
+    (save_ep, save_etp), (load_ep, load_etp) = save, load
+    first, again = str(tmp_path / "first"), str(tmp_path / "again")
+    os.makedirs(first)
+    os.makedirs(again)
+    held = run_distributed(max(save_ep * save_etp, 2), _save_at, first, save_ep, distributed,
+                           save_etp)
+    a = _global_tensors(first)
+    assert a["model.experts.weight1"].shape == (E, 2 * F, H)  # as at expert-TP 1
+    assert a["model.experts.weight2"].shape == (E, H, F)
+    _check_every_expert(a, held, save_ep)
+    loaded = run_distributed(max(load_ep * load_etp, 2), _load_and_resave, first, again, load_ep,
+                             distributed, load_etp)
+    _check_every_expert(a, loaded, load_ep)
+    b = _global_tensors(again)
+    assert set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    moments = [k for k in a if k.startswith("optimizer.state.exp_avg") and ".experts.w" in k]
+    assert len(moments) == 4 and all(a[k].abs().sum() > 0 for k in moments)
+
+
 @pytest.mark.parametrize("ep", [2, 4])
 def test_every_expert_is_saved_from_the_rank_holding_it(tmp_path, ep):
     """EP never saves one rank's experts only: each of the E experts' saved values (weights and
@@ -178,7 +226,7 @@ def test_every_expert_is_saved_from_the_rank_holding_it(tmp_path, ep):
     _check_every_expert(tensors, held, ep)
     for key in ("optimizer.state.exp_avg.experts.weight1", "optimizer.state.exp_avg_sq."
                 "experts.weight2"):
-        assert {e for k, e in set().union(*map(set, held)) if k == key} == set(range(E))
+        assert {k[1] for k in set().union(*map(set, held)) if k[0] == key} == set(range(E))
 
 
 # The legacy format (--ckpt-format torch): one mp_rank_TT[_PPP]_EEE file per EP rank ---------------
@@ -223,9 +271,9 @@ def test_legacy_files_hold_each_ep_ranks_experts_and_resume_bitwise(tmp_path, ep
         local = E // ep
         for name in ("weight1", "weight2"):
             for i in range(local):  # the file holds this EP rank's experts, in local order
-                key = (f"model.experts.{name}", rank * local + i)
+                key = (f"model.experts.{name}", rank * local + i, 0, 1)
                 assert torch.equal(in_file[f"experts.{name}"][i], held[key])
-        assert held.keys() == loaded.keys() and any("exp_avg" in k for k, _ in held)
+        assert held.keys() == loaded.keys() and any("exp_avg" in k[0] for k in held)
         for key in held:  # weights and Adam moments as saved
             assert torch.equal(held[key], loaded[key]), key
         for n in after:  # the step after the load is the uninterrupted run's

@@ -21,6 +21,7 @@ from megatron.planner.moe import (alltoall_bytes_per_iteration, expert_data_para
                                   moe_expert_numels, stage_expert_numels)
 from tests.helpers.dist import run_distributed
 from tests.helpers.groups import current_groups
+from tests.helpers.zero_memory import measured_iteration
 
 TINY = dict(num_layers=3, hidden_size=32, ffn_hidden_size=88, num_attention_heads=4,
             num_query_groups=2, padded_vocab_size=128, max_position_embeddings=32)
@@ -31,12 +32,13 @@ BUCKET = 3000
 NUM_MB = 2
 
 
-def _measure(ep):
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+def _measure(ep, strategy="optim"):
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed.expert_params import mark_expert
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.moe import MoELayer
     from megatron.model.llama import LlamaModel
+    from megatron.model.transformer import TransformerLayer
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
@@ -54,17 +56,16 @@ def _measure(ep):
                 mark_expert(p)
     ddp = DistributedDataParallel(model, data_parallel_group=groups.dp_cp.group,
                                   expert_data_parallel_group=groups.expt_dp.group,
-                                  bucket_size=BUCKET, use_distributed_optimizer=True)
+                                  bucket_size=BUCKET, use_distributed_optimizer=True,
+                                  data_parallel_sharding_strategy=strategy,
+                                  fsdp_unit_modules=(TransformerLayer,))
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True),
                                  [ddp], pg_collection=groups)
-    ids = torch.randint(0, 128, (2 * NUM_MB, 16), generator=torch.Generator().manual_seed(0))
-    ddp.zero_grad_buffer()
-    for i, mb in enumerate(ids.chunk(NUM_MB)):
-        with ddp.no_sync() if i < NUM_MB - 1 else torch.enable_grad():
-            ddp(mb, labels=mb).float().mean().backward()
-    finalize_model_grads([ddp], pg_collection=groups)
-    opt.step()
+    measured_iteration(ddp, opt, groups, NUM_MB)  # the second of two iterations measured
     mem = ddp.memory_bytes()
+    if ddp.param_units is not None:  # ZeRO-3: shards + the gather window, gradients at peak
+        mem = {"params": mem["param_shards"] + ddp.param_units.peak_gathered_bytes,
+               "grads": ddp.grad_meter.peak}
     parts = getattr(opt, "parts", [opt])
     experts = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True) is False)
     return {"params": mem["params"], "grads": mem["grads"],
@@ -73,7 +74,9 @@ def _measure(ep):
 
 
 def _measure_all():
-    return {ep: _measure(ep) for ep in (1, 2)}
+    out = {ep: _measure(ep) for ep in (1, 2)}
+    out.update({(ep, "zero3"): _measure(ep, "optim_grads_params") for ep in (1, 2)})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +97,33 @@ def test_planner_equals_the_built_moe_model(measured, ep):
             (est.parameters, est.gradients, est.optimizer_distributed)
     # EP=2 halves the experts a rank holds; expert-DP 1 leaves their optimizer state unsharded
     assert measured[0][2]["expert_numel"] * 2 == measured[0][1]["expert_numel"]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_planner_equals_the_built_moe_model_under_zero3(measured, ep):
+    """ZeRO-3 (``--data-parallel-sharding-strategy optim_grads_params``): dense shards over DP,
+    expert shards over expert-DP (2 at EP 1, 1 at EP 2), the gather window (root unit, the layer
+    computing and the next, an MoE layer's unit its dense and expert buckets) and the peak
+    gradients (shards + root + the largest layer unit) equal the built model's bytes."""
+    config = ModelConfig(**TINY, params_dtype=torch.bfloat16)
+    est = estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
+                          num_microbatches=NUM_MB, bf16=True, use_distributed_optimizer=True,
+                          bucket_size=BUCKET, moe=MOE, ep=ep,
+                          sharding_strategy="optim_grads_params")
+    for m in measured:
+        got = m[(ep, "zero3")]
+        assert (got["params"], got["grads"], got["optimizer"]) == \
+            (est.parameters, est.gradients, est.optimizer_distributed)
+        zero1 = m[ep]
+        assert got["optimizer"] == zero1["optimizer"]  # the same shards as ZeRO-1
+
+
+def test_planner_refuses_moe_with_zero2_in_one_line():
+    config = ModelConfig(**TINY, params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not --data-parallel-sharding-strategy optim_grads$"):
+        estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
+                        num_microbatches=NUM_MB, use_distributed_optimizer=True, moe=MOE,
+                        sharding_strategy="optim_grads")
 
 
 def test_expert_shapes_and_expert_dp():
@@ -218,10 +248,19 @@ def test_plan_cli_reads_a_huggingface_moe_config(tmp_path, capsys):
         assert f"mixture of experts: {said}" in capsys.readouterr().out
 
 
-def test_moe_with_zero2_or_3_is_refused():
+def test_expert_tp_follows_tp_by_default():
+    """Megatron-Core's default ``--expert-tensor-parallel-size`` is TP: without ``etp`` every MoE
+    layout's expert-TP is its TP (EP x TP dividing TP x CP x DP), and a TP that does not divide
+    the expert width is not searched (it is with an explicit expert-TP 1)."""
+    import dataclasses
+
+    from megatron.planner.cost import Hardware, enumerate_layouts
+
     config = ModelConfig(**TINY)
-    for strategy in ("optim_grads", "optim_grads_params"):
-        with pytest.raises(ValueError, match="ZeRO-1"):
-            estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=1,
-                            num_microbatches=1, use_distributed_optimizer=True,
-                            sharding_strategy=strategy, moe=MOE)
+    hw = Hardware(num_gpus=8, gpu_memory=80 * 2 ** 30)
+    layouts = list(enumerate_layouts(config, hw, 16, 32, moe=MOE))
+    assert {l.tp for l in layouts} == {1, 2}
+    assert all(l.etp == l.tp and (l.tp * l.cp * l.dp) % (l.ep * l.tp) == 0 for l in layouts)
+    odd = dataclasses.replace(MOE, moe_ffn_hidden_size=23)  # 23 % 2 != 0
+    assert {l.tp for l in enumerate_layouts(config, hw, 16, 32, moe=odd)} == {1}
+    assert {l.tp for l in enumerate_layouts(config, hw, 16, 32, moe=odd, etp=1)} == {1, 2}

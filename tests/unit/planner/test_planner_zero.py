@@ -15,6 +15,7 @@ from megatron.planner.memory import estimate_memory, zero3_unit_numels
 from megatron.training.startup_report import format_memory
 from tests.helpers.dist import run_distributed
 from tests.helpers.groups import current_groups
+from tests.helpers.zero_memory import measured_iteration
 
 TINY = dict(num_layers=4, hidden_size=32, ffn_hidden_size=88, num_attention_heads=4,
             num_query_groups=2, padded_vocab_size=128, max_position_embeddings=32)
@@ -32,7 +33,7 @@ def _measure_all():
 
 
 def _measure(strategy, untie, overlap):
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.model.llama import LlamaModel
     from megatron.model.transformer import TransformerLayer
@@ -50,17 +51,7 @@ def _measure(strategy, untie, overlap):
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True,
                                                  use_distributed_optimizer=True), [ddp],
                                  pg_collection=groups)
-    ids = torch.randint(0, 128, (2 * NUM_MB, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):  # the second iteration is measured
-        ddp.zero_grad_buffer()
-        ddp.grad_meter.reset_peak()
-        if ddp.param_units is not None:
-            ddp.param_units.reset_peak()
-        for i, mb in enumerate(ids.chunk(NUM_MB)):
-            with ddp.no_sync() if i < NUM_MB - 1 else torch.enable_grad():
-                ddp(mb, labels=mb).float().mean().backward()
-        finalize_model_grads([ddp], pg_collection=groups)
-        opt.step()
+    measured_iteration(ddp, opt, groups, NUM_MB)  # the second of two iterations measured
     mem = ddp.memory_bytes()
     units = ([u.numel_padded() for u in ddp.param_units.units] if ddp.param_units else None)
     window = ddp.param_units.peak_gathered_bytes if ddp.param_units else 0

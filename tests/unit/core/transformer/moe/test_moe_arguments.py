@@ -118,12 +118,10 @@ def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, f
      r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2"),
     ("--tensor-model-parallel-size 2 --sequence-parallel --moe-ffn-hidden-size 33",
      r"--expert-tensor-parallel-size \(2, default TP\)"),
-    ("--tensor-model-parallel-size 2 --sequence-parallel --save ckpt --ckpt-format torch_dist",
-     "--expert-tensor-parallel-size 2 with --ckpt-format torch_dist: only the legacy format .*"
-     "use --ckpt-format torch or --expert-tensor-parallel-size 1"),
-    ("--expert-tensor-parallel-size 2 --load ckpt",
-     "--expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 and --save / --load: "
-     ".*need expert-TP = TP; set --expert-tensor-parallel-size 1$"),
+    ("--expert-tensor-parallel-size 2 --save ckpt",
+     "--expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1, --save and "
+     "--ckpt-format torch: .*need expert-TP = TP; use --ckpt-format torch_dist or set "
+     "--expert-tensor-parallel-size 1$"),
     ("--moe-token-dispatcher-type flex", "flex is not supported"),
     ("--moe-router-bias-update-rate 0.1", "needs --moe-router-enable-expert-bias"),
     ("--moe-layer-freq [0,0,0,0]", "no layer is MoE"),
@@ -151,6 +149,10 @@ def test_expert_parallelism_without_experts_is_one_line(files):
     # experts split over expert-TP = TP: the legacy format saves each tensor rank's slice
     ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
      "--save ckpt --load ckpt", 2),
+    # torch_dist saves whole experts at any expert-TP (tests/unit/test_expert_tp_checkpoint.py)
+    ("--tensor-model-parallel-size 2 --sequence-parallel --save ckpt --ckpt-format torch_dist",
+     2),
+    ("--expert-tensor-parallel-size 2 --save ckpt --load ckpt --ckpt-format torch_dist", 2),
     ("--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
      "--attention-dropout 0", 2),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 1),

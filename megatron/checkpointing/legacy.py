@@ -403,11 +403,11 @@ def check_saved_expert_tp(state: dict, path: str, load_dir: str, tp: int, expert
     Raises:
         CheckpointError: naming both sizes and the fix.
     """
-    args = state.get("args") if isinstance(state, dict) else None
-    if not isinstance(args, dict) or not args.get("num_experts"):
+    recorded = state.get("args") if isinstance(state, dict) else None  # a dict, not a namespace
+    if not isinstance(recorded, dict) or not recorded.get("num_experts"):
         return
-    saved = args.get("expert_tensor_parallel_size")
-    saved = args.get("tensor_model_parallel_size", tp) if saved is None else saved
+    saved = recorded.get("expert_tensor_parallel_size")
+    saved = recorded.get("tensor_model_parallel_size", tp) if saved is None else saved
     if saved == expert_tp:
         return
     raise CheckpointError(

@@ -14,7 +14,7 @@ from typing import Optional
 
 def tokenizer_of(args, saved: dict):
     """The run's tokenizer: ``args``' tokenizer flags (``tokenizer_type``, ``tokenizer_model``,
-    ``tokenizer_name_or_path``; None: unset), else the checkpoint's ``saved`` args.
+    ``tokenizer_name_or_path``; None: unset), else the checkpoint's recorded ``saved`` arguments.
 
     A NullTokenizer is rebuilt from the run's ``--vocab-size`` (``saved["vocab_size"]``, as
     pretrain_llama's checkpoints record it), not from the true vocabulary (``true_vocab_size``),

@@ -21,7 +21,7 @@ def checkpoint_args(load_dir: str) -> dict:
     a Megatron-LM checkpoint's translated).
 
     Raises:
-        CheckpointError: no tracker file, no shard, a torch_dist checkpoint recording no args.
+        CheckpointError: no tracker file, no shard, a torch_dist checkpoint recording no arguments.
     """
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir} " + ("is a file" if os.path.lexists(load_dir)

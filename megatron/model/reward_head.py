@@ -58,8 +58,9 @@ def attach_reward_head(model, std: float = 0.02):
                                         dtype=config.params_dtype)
     with torch.no_grad():
         model.reward_head.weight.copy_(weight)
-    for p in (model.output_layer.parameters() if getattr(model, "output_layer", None) is not None
-              else ()):
+    # LlamaModel has an output_layer only on the last stage with untied embeddings
+    output_layer = model._modules.get("output_layer")
+    for p in (output_layer.parameters() if output_layer is not None else ()):
         p.requires_grad_(False)
     model._logits = types.MethodType(_reward_logits, model)
     model._register_load_state_dict_pre_hook(_keep_initial_head, with_module=True)

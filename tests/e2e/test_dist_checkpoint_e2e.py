@@ -189,7 +189,7 @@ def test_bf16_distributed_optimizer_resumes_exactly(two_ranks):
 
 # Reading the latest checkpoint while a newer one is being written --------------------------------
 
-def _train_with_a_held_write(argv, gate, marker):
+def _train_with_a_held_write(argv, gate, marker, save):
     """Train; each rank's background write of the second checkpoint stops after its first record
     until ``gate`` exists (``marker.<rank>`` says that rank's write is held)."""
     import torch.distributed as dist
@@ -201,7 +201,9 @@ def _train_with_a_held_write(argv, gate, marker):
 
     def held(*args, **kwargs):
         result = real(*args, **kwargs)
-        if os.path.exists(marker + ".first"):  # the first checkpoint is published
+        # a write after the first checkpoint is published (the tracker names it): under load
+        # the reader thread may not have looked yet, so the writer decides by the tracker itself
+        if os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt")):
             open(f"{marker}.{dist.get_rank()}", "w").close()
             while not os.path.exists(gate):
                 time.sleep(0.05)
@@ -220,9 +222,6 @@ def test_latest_checkpoint_reads_while_a_newer_one_is_written(data_prefix, tmp_p
     seen = {}
 
     def reader():  # another job reading --save while the training world writes
-        while ckpt.find_checkpoint(save) is None:
-            time.sleep(0.05)
-        open(marker + ".first", "w").close()
         while not all(os.path.exists(f"{marker}.{rank}") for rank in range(2)):
             time.sleep(0.05)  # both ranks hold their writes: under load one may start late
         seen["tracker"] = ckpt.find_checkpoint(save)
@@ -233,7 +232,8 @@ def test_latest_checkpoint_reads_while_a_newer_one_is_written(data_prefix, tmp_p
 
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
-    iterations = run_distributed(2, _train_with_a_held_write, argv, gate, marker, timeout=300)
+    iterations = run_distributed(2, _train_with_a_held_write, argv, gate, marker, save,
+                                 timeout=300)
     thread.join(timeout=5)
     assert iterations[0] == [1, 2, 3, 4, 5, 6]
     assert seen["tracker"] == (3, False) and seen["complete"]

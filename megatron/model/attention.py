@@ -203,11 +203,10 @@ class SelfAttention(torch.nn.Module):
         # A copy: kept by SDPA for backward, a view would keep the whole QKV output alive.
         v = v.contiguous().view(s, b, g, d)
         if inference_params is not None and hasattr(inference_params, "attend"):
-            if self.chunk_size is not None:
-                raise ValueError("the paged KV cache does not attend in chunks "
-                                 "(--attention-chunk-size): generate with the contiguous cache")
-            # A paged KV cache (megatron.inference.engine) attends per request over its blocks.
-            return inference_params.attend(self.layer_number, q, k, v).reshape(s, b, n * d)
+            # A paged KV cache (megatron.inference.engine) attends per request over its blocks
+            # (on the RoPE layers of Llama 4 over its chunk's blocks only).
+            return inference_params.attend(self.layer_number, q, k, v,
+                                           chunk_size=self.chunk_size).reshape(s, b, n * d)
         if inference_params is not None:
             k, v = inference_params.append_kv(self.layer_number, k, v)
             cache_mask = inference_params.attention_mask(s, q.device)

@@ -3,7 +3,8 @@
 each rank's sum of squares) and its weights ``q_norm [nh d]``, ``k_norm [ng d]`` are sharded with
 the heads. A tiny random ``OlmoeForCausalLM`` converted at TP2 and TP2 x EP2 gives transformers'
 logits; the first training loss at TP2 (sequence parallelism, the converter's printed layout)
-equals transformers' loss on the same batch; TP2 x EP2 -> HF is bitwise."""
+equals transformers' loss on the same batch; TP2 x EP2 -> HF and the TP2 training checkpoint ->
+HF are bitwise; a ``torch_dist`` release loads at TP2 x EP2."""
 
 import pytest
 import torch
@@ -56,12 +57,18 @@ def test_olmoe_first_training_loss_at_tp2_equals_transformers(olmoe, tmp_path, c
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + OLMOE_FLAGS + [
         "--load", str(tmp_path / "ours"), "--data-path", prefix,
-        "--data-cache-path", str(tmp_path / "cache")] + layout
+        "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run")] + layout
     history = run_distributed(2, _train, argv, timeout=300)[-1]
     labels = torch.cat([doc[1:], doc[:1]])
     with torch.no_grad():
         hf_loss = torch.nn.functional.cross_entropy(model(doc[None]).logits[0], labels).item()
     assert abs(history["lm loss"][0] - hf_loss) < 1e-5, (history["lm loss"], hf_loss)
+    # The TP2 training checkpoint (lr 0 kept the weights) exports back bitwise.
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "run",
+            "--save-dir", tmp_path / "back")
+    original, exported = _safetensors(folder), _safetensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
 
 
 def test_olmoe_torch_dist_release_loads_at_tp2(olmoe, tmp_path):

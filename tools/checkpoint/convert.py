@@ -94,6 +94,12 @@ def build_parser(argv=None):
                         help="EP of the written MoE checkpoint: each expert-parallel rank's shard "
                              "folder (mp_rank_TT[_PPP]_EEE) holds num_experts / EP experts "
                              "(default: 1)")
+    parser.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                        help="expert-TP of the written MoE checkpoint: 1 (every tensor rank's "
+                             "shard holds whole experts) or the target TP (tensor rank t holds "
+                             "slice t of every expert: weight1 [E/EP, 2f/TP, h], weight2 "
+                             "[E/EP, h, f/TP], as training at --expert-tensor-parallel-size TP "
+                             "saves them) (default: 1)")
     parser.add_argument("--target-params-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="dtype of the written weights (default: the source's)")
     parser.add_argument("--include-optimizer", action="store_true",
@@ -136,7 +142,7 @@ def main(argv=None) -> str:
     parser, loader, saver = build_parser(argv)
     args = parser.parse_args(argv)
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                 "target_expert_parallel_size"):
+                 "target_expert_parallel_size", "target_expert_tensor_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")

@@ -66,13 +66,18 @@ def llama4(tmp_path_factory):
     return folder, model, tokens, expected
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_llama4_logits_equal_transformers(llama4, tp, pp, tmp_path):
+@pytest.mark.parametrize("tp,pp,ep,etp", [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1),
+                                         (2, 1, 2, 1), (2, 1, 2, 2)])
+def test_llama4_logits_equal_transformers(llama4, tp, pp, ep, etp, tmp_path):
+    """At TP x PP x EP (``--target-expert-parallel-size``: expert rank e's shards hold its
+    fused experts, every rank the shared expert and the dense layers) and expert-TP 1 or TP,
+    loaded in a world of TP x PP x EP ranks, the logits are transformers'."""
     folder, _, tokens, expected = llama4
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
             tmp_path / "ckpt", "--target-tensor-parallel-size", tp,
-            "--target-pipeline-parallel-size", pp)
-    logits = megatron_logits(str(tmp_path / "ckpt"), tp, pp, tokens)
+            "--target-pipeline-parallel-size", pp, "--target-expert-parallel-size", ep,
+            "--target-expert-tensor-parallel-size", etp)
+    logits = megatron_logits(str(tmp_path / "ckpt"), tp, pp, tokens, ep=ep, etp=etp)
     assert_logits_match(logits, expected, atol=3e-5)  # measured 1.1e-5 of logits up to 5
 
 
@@ -93,6 +98,33 @@ def test_round_trip_is_bitwise(llama4, tmp_path):
     reloaded.config._attn_implementation = "eager"
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, expected)
+
+
+def test_round_trip_from_an_expert_parallel_checkpoint_is_bitwise(llama4, tmp_path):
+    """HF -> ours at EP2 x PP2 (the MoE layers 1 and 3 one per stage; expert rank e's shards
+    hold experts 2e, 2e+1 of the fused [E, 2f, h]) -> HF: every tensor bitwise."""
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
+
+    folder = llama4[0]
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "a", "--target-expert-parallel-size", 2,
+            "--target-pipeline-parallel-size", 2)
+    original = safetensors_tensors(folder)
+    release = tmp_path / "a" / "release"
+    for e in range(2):
+        shard = load_torch_file(str(release / f"mp_rank_00_001_{e:03d}" / "model_optim_rng.pt"),
+                                what="shard")
+        w1 = shard["model"]["layers.1.mlp.experts.weight1"]  # global layer 3
+        hub = original["model.layers.3.feed_forward.experts.gate_up_proj"]  # [E, h, 2f]
+        assert torch.equal(w1, hub[2 * e:2 * e + 2].transpose(1, 2))
+        assert torch.equal(shard["model"]["layers.1.mlp.shared_experts.linear_fc2"],
+                           original["model.layers.3.feed_forward.shared_expert.down_proj.weight"])
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "a", "--save-dir",
+            tmp_path / "hf")
+    exported = safetensors_tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
 SEQ = 18

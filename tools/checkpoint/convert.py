@@ -149,11 +149,6 @@ def main(argv=None) -> str:
     if args.include_optimizer and (args.loader, args.saver) != ("megatron", "megatron"):
         parser.error("--include-optimizer needs --loader megatron --saver megatron (only our "
                      "training checkpoints hold an optimizer state we can re-split)")
-    if args.include_optimizer and (args.target_expert_parallel_size or 1) > 1:
-        raise ValueError(f"--include-optimizer with --target-expert-parallel-size "
-                         f"{args.target_expert_parallel_size}: the optimizer state is re-cut at "
-                         "expert-parallel size 1 only; convert the weights (drop "
-                         "--include-optimizer) and load them with --finetune")
     if hasattr(saver, "check_target"):  # a --save-dir it cannot write: refused before reading
         saver.check_target(args)
     meta, stream = loader.load_checkpoint(args)

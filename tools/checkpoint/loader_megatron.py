@@ -190,10 +190,6 @@ def load_checkpoint(args):
     meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None), ep > 1,
                           experts="legacy")
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-    if getattr(args, "include_optimizer", False) and ep > 1:
-        raise CheckpointError(f"{shards[(0, 0)]}: --include-optimizer is not supported for "
-                              f"checkpoints saved at --expert-model-parallel-size {ep}; convert "
-                              "the weights only")
     if getattr(args, "include_optimizer", False) and len(chunks) > 1:
         raise CheckpointError(f"{shards[(0, 0)]}: --include-optimizer is not supported for "
                               f"checkpoints with virtual pipeline stages ({', '.join(chunks)}); "
@@ -203,10 +199,10 @@ def load_checkpoint(args):
         common = optimizer_state.unpack(first, shards[(0, 0)])[1]
         meta["optimizer"] = dict(common, **{k: first.get(k) for k in (
             "iteration", "consumed_train_samples", "consumed_valid_samples",
-            "opt_param_scheduler")}, source_args=saved, mixed=first["optimizer"] is not None
-            and "fp32_from_fp16_params" in first["optimizer"])
+            "opt_param_scheduler")}, source_args=saved)
         del first
-        return meta, stream_with_optimizer(shards, tp, pp, meta)
+        groups = joined if ep > 1 else {key: [(path, True)] for key, path in shards.items()}
+        return meta, stream_with_optimizer(groups, tp, pp, meta)
     # Virtual stage v * PP + p is chunk v of pipeline rank p: streamed in that order as PP x v
     # plain stages (a shard file is read once per chunk).
     if ep > 1:
@@ -365,17 +361,41 @@ def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int |
         yield "final", final
 
 
-def stream_with_optimizer(shards, tp: int, pp: int, meta: dict):
-    """Like :func:`stream_stages` over our shards, each payload with an ``"optimizer"`` entry:
+def read_with_optimizer(entries):
+    """``(model state, {quantity: flat state})`` of one (tensor rank, pipeline rank) from its
+    shards ``entries`` (:func:`tools.checkpoint.expert_shards.find_expert_shards`' form: one
+    ``(path, own)`` per expert-parallel rank, or the one shard): the weights and each optimizer
+    quantity joined over the expert ranks alike (the Adam moments of the experts go with them).
+
+    Raises:
+        ExpertError: a replicated tensor or its optimizer state differing between expert ranks.
+    """
+    states = []
+    for path, _ in entries:
+        ckpt = load_torch_file(path)
+        states.append((ckpt["model"], optimizer_state.unpack(ckpt, path)[0]))
+        del ckpt
+    if len(states) == 1:
+        return states[0]
+    where = f"{os.path.dirname(os.path.dirname(expert_shards.own_shard(entries)))}: "
+    own = [o for _, o in entries]
+    model = moe_layout.join_expert_shards([m for m, _ in states], where, own)
+    return model, {q: moe_layout.join_expert_shards([u[q] for _, u in states],
+                                                    f"{where}optimizer {q}: ", own)
+                   for q in optimizer_state.QUANTITIES}
+
+
+def stream_with_optimizer(groups, tp: int, pp: int, meta: dict):
+    """Like :func:`stream_stages` over our shards (``groups``: ``{(tensor rank, pipeline rank):
+    entries}`` of :func:`read_with_optimizer`), each payload with an ``"optimizer"`` entry:
     ``{quantity: payload of the same message}`` (see :mod:`tools.checkpoint.optimizer_state`).
     Vocabulary rows stay padded: the padded rows are trained too (they are in the softmax)."""
     rows = meta["vocab_rows"]
     for p in range(pp):
-        ckpts = [load_torch_file(shards[(t, p)]) for t in range(tp)]
-        unpacked = [optimizer_state.unpack(c, shards[(t, p)]) for t, c in enumerate(ckpts)]
-        model = stage_messages([c["model"] for c in ckpts], p, pp, meta, OUR_NAMES, rows)
-        per_q = {q: stage_messages([u[0][q] for u in unpacked], p, pp, meta, OUR_NAMES, rows)
+        read = [read_with_optimizer(groups[(t, p)]) for t in range(tp)]
+        model = stage_messages([m for m, _ in read], p, pp, meta, OUR_NAMES, rows)
+        per_q = {q: stage_messages([u[q] for _, u in read], p, pp, meta, OUR_NAMES, rows)
                  for q in optimizer_state.QUANTITIES}
         for kind, payload in model:
             yield kind, dict(payload, optimizer={q: next(g)[1] for q, g in per_q.items()})
-        del ckpts, unpacked
+        del read

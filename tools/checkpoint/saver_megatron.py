@@ -16,7 +16,9 @@ under ``release.tmp/`` and the folder and the tracker are put in place only afte
 exists.
 
 ``--include-optimizer`` (from ``--loader megatron``): the Adam moments and fp32 main parameters
-are re-split exactly like the weights (:mod:`tools.checkpoint.optimizer_state`) and the
+are re-split exactly like the weights (:mod:`tools.checkpoint.optimizer_state`; a model with
+experts keeps its dense and expert optimizer parts, and the experts' state goes with them to
+their expert rank at any ``--target-expert-parallel-size``) and the
 checkpoint is written as ``iter_XXXXXXX`` of the source's iteration with its scheduler state and
 consumed samples, so ``--load`` resumes training at the new layout. RNG states are not carried
 (they are per tensor-parallel rank): resume with ``--no-load-rng``.
@@ -191,8 +193,6 @@ def _save_legacy(meta: dict, stream, args):
     vocab_rows = meta["true_vocab_size"] or meta["vocab_rows"]
     padded = vocab_size_with_padding(vocab_rows, divisible_by, tp)
     optim = meta.get("optimizer") if getattr(args, "include_optimizer", False) else None
-    if optim is not None and ep > 1:  # convert.py refuses the flags first, naming them
-        raise ValueError(f"--include-optimizer with --target-expert-parallel-size {ep}")
     if optim is not None and padded != meta["vocab_rows"]:
         raise ValueError(f"--include-optimizer: the padded vocabulary would change from "
                          f"{meta['vocab_rows']} to {padded} rows at tensor-parallel size {tp} "
@@ -327,11 +327,9 @@ class _StageWriter:
             model = {k: v for k, v in flat.items() if not k.startswith("optimizer/")}
             state = dict(self.extra, model=model, args=self.ckpt_args,
                          checkpoint_version=CHECKPOINT_VERSION)
-            if self.optim is not None:
-                quantities = {q: {k[len(f"optimizer/{q}/"):]: v for k, v in flat.items()
-                                  if k.startswith(f"optimizer/{q}/")}
-                              for q in optimizer_state.QUANTITIES}
-                state["optimizer"] = optimizer_state.pack(model, quantities, self.optim, self.mixed)
+            quantities = {q: {k[len(f"optimizer/{q}/"):]: v for k, v in flat.items()
+                              if k.startswith(f"optimizer/{q}/")}
+                          for q in (optimizer_state.QUANTITIES if self.optim else ())}
             for e in range(self.ep):
                 name = get_checkpoint_name(self.staging, 0, release=False,
                                            pipeline_parallel=self.pp > 1, tensor_rank=r,
@@ -341,9 +339,15 @@ class _StageWriter:
                 # final one.
                 name = name.replace(os.path.join(self.staging, "iter_0000000"), self.staging, 1)
                 os.makedirs(os.path.dirname(name), exist_ok=True)
-                torch.save(state if self.ep == 1 else dict(
-                    state, model=moe_layout.local_experts(model, e, self.ep)), name)
-            del flat, model, state
+                local = state if self.ep == 1 else dict(
+                    state, model=moe_layout.local_experts(model, e, self.ep))
+                if self.optim is not None:  # the experts' Adam state goes with them
+                    local["optimizer"] = optimizer_state.pack(
+                        local["model"], {q: moe_layout.local_experts(v, e, self.ep)
+                                         for q, v in quantities.items()}, self.optim, self.mixed)
+                torch.save(local, name)
+                del local
+            del flat, model, state, quantities
             for path in self.spills[r]:
                 os.remove(path)
             self.spills[r] = []

@@ -152,3 +152,19 @@ def test_missing_expert_tp_folder_is_refused_naming_it(mixtral, tmp_path, capsys
     with pytest.raises(CheckpointError, match="mp_rank_01_000"):
         convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "a",
                 "--save-dir", tmp_path / "hf")
+
+
+def test_loader_refuses_a_recorded_expert_tp_other_than_1_and_tp(mixtral, tmp_path, capsys):
+    """Shards whose args record expert-TP 4 at TP 2 (not a split the legacy format holds) stop
+    the loader in one line naming the recorded flag."""
+    from tools.checkpoint.convert import command
+
+    _to_etp2(mixtral[0], tmp_path / "a", capsys)
+    for shard in (tmp_path / "a" / "release").glob("mp_rank_*/model_optim_rng.pt"):
+        state = load_torch_file(str(shard), what="shard")
+        state["args"]["expert_tensor_parallel_size"] = 4
+        torch.save(state, shard)
+    assert command(["--loader", "megatron", "--saver", "hf", "--load-dir", str(tmp_path / "a"),
+                    "--save-dir", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--expert-tensor-parallel-size 4" in err[0], err

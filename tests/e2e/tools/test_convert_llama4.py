@@ -140,16 +140,19 @@ def _train(argv):
     return pretrain_llama.main(argv)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, pp):
-    """Trained with the flags the converter prints; the training checkpoint exports back
-    bitwise."""
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
+def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, tp, pp, ep):
+    """Trained with the flags the converter prints (at EP 2 each data-parallel rank trains on a
+    copy of the one document; TP2 x EP2 with expert-TP 2 on 4 ranks); the training checkpoint
+    exports back bitwise."""
     from megatron.inference.model_loader import checkpoint_args
     from tools.checkpoint.model_flags import pretrain_flags
 
     folder, model, _, _ = llama4
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
-            tmp_path / "ours", "--target-pipeline-parallel-size", pp)
+            tmp_path / "ours", "--target-pipeline-parallel-size", pp,
+            "--target-tensor-parallel-size", tp, "--target-expert-parallel-size", ep,
+            "--target-expert-tensor-parallel-size", tp)
     printed = capsys.readouterr().out
     flags = pretrain_flags(checkpoint_args(str(tmp_path / "ours")))
     for flag in ("--rotary-interleaved", "--qk-l2-norm", "--no-rope-freq [0,1,0,1]",
@@ -162,8 +165,10 @@ def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, pp):
     tokenizer = flags.index("--tokenizer-type") if "--tokenizer-type" in flags else len(flags)
     argv = flags[:tokenizer] + TRAIN_FLAGS + [
         "--load", str(tmp_path / "ours"), "--data-path", prefix,
-        "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run")]
-    history = run_distributed(pp, _train, argv, timeout=300)[-1]  # the last stage logs the loss
+        "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run"),
+        "--global-batch-size", str(ep)]
+    # the last stage logs the loss
+    history = run_distributed(tp * pp * ep, _train, argv, timeout=600)[-1]
     tokens, labels = doc[None], torch.cat([doc[1:], doc[:1]])
     with torch.no_grad():
         hf_loss = torch.nn.functional.cross_entropy(model(tokens).logits[0], labels).item()

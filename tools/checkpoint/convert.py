@@ -10,6 +10,11 @@ Usage::
         --target-pipeline-parallel-size 2 [--target-params-dtype bf16]
     python tools/checkpoint/convert.py --loader hf --saver megatron --load-dir Mixtral-8x7B \
         --save-dir ckpt --target-tensor-parallel-size 2 --target-expert-parallel-size 4
+    python tools/checkpoint/convert.py --loader hf --saver megatron --load-dir Mixtral-8x7B \
+        --save-dir ckpt --target-tensor-parallel-size 2 --target-expert-parallel-size 2 \
+        --target-expert-tensor-parallel-size 2
+    python tools/checkpoint/convert.py --loader megatron --saver megatron --include-optimizer \
+        --load-dir run-ep2 --save-dir run-ep4 --target-expert-parallel-size 4
     python tools/checkpoint/convert.py --loader megatron --saver hf --load-dir ckpt --save-dir out
     python tools/checkpoint/convert.py --loader megatron-llama --saver megatron \\
         --load-dir mllama-ckpt --save-dir ckpt --norm-epsilon 1e-6

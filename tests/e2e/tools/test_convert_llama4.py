@@ -178,6 +178,30 @@ def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, tp, p
     original, exported = safetensors_tensors(folder), safetensors_tensors(tmp_path / "back")
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
+    if (tp, ep) == (1, 2):  # with its optimizer to EP 1: the experts' Adam moments joined
+        _optimizer_follows_the_experts(tmp_path / "run", tmp_path / "ep1")
+
+
+def _optimizer_follows_the_experts(run, target):
+    """``--include-optimizer`` from the EP 2 training checkpoint to EP 1: the expert part's
+    moments of each MoE layer are the two expert ranks' concatenated, the dense part's (the
+    shared expert, router and dense layers included) expert rank 0's."""
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
+
+    folder = convert("--loader", "megatron", "--saver", "megatron", "--load-dir", run,
+                     "--save-dir", target, "--include-optimizer")
+    shard = load_torch_file(f"{folder}/mp_rank_00/model_optim_rng.pt", what="shard")
+    source = [load_torch_file(f"{run}/iter_0000001/mp_rank_00_{e:03d}/model_optim_rng.pt",
+                              what="shard") for e in range(2)]
+    dense, expert = shard["optimizer"]["chained_optimizers"]
+    parts = [s["optimizer"]["chained_optimizers"] for s in source]
+    assert len(expert["state"]) == 4  # weight1 and weight2 of layers 1 and 3
+    for i, state in expert["state"].items():
+        assert torch.equal(state["exp_avg_sq"], torch.cat([p[1]["state"][i]["exp_avg_sq"]
+                                                           for p in parts]))
+        assert state["exp_avg_sq"].abs().max() > 0  # the first step's gradients: not empty
+    for i, state in dense["state"].items():
+        assert torch.equal(state["exp_avg"], parts[0][0]["state"][i]["exp_avg"])
 
 
 def _generate_rank(load_dir, prompts, new):

@@ -14,14 +14,17 @@ import pytest
 
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import (CLIP, LAYOUT_ITERS, LAYOUT_LR, MASKED, UNTIED,
-                                    assert_close_history, e2e_argv, layout_args, run_many)
+                                    assert_close_history, e2e_argv, layout_args, one_process,
+                                    run_many)
 
 ITERS = LAYOUT_ITERS
 HALF = ITERS // 2
 
 
 def _argv(data_prefix, cache, *extra):
-    return e2e_argv(data_prefix, cache, "--train-iters", str(ITERS), *LAYOUT_LR, *extra)
+    # one validation batch per evaluation: validation losses are compared, not averaged over more
+    return e2e_argv(data_prefix, cache, "--train-iters", str(ITERS), *LAYOUT_LR, "--eval-iters",
+                    "1", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def single(data_prefix, tmp_path_factory):
     runs = [("untied", _argv(data_prefix, cache, *UNTIED)),
             ("masked", _argv(data_prefix, cache, *UNTIED, *MASKED)),
             ("tied", _argv(data_prefix, cache))]
-    return run_distributed(1, run_many, runs, timeout=600)[0]
+    return one_process(runs, timeout=600)
 
 
 def test_single_process_trains(single):

@@ -5,7 +5,7 @@ all-reduced across the tensor ranks, its weights sharded with the heads) and its
 sequence parallelism (expert-TP 1) gives one process's losses, grad norms and validation losses
 (rtol 1e-6, fp32, every iteration clipped, 20 iterations)."""
 
-from tests.e2e.test_moe_layouts_e2e import EVAL, SP, _argv
+from tests.e2e.test_moe_layouts_e2e import SP, _argv
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import assert_close_history, layout_args, run_many
 

@@ -99,7 +99,12 @@ def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int,
     if "q_bias" in layer:  # --add-qkv-bias: fused like the weight
         for r, b in enumerate(fuse_qkv(layer["q_bias"], layer["k_bias"], layer["v_bias"], tp)):
             parts[r]["self_attention.query_key_value.bias"] = b
-    if "q_norm" in layer:  # --qk-layernorm: [d], the same on every rank
+    if "q_norm" in layer and layer["q_norm"].shape[0] == layer["q"].shape[0]:
+        # --qk-layernorm-full-width (OLMoE): [nh d] and [ng d], sharded with the heads
+        for p, qn, kn in zip(parts, split(layer["q_norm"], tp, 0), split(layer["k_norm"], tp, 0)):
+            p.update({"self_attention.q_layernorm.weight": qn,
+                      "self_attention.k_layernorm.weight": kn})
+    elif "q_norm" in layer:  # --qk-layernorm: [d], the same on every rank
         for p in parts:
             p.update({"self_attention.q_layernorm.weight": layer["q_norm"],
                       "self_attention.k_layernorm.weight": layer["k_norm"]})
@@ -127,7 +132,10 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
         layer["q_bias"], layer["k_bias"], layer["v_bias"] = unfuse_qkv(
             [p["self_attention.query_key_value.bias"] for p in parts], meta["num_attention_heads"],
             meta["num_query_groups"], meta["kv_channels"])
-    if meta.get("qk_layernorm"):
+    if meta.get("qk_layernorm") and meta.get("qk_layernorm_full_width"):  # sharded with heads
+        layer.update({name: torch.cat([p[f"self_attention.{name[0]}_layernorm.weight"]
+                                       for p in parts]) for name in ("q_norm", "k_norm")})
+    elif meta.get("qk_layernorm"):
         layer.update(q_norm=parts[0]["self_attention.q_layernorm.weight"],
                      k_norm=parts[0]["self_attention.k_layernorm.weight"])
     if meta.get("num_experts") and "mlp.router.weight" in parts[0]:  # dense layers may interleave
@@ -173,10 +181,6 @@ def check_layout(meta: dict, tp: int, pp: int, ep: int = 1, expert_tp: int = 1) 
                         "tensor-parallel rank must own whole groups, replication is not supported)")
     if meta["ffn_hidden_size"] % tp and not meta.get("num_experts"):
         problems.append(f"ffn hidden size {meta['ffn_hidden_size']}")
-    if meta.get("qk_layernorm_full_width") and tp > 1:
-        raise ValueError(f"--target-tensor-parallel-size {tp}: the q/k norm over the whole "
-                         "projection (OLMoE, --qk-layernorm-full-width) spans every rank's heads "
-                         "and is not split over tensor ranks; use 1 (and EP or PP to split)")
     if problems:
         raise ValueError(f"--target-tensor-parallel-size {tp} does not divide: "
                          + "; ".join(problems) + ". Choose a tensor-parallel size dividing them")

@@ -487,7 +487,7 @@ def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
     """OLMoE: logits equal transformers' at TP1, PP2 and EP2; the printed flags carry
     --qk-layernorm --qk-layernorm-full-width and --moe-router-pre-softmax; HF -> ours
     (PP2 x EP2) -> HF is bitwise and reloads as OLMoE; the first loss equals transformers';
-    TP2 is refused in one line (the full-width norm spans every rank's heads)."""
+    TP > 1: tests/e2e/tools/test_convert_olmoe_tp.py."""
     folder = str(tmp_path / "hf")
     model = make_olmoe(folder)
     tokens, expected = reference_logits(model, VOCAB)
@@ -513,9 +513,6 @@ def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
     assert type(reloaded).__name__ == "OlmoeForCausalLM" and not reloaded.config.norm_topk_prob
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, expected)
-    _refused_in_one_line(capsys, "--target-tensor-parallel-size 2: the q/k norm over the whole "
-                         "projection", "--loader", "hf", "--saver", "megatron", "--load-dir",
-                         folder, "--save-dir", tmp_path / "tp2", "--target-tensor-parallel-size", 2)
     prefix = str(tmp_path / "data")
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + ["--load", str(tmp_path / "pp1ep1"), "--data-path", prefix,
@@ -529,10 +526,8 @@ def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(qk_layernorm=True, qk_layernorm_full_width=True, tensor_model_parallel_size=2),
-     "--qk-layernorm-full-width at --tensor-model-parallel-size 2"),
     (dict(qk_layernorm_full_width=True), "--qk-layernorm-full-width needs --qk-layernorm")])
-def test_full_width_qk_layernorm_is_refused_at_tp2_naming_the_flag(flags, message):
+def test_full_width_qk_layernorm_without_qk_layernorm_is_refused_naming_the_flag(flags, message):
     from megatron.config import ModelConfig
     from megatron.model.attention import SelfAttention
 

@@ -23,10 +23,10 @@ from tests.unit.model.test_expert_checkpoint import E, _build, _slice, _train
 SHAPES = {"experts.weight1": (E, 12, 8), "experts.weight2": (E, 8, 6)}  # [E, 2F, H], [E, H, F]
 
 
-def _state(ddp, opt, groups):
+def _state(ddp, opt, groups, params=None):
     """This rank's ``(records, weights, (expert-TP rank, size), first expert, E_local)``:
-    its distributed-optimizer records (local ranges) and weights by name."""
-    params = opt.parameter_state()["params"]
+    its distributed-optimizer records (local ranges; or ``params``) and weights by name."""
+    params = opt.parameter_state()["params"] if params is None else params
     weights = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     local = ddp.module.experts.num_local_experts
     return (params, weights, (groups.expt_tp.rank, groups.expt_tp.size),
@@ -46,13 +46,25 @@ def _save(save_dir, ep, etp):
     return _state(ddp, opt, groups)
 
 
-def _load(save_dir, ep, etp):
+def _load(save_dir, ep, etp, distributed=True):
     from megatron.checkpointing import load_checkpoint
     from megatron.config.checkpoint import CheckpointConfig
 
-    groups, _, ddp, opt = _build(ep, True, etp=etp)
+    groups, layer, ddp, opt = _build(ep, distributed, etp=etp)
     load_checkpoint([ddp], opt, None, CheckpointConfig(load=save_dir), groups, run_flags={})
-    return _state(ddp, opt, groups)
+    if distributed:
+        return _state(ddp, opt, groups)
+    records = {}  # the plain optimizer's state as records covering each tensor whole
+    for part in opt.parts:
+        for group in part.optimizer.param_groups:
+            for p in group["params"]:
+                name = next(n for n, q in layer.named_parameters() if q is p)
+                state = part.optimizer.state[p]
+                records[f"0.{name}"] = {"range": [0, p.numel()],
+                                        "param": p.detach().reshape(-1).clone(),
+                                        **{k: state[k].reshape(-1).clone()
+                                           for k in ("exp_avg", "exp_avg_sq")}}
+    return _state(ddp, opt, groups, records)
 
 
 def _whole(per_rank):
@@ -124,9 +136,18 @@ def _slice_shape(name, k):
          "etp2dp4-to-ep2etp2"])
 def test_legacy_experts_load_at_another_expert_tp_bitwise(tmp_path, save, save_world, load,
                                                           load_world):
-    folder = str(tmp_path / "ckpt")
+    _check(str(tmp_path / "ckpt"), save, save_world, load, load_world)
+
+
+def test_legacy_distributed_optimizer_at_expert_tp2_loads_into_the_plain_optimizer(tmp_path):
+    """Saved at EP 2 x expert-TP 2 (distributed optimizer), loaded by one process's plain
+    optimizer: its state is the shards' records re-cut to whole experts."""
+    _check(str(tmp_path / "ckpt"), (2, 2), 4, (1, 1), 1, distributed=False)
+
+
+def _check(folder, save, save_world, load, load_world, distributed=True):
     saved = run_distributed(save_world, _save, folder, *save)
-    loaded = run_distributed(load_world, _load, folder, *load)
+    loaded = run_distributed(load_world, _load, folder, *load, distributed)
     a, wa = _whole(saved)
     b, wb = _whole(loaded)
     assert a.keys() == b.keys() and wa.keys() == wb.keys()

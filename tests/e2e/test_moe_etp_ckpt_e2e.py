@@ -16,6 +16,8 @@ expert-TP 2 with the distributed optimizer and resumed at TP=2 x expert-TP 1, at
 at EP=4 (each a new expert-TP, EP and DP): every resumed run equals one process, the run at the
 new layout (weights and Adam moments bitwise: tests/unit/model/test_expert_checkpoint.py)."""
 
+import pytest
+
 from tests.e2e.test_moe_layouts_e2e import HALF, ep
 from tests.e2e.test_moe_legacy_ckpt_e2e import DISTOPT, _first_half, _joined, _second_half
 from tests.e2e.test_moe_layouts_e2e import _argv
@@ -44,6 +46,7 @@ def test_moe_legacy_checkpoint_at_expert_tp2_resumes(data_prefix, tmp_path_facto
                              f"MoE legacy expert-TP 2 {first} -> {second}")
 
 
+@pytest.mark.timeout(1800)  # 9 runs of 10 or 20 iterations: minutes on a loaded machine
 def test_moe_legacy_checkpoint_resumes_at_another_expert_tp(data_prefix, tmp_path_factory):
     """Legacy checkpoints with the distributed optimizer saved at one expert-TP and resumed at
     another (and another EP): slices of expert-TP = TP merged into whole experts and cut again,
@@ -71,6 +74,29 @@ def test_moe_legacy_checkpoint_resumes_at_another_expert_tp(data_prefix, tmp_pat
     for _, first, _, second, _ in pairs:
         assert_close_history(_joined(got[first], got[f"{second} from {first}"]), one,
                              f"MoE legacy {first} -> {second}")
+
+
+@pytest.mark.slow
+def test_moe_legacy_checkpoint_with_pipeline_resumes_at_another_expert_tp(data_prefix,
+                                                                          tmp_path_factory):
+    """8 ranks, mp_rank_TT_PPP_EEE folders: TP=2 (SP) x PP=2 x EP=2 x expert-TP 2 (DP=2) with
+    the distributed optimizer saved half-way, resumed at TP=2 x PP=2 x EP=4 x expert-TP 1; and
+    ZeRO-3 at TP=2 x PP=2 x EP=2 x expert-TP 1 resumed at expert-TP 2."""
+    cache = str(tmp_path_factory.mktemp("moe_etp_pp_cache"))
+    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    ckpt = {n: str(tmp_path_factory.mktemp(f"moe_etp_pp_{n}")) for n in "ab"}
+    etp1 = [*layout_args(2, 2), "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    etp2 = [*layout_args(2, 2), "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
+    zero3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    runs = [("etp2", _first_half(data_prefix, cache, ckpt["a"], *etp2, *ep(2), *DISTOPT)),
+            ("ep4 etp1", _second_half(data_prefix, cache, ckpt["a"], *etp1, *ep(4), *DISTOPT)),
+            ("etp1 zero3", _first_half(data_prefix, cache, ckpt["b"], *etp1, *ep(2), *zero3)),
+            ("etp2 from zero3", _second_half(data_prefix, cache, ckpt["b"], *etp2, *ep(2),
+                                             *DISTOPT))]
+    got = run_distributed(8, run_many, runs, timeout=2400)[-1]
+    for first, second in (("etp2", "ep4 etp1"), ("etp1 zero3", "etp2 from zero3")):
+        assert_close_history(_joined(got[first], got[second]), one,
+                             f"MoE legacy TP=2 x PP=2 {first} -> {second}")
 
 
 def _dist_half(data_prefix, cache, ckpt, first, *extra):

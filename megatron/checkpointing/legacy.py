@@ -17,8 +17,9 @@ JSON-compatible values, so ``torch.load(weights_only=True)`` reads it), ``rng_st
 (the optimizer's sharding group) also writes its optimizer shard ``distrib_optim_dp_DDD.pt``
 beside it, ``DDD`` its rank in that group (per parameter name and element range, so a load at
 another DP or CP size re-cuts the shards); ``optimizer`` then holds the common part. At EP > 1
-the folders are ``mp_rank_TT[_PPP]_EEE`` (one per expert-parallel rank, holding its experts) and
-a model with experts loads at another EP or DP size: :mod:`megatron.checkpointing.legacy_experts`.
+the folders are ``mp_rank_TT[_PPP]_EEE`` (one per expert-parallel rank, holding its experts: slice
+t of expert-TP = TP, else whole experts) and a model with experts loads at another EP, expert-TP
+or DP size: :mod:`megatron.checkpointing.legacy_experts`.
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a temporary name,
 flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name

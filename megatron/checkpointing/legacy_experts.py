@@ -1,5 +1,5 @@
 """Legacy checkpoints (``--ckpt-format torch``) with experts: what a rank reads at another
-expert-parallel layout.
+expert-parallel or expert-tensor-parallel layout.
 
 At EP > 1 a legacy checkpoint has one folder per (tensor, pipeline, expert) rank,
 ``mp_rank_TT[_PPP]_EEE`` (Megatron-LM's ``get_checkpoint_name``). Its ``model_optim_rng.pt`` holds
@@ -12,10 +12,14 @@ weights; with ``--use-distributed-optimizer`` every rank of DP x CP writes its s
 * the expert shards of one pipeline rank are spread over every folder of that pipeline rank
   (the experts are sharded over expert-DP, which may span tensor ranks); each shard file
   records its ``expert_tensor_rank``, and a rank reads the expert records of its own;
-* a rank loading at another EP (same TP and PP: the legacy format keeps those) takes the dense
-  weights from a folder of its tensor and pipeline rank and its experts from the global tensor
-  assembled from one folder per saved EP rank (its own tensor rank's; at expert-TP 1, where
-  experts are whole on each tensor rank, any tensor rank's).
+* a file's experts are expert-TP slice t at expert-TP = TP (Megatron-LM's), else whole
+  (gathered over expert-TP at the save); ``expert_tensor_slice`` records which
+  (:func:`file_expert_slice`);
+* a rank loading at another EP or expert-TP (same TP and PP: the legacy format keeps those)
+  takes the dense weights from a folder of its tensor and pipeline rank and its experts from the
+  whole experts of the saved EP ranks holding its rows (a file of whole ones, or the slices of
+  tensor ranks 0 .. k-1 merged), cut to its expert-TP slice (:func:`assemble_experts`); the
+  distributed optimizer's expert records are re-cut alike (:func:`resliced_shard_files`).
 
 Which single group ``mp_rank_TT_XXX`` names is ambiguous in Megatron-LM's naming (a pipeline
 rank, or an expert rank at PP = 1): :func:`saved_with_expert_folders` decides it.

@@ -33,25 +33,30 @@ def _state(ddp, opt, groups, params=None):
             groups.ep.rank * local, local)
 
 
-def _save(save_dir, ep, etp):
+def _save(save_dir, ep, etp, distributed=True):
     from megatron.checkpointing import save_checkpoint
     from megatron.config.checkpoint import CheckpointConfig
 
-    groups, _, ddp, opt = _build(ep, True, etp=etp)
+    groups, _, ddp, opt = _build(ep, distributed, etp=etp)
     _train(groups, ddp, opt)
     save_checkpoint(3, [ddp], opt, None, CheckpointConfig(save=save_dir), groups,
                     run_flags={"expert_model_parallel_size": ep,
                                "expert_tensor_parallel_size": etp},
                     consumed_train_samples=0, consumed_valid_samples=0)
-    return _state(ddp, opt, groups)
+    return _state(ddp, opt, groups) if distributed else None
 
 
 def _load(save_dir, ep, etp, distributed=True):
     from megatron.checkpointing import load_checkpoint
     from megatron.config.checkpoint import CheckpointConfig
 
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointUsageError
+
     groups, layer, ddp, opt = _build(ep, distributed, etp=etp)
-    load_checkpoint([ddp], opt, None, CheckpointConfig(load=save_dir), groups, run_flags={})
+    try:
+        load_checkpoint([ddp], opt, None, CheckpointConfig(load=save_dir), groups, run_flags={})
+    except CheckpointUsageError as exc:
+        return "refused", str(exc)
     if distributed:
         return _state(ddp, opt, groups)
     records = {}  # the plain optimizer's state as records covering each tensor whole
@@ -165,3 +170,14 @@ def _check(folder, save, save_world, load, load_world, distributed=True):
             state = torch.load(os.path.join(step, sub, "model_optim_rng.pt"), weights_only=True)
             assert state["expert_tensor_slice"] == [0, 1]
             assert state["model"]["experts.weight1"].shape == (E // save[0], 12, 8)
+
+
+def test_legacy_plain_optimizer_at_another_expert_tp_is_refused_in_one_line(tmp_path):
+    """The plain optimizer's state holds the expert-TP slices by position (training refuses to
+    save it at expert-TP other than TP; here saved at expert-TP 2 = the slices' layout of the
+    state): loading it at expert-TP 1 is refused, naming the saved layout and the fixes."""
+    folder = str(tmp_path / "ckpt")
+    run_distributed(2, _save, folder, 1, 2, False)
+    kind, message = run_distributed(1, _load, folder, 1, 1, False)[0]
+    assert kind == "refused" and "\n" not in message
+    assert "--expert-tensor-parallel-size 2" in message and "--no-load-optim" in message

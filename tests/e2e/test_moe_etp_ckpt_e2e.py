@@ -22,14 +22,14 @@ from tests.e2e.test_moe_layouts_e2e import HALF, ep
 from tests.e2e.test_moe_legacy_ckpt_e2e import DISTOPT, _first_half, _joined, _second_half
 from tests.e2e.test_moe_layouts_e2e import _argv
 from tests.helpers.dist import run_distributed
-from tests.helpers.pretrain import assert_close_history, layout_args, run_many
+from tests.helpers.pretrain import assert_close_history, layout_args, one_process, run_many
 
 TP2_ETP2 = [*layout_args(2, 1), "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
 
 
 def test_moe_legacy_checkpoint_at_expert_tp2_resumes(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("moe_etp_cache"))
-    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    one = one_process([("one", _argv(data_prefix, cache))])["one"]
     ckpt = {name: str(tmp_path_factory.mktemp(f"moe_etp_{name}")) for name in ("ep2", "ep1")}
     runs = [
         ("tp2 ep2 etp2", _first_half(data_prefix, cache, ckpt["ep2"], *TP2_ETP2, *ep(2),
@@ -52,7 +52,7 @@ def test_moe_legacy_checkpoint_resumes_at_another_expert_tp(data_prefix, tmp_pat
     another (and another EP): slices of expert-TP = TP merged into whole experts and cut again,
     whole experts (saved at expert-TP other than TP) cut, the optimizer's expert records re-cut."""
     cache = str(tmp_path_factory.mktemp("moe_etp_other_cache"))
-    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    one = one_process([("one", _argv(data_prefix, cache))])["one"]
     ckpt = {n: str(tmp_path_factory.mktemp(f"moe_etp_other_{n}")) for n in "abcd"}
     tp2_etp1 = [*layout_args(2, 1), "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
     etp2 = ["--expert-tensor-parallel-size", "2"]
@@ -83,7 +83,7 @@ def test_moe_legacy_checkpoint_with_pipeline_resumes_at_another_expert_tp(data_p
     the distributed optimizer saved half-way, resumed at TP=2 x PP=2 x EP=4 x expert-TP 1; and
     ZeRO-3 at TP=2 x PP=2 x EP=2 x expert-TP 1 resumed at expert-TP 2."""
     cache = str(tmp_path_factory.mktemp("moe_etp_pp_cache"))
-    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    one = one_process([("one", _argv(data_prefix, cache))])["one"]
     ckpt = {n: str(tmp_path_factory.mktemp(f"moe_etp_pp_{n}")) for n in "ab"}
     etp1 = [*layout_args(2, 2), "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
     etp2 = [*layout_args(2, 2), "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
@@ -107,7 +107,7 @@ def _dist_half(data_prefix, cache, ckpt, first, *extra):
 
 def test_moe_torch_dist_at_expert_tp2_resumes_at_other_layouts(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("moe_etp_dist_cache"))
-    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    one = one_process([("one", _argv(data_prefix, cache))])["one"]
     ckpt = str(tmp_path_factory.mktemp("moe_etp_dist"))
     tp2_etp1 = [*layout_args(2, 1), "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
     runs = [

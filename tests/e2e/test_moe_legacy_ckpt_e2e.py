@@ -9,7 +9,7 @@ and Adam moments bitwise across EP layouts: tests/unit/model/test_expert_checkpo
 
 from tests.e2e.test_moe_layouts_e2e import HALF, SP, _argv, ep
 from tests.helpers.dist import run_distributed
-from tests.helpers.pretrain import LAYOUT_ITERS, assert_close_history, layout_args, run_many
+from tests.helpers.pretrain import LAYOUT_ITERS, assert_close_history, layout_args, one_process, run_many
 
 DISTOPT = ["--use-distributed-optimizer"]
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
@@ -32,7 +32,7 @@ def _joined(first, second):
 
 def test_moe_legacy_distributed_optimizer_resumes_at_another_ep(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("moe_legacy_cache"))
-    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]["one"]
+    one = one_process([("one", _argv(data_prefix, cache))])["one"]
     ckpt = {name: str(tmp_path_factory.mktemp(f"moe_legacy_{name}"))
             for name in ("tp2ep2", "zero3", "ep4")}
     tp2 = [*layout_args(2, 1), *SP]

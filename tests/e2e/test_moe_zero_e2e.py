@@ -14,7 +14,7 @@ import numpy as np
 from tests.e2e.test_moe_layouts_e2e import HALF, SP, _argv, ep
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import (LAYOUT_ITERS, assert_close_history, cp_args, layout_args,
-                                    run_many)
+                                    one_process, run_many)
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 ZERO2, ZERO3 = FSDP + ["optim_grads"], FSDP + ["optim_grads_params"]
@@ -23,7 +23,7 @@ ZERO2, ZERO3 = FSDP + ["optim_grads"], FSDP + ["optim_grads_params"]
 def test_moe_zero2_zero3_ep2_match_one_process(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("moe_zero_cache"))
     ckpt = str(tmp_path_factory.mktemp("moe_zero3_ckpt"))
-    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]
+    one = one_process([("one", _argv(data_prefix, cache))])
     one = one["one"]
     runs = [("zero2", _argv(data_prefix, cache, *ep(2), *ZERO2)),
             ("zero3", _argv(data_prefix, cache, *ep(2), *ZERO3)),

@@ -21,7 +21,7 @@ from tests.e2e.test_moe_layouts_e2e import HALF, _argv, ep
 from tests.e2e.test_moe_legacy_ckpt_e2e import _joined
 from tests.e2e.test_moe_zero_e2e import ZERO2, ZERO3
 from tests.helpers.dist import run_distributed
-from tests.helpers.pretrain import assert_close_history, layout_args, run_many
+from tests.helpers.pretrain import assert_close_history, layout_args, one_process, run_many
 
 ETP2 = ["--expert-tensor-parallel-size", "2"]
 TP2 = [*layout_args(2, 1), "--sequence-parallel", *ETP2]
@@ -31,7 +31,7 @@ TP2 = [*layout_args(2, 1), "--sequence-parallel", *ETP2]
 def test_moe_zero2_zero3_at_expert_tp2_match_one_process(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("moe_zero_etp_cache"))
     ckpt = str(tmp_path_factory.mktemp("moe_zero_etp_ckpt"))
-    one = run_distributed(1, run_many, [("one", _argv(data_prefix, cache))], timeout=900)[0]
+    one = one_process([("one", _argv(data_prefix, cache))])
     one = one["one"]
     runs = [("tp2 ep2 etp2 zero3", _argv(data_prefix, cache, *TP2, *ep(2), *ZERO3)),
             ("tp2 etp2 dp2 zero2", _argv(data_prefix, cache, *TP2, *ZERO2)),

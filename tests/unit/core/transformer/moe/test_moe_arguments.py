@@ -123,6 +123,14 @@ def test_per_token_loss_and_rampup_run_with_experts(files, extra):
     check(argv)
 
 
+def test_moe_recompute_modules_need_experts(files):
+    with pytest.raises(UsageError, match="--recompute-modules moe moe_act needs --num-experts"):
+        check(base_argv(files) + "--recompute-granularity selective --recompute-modules moe_act "
+              "moe".split())
+    check(base_argv(files) + "--num-experts 4 --recompute-granularity selective "
+          "--recompute-modules moe_act moe core_attn".split())
+
+
 def _without(argv, flag):
     i = argv.index(flag)
     return argv[:i] + argv[i + 2:]
@@ -144,6 +152,8 @@ def _without(argv, flag):
     ("--moe-layer-freq [0,0,0,0]", "no layer is MoE"),
     ("--recompute-granularity selective --recompute-modules act mlp",
      "--recompute-modules act mlp recomputes nothing when every layer is MoE"),
+    ("--recompute-granularity selective --recompute-modules moe_act shared_experts",
+     "--recompute-modules shared_experts needs --moe-shared-expert-intermediate-size"),
 ])
 def test_expert_layouts_not_built_are_one_line(files, extra, match):
     with pytest.raises(UsageError, match=match) as e:

@@ -110,6 +110,63 @@ def sharded_grad_window_numel(buckets: List[int], *, overlap_grad_reduce: bool,
     return best
 
 
+def bucket_assignment(numels: List[int], dp: int, bucket_size: Optional[int] = None,
+                      alone: Sequence[int] = ()) -> Tuple[List[int], List[int]]:
+    """:func:`bucket_numels`'s buckets and, for each parameter (registration order), the index
+    of its bucket: ``(bucket of each parameter, padded elements of each bucket)``."""
+    sizes = bucket_numels(numels, dp, bucket_size, alone)
+    if bucket_size is None:
+        bucket_size = default_bucket_size(dp)
+    of, bucket, cursor = [0] * len(numels), 0, 0
+    for i in reversed(range(len(numels))):  # bucket_numels' walk, recording the bucket index
+        if i in alone and cursor:
+            bucket, cursor = bucket + 1, 0
+        of[i] = bucket
+        cursor += numels[i]
+        if i in alone or cursor >= bucket_size:
+            bucket, cursor = bucket + 1, 0
+    return of, sizes
+
+
+def interleaved_grad_window_numel(is_expert: Sequence[bool], dense: List[int], expert: List[int],
+                                  *, dp: int, expert_dp: int, bucket_size: Optional[int] = None,
+                                  overlap_grad_reduce: bool = False,
+                                  tied_throughout: bool = False) -> int:
+    """ZeRO-2's most full-gradient elements at once (besides the shards) when a stage has a
+    dense and an expert buffer (MoE): the backward makes the parameters' gradients final in
+    reverse registration order (``is_expert``: the two kinds' interleaving); a bucket of either
+    buffer holds its full storage from its first gradient to its reduce-scatter, issued as its
+    last gradient is final, so a dense and an expert bucket are live together while an MoE
+    layer's backward fills both. Under ``--overlap-grad-reduce`` each buffer's previous bucket
+    stays held until that buffer's next one is launched. ``tied_throughout``: the dense buffer's
+    last bucket (the tied embedding at PP = 1) is live from the start (see
+    :func:`sharded_grad_window_numel`). Expert buckets are padded to ``expert_dp``."""
+    kinds = {False: bucket_assignment(dense, dp, bucket_size),
+             True: bucket_assignment(expert, expert_dp, bucket_size)}
+    left = {kind: [0] * len(sizes) for kind, (_, sizes) in kinds.items()}
+    for kind, (of, _) in kinds.items():
+        for b in of:
+            left[kind][b] += 1
+    position = {False: len(dense), True: len(expert)}
+    live = {False: set(), True: set()}
+    held = {False: None, True: None}  # the previous bucket, in flight under overlap
+    best = 0
+    for flag in reversed(is_expert):
+        position[flag] -= 1
+        of, sizes = kinds[flag]
+        bucket = of[position[flag]]
+        live[flag].add(bucket)
+        now = set(live[False]) | ({len(kinds[False][1]) - 1} if tied_throughout else set())
+        total = sum(kinds[False][1][b] for b in now | ({held[False]} - {None}))
+        total += sum(kinds[True][1][b] for b in live[True] | ({held[True]} - {None}))
+        best = max(best, total)
+        left[flag][bucket] -= 1
+        if not left[flag][bucket]:  # final: reduce-scattered
+            live[flag].discard(bucket)
+            held[flag] = bucket if overlap_grad_reduce else None
+    return best
+
+
 def zero3_unit_numels(config: ModelConfig, tp: int, pp: int, pp_rank: int, dp: int,
                       moe: Optional[MoEConfig] = None) -> List[int]:
     """Padded elements of ZeRO-3's units on one rank of stage ``pp_rank``
@@ -378,9 +435,6 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
         ValueError: MoE with ZeRO-2, or EP x expert-TP not dividing TP x CP x DP."""
     e = 2 if bf16 else 4
     expert_dp = expert_data_parallel_size(tp, cp, dp, ep, etp) if is_moe(moe) else 1
-    if is_moe(moe) and use_distributed_optimizer and sharding_strategy == "optim_grads":
-        raise ValueError("the planner models MoE with --use-distributed-optimizer (ZeRO-1) and "
-                         "ZeRO-3 only, not --data-parallel-sharding-strategy optim_grads")
     seq_length, dp = seq_length // cp, dp * cp
     ranks = sorted({0, pp - 1})
     experts = {r: expert_memory(config, moe, pp=pp, pp_rank=r, ep=ep, etp=etp, expert_dp=expert_dp,
@@ -405,7 +459,17 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
         buckets = bucket_numels(numels, dp, bucket_size, alone)
         psi_pad = sum(buckets)
         params, grads = e * psi_pad, 4 * psi_pad
-        if strategy == "optim_grads":
+        if strategy == "optim_grads" and is_moe(moe):  # two buffers' buckets interleave
+            inventory = stage_inventory(model_config, tp, pp, stage, moe, ep)
+            expert_numels = stage_expert_numels(model_config, moe, pp, stage, ep, etp)
+            window = interleaved_grad_window_numel(
+                inventory.is_expert, numels, expert_numels, dp=dp, expert_dp=expert_dp,
+                bucket_size=default_bucket_size(dp) if bucket_size is None else bucket_size,
+                overlap_grad_reduce=overlap_grad_reduce,
+                tied_throughout=pp == 1 and tied and not alone)
+            expert_grads = expert_grads // expert_dp  # the shards; full buckets in the window
+            grads = 4 * psi_pad // dp + 4 * window
+        elif strategy == "optim_grads":
             window = sharded_grad_window_numel(
                 buckets, overlap_grad_reduce=overlap_grad_reduce,
                 live_throughout=len(buckets) - 1 if pp == 1 and tied else None)

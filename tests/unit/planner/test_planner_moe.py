@@ -66,6 +66,8 @@ def _measure(ep, strategy="optim"):
     if ddp.param_units is not None:  # ZeRO-3: shards + the gather window, gradients at peak
         mem = {"params": mem["param_shards"] + ddp.param_units.peak_gathered_bytes,
                "grads": ddp.grad_meter.peak}
+    elif strategy == "optim_grads":  # ZeRO-2: gradient shards + the full buckets at their peak
+        mem = {"params": mem["params"], "grads": ddp.grad_meter.peak}
     parts = getattr(opt, "parts", [opt])
     experts = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True) is False)
     return {"params": mem["params"], "grads": mem["grads"],
@@ -76,6 +78,7 @@ def _measure(ep, strategy="optim"):
 def _measure_all():
     out = {ep: _measure(ep) for ep in (1, 2)}
     out.update({(ep, "zero3"): _measure(ep, "optim_grads_params") for ep in (1, 2)})
+    out.update({(ep, "zero2"): _measure(ep, "optim_grads") for ep in (1, 2)})
     return out
 
 
@@ -118,12 +121,23 @@ def test_planner_equals_the_built_moe_model_under_zero3(measured, ep):
         assert got["optimizer"] == zero1["optimizer"]  # the same shards as ZeRO-1
 
 
-def test_planner_refuses_moe_with_zero2_in_one_line():
+@pytest.mark.parametrize("ep", [1, 2])
+def test_planner_equals_the_built_moe_model_under_zero2(measured, ep):
+    """ZeRO-2 (``--data-parallel-sharding-strategy optim_grads``): the gradient peak, the dense
+    shards over DP and the expert shards over expert-DP plus the full buckets of both buffers
+    live at once along the backward (:func:`interleaved_grad_window_numel`; bucket size 3000:
+    several dense and expert buckets), equals the built model's meter; parameters and optimizer
+    state as ZeRO-1."""
     config = ModelConfig(**TINY, params_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="not --data-parallel-sharding-strategy optim_grads$"):
-        estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
-                        num_microbatches=NUM_MB, use_distributed_optimizer=True, moe=MOE,
-                        sharding_strategy="optim_grads")
+    est = estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
+                          num_microbatches=NUM_MB, bf16=True, use_distributed_optimizer=True,
+                          bucket_size=BUCKET, moe=MOE, ep=ep, sharding_strategy="optim_grads")
+    for m in measured:
+        got = m[(ep, "zero2")]
+        assert (got["params"], got["grads"], got["optimizer"]) == \
+            (est.parameters, est.gradients, est.optimizer_distributed)
+        assert got["grads"] < m[ep]["grads"]  # below ZeRO-1's whole buffers
+        assert (got["params"], got["optimizer"]) == (m[ep]["params"], m[ep]["optimizer"])
 
 
 def test_expert_shapes_and_expert_dp():

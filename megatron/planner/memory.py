@@ -33,7 +33,9 @@ from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
 from megatron.model.flops import active_ffn_hidden_size
 from megatron.planner.inventory import stage_inventory
-from megatron.planner.moe import expert_data_parallel_size, is_moe, stage_expert_numels
+from megatron.planner.moe import (dispatch_buffer_bytes, dispatch_saved_bytes,
+                                  expert_data_parallel_size, is_moe, stage_expert_numels,
+                                  stage_moe_layers)
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -364,6 +366,35 @@ def stage_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_siz
     return int(total)
 
 
+def moe_dispatch_activation_bytes(config: ModelConfig, moe: MoEConfig, *, seq_length: int,
+                                  micro_batch_size: int, tp: int, cp: int, pp: int,
+                                  pp_rank: int, micro_batches: float, ep: int, etp: int,
+                                  sequence_parallel: bool = False, recompute: str = "none",
+                                  recompute_method: str = "uniform",
+                                  recompute_num_layers: int = 1, dtype_bytes: int = 2) -> int:
+    """What the alltoall dispatch adds to stage ``pp_rank``'s activations on one rank: each MoE
+    layer's :func:`~megatron.planner.moe.dispatch_saved_bytes` per micro-batch in flight
+    (``micro_batches``; under full recompute only the layers rebuilt in backward keep it), plus
+    one exchange's buffers (:func:`~megatron.planner.moe.dispatch_buffer_bytes`). ``seq_length``
+    is this rank's ``s / CP``; the capacity's token set is the micro-batch's ``s b``. The
+    allgather dispatcher is not modelled (0)."""
+    layers = sum(stage_moe_layers(config, moe, pp, pp_rank))
+    if not layers or moe.moe_token_dispatcher_type != "alltoall":
+        return 0
+    tokens = seq_length * micro_batch_size // (tp if sequence_parallel else 1)
+    kw = dict(token_set=seq_length * cp * micro_batch_size,
+              capacity_factor=moe.moe_expert_capacity_factor,
+              pad_to_capacity=moe.moe_pad_expert_input_to_capacity, etp=etp)
+    shape = (tokens, moe.moe_router_topk, config.hidden_size, dtype_bytes, moe.num_experts)
+    one = dispatch_saved_bytes(*shape, ffn_hidden_size=moe.moe_ffn_hidden_size
+                               or config.ffn_hidden_size, **kw)
+    if recompute == "full":
+        kept = min(recompute_num_layers if recompute_method == "uniform" else 1, layers)
+    else:
+        kept = layers * micro_batches
+    return int(one * kept) + dispatch_buffer_bytes(*shape, ep=ep, **kw)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank of one layout (the busiest pipeline stage)."""
@@ -425,14 +456,14 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     ``Psi_dense_pad / N + Psi_expert_pad / expert-DP``, the gather window the root unit and the
     largest two neighbouring layer units, the gradient peak the root and the largest layer unit
     (``tests/unit/planner/test_planner_moe.py`` against a built model at EP 1 and 2).
-    ``optim_grads`` (ZeRO-2) with experts is not modelled (two buffers' buckets interleave in
-    backward).
+    ``optim_grads`` (ZeRO-2) with experts: the gradient shards of both buffers and the full
+    buckets of both live at once along the backward (:func:`interleaved_grad_window_numel`).
     Activations of an MoE layer are estimated as those of a dense layer whose ffn width is the
-    active one (top-k x expert width + shared expert; :func:`active_ffn_hidden_size`); the
-    dispatched copies of the hidden states and the dispatch buffers are not counted.
+    active one (top-k x expert width + shared expert; :func:`active_ffn_hidden_size`), plus what
+    the alltoall dispatch keeps and its exchange buffers (:func:`moe_dispatch_activation_bytes`).
 
     Raises:
-        ValueError: MoE with ZeRO-2, or EP x expert-TP not dividing TP x CP x DP."""
+        ValueError: EP x expert-TP not dividing TP x CP x DP."""
     e = 2 if bf16 else 4
     expert_dp = expert_data_parallel_size(tp, cp, dp, ep, etp) if is_moe(moe) else 1
     seq_length, dp = seq_length // cp, dp * cp
@@ -491,10 +522,19 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
               recompute_num_layers=recompute_num_layers)
     act = stage_activation_bytes(config, seq_length, micro_batch_size, tp, pp, num_microbatches,
                                  sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
+    dispatch = {}
+    if is_moe(moe):  # the dispatched copies and the all-to-all's buffers (alltoall)
+        for rank, in_flight in ((0, in_flight_microbatches(pp, num_microbatches)), (pp - 1, 1)):
+            dispatch[rank] = moe_dispatch_activation_bytes(
+                model_config, moe, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                tp=tp, cp=cp, pp=pp, pp_rank=rank, micro_batches=in_flight, ep=ep, etp=etp,
+                sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
+        act += dispatch[0]
     if pp > 1:  # the last stage holds the head's activations for its micro-batch
         last = (layers_activation_bytes(config, seq_length, micro_batch_size, tp, config.num_layers // pp,
                                         sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
-                + head_activation_bytes(config, seq_length, micro_batch_size, tp, e))
+                + head_activation_bytes(config, seq_length, micro_batch_size, tp, e)
+                + dispatch.get(pp - 1, 0))
         act = max(act, last)
     return MemoryEstimate(
         parameters=params + expert_params, gradients=grads + expert_grads,

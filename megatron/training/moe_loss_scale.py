@@ -19,11 +19,16 @@ global batch), where M is the iteration's micro-batches per DP rank:
   (:func:`~megatron.training.moe_global_counts.count_global_batch`, the pass ``global_aux_loss``
   already runs; one extra forward per iteration when that loss type is not in use).
 
+Under fp16 (a grad scaler) the scale is multiplied by the iteration's loss scale, as the lm loss
+is before its backward (Megatron-Core does the same); the step divides both by it.
+
 Megatron-Core instead injects the bare loss under per-token loss, which divides the router losses
 by the token count: their weight then changes with the batch's masking and size.
 """
 
 from __future__ import annotations
+
+import torch
 
 from megatron.core.distributed.finalize_model_grads import global_token_count
 from megatron.core.transformer.moe.moe_utils import set_aux_loss_scale
@@ -70,6 +75,9 @@ def prepare_moe_iteration(forward_step_func, data_iterator, model, *, moe_config
                                        device).item()
     scale = router_loss_scale(num_microbatches=num_microbatches, pg_collection=pg_collection,
                               total_tokens=total)
+    if schedule_config.grad_scale_func is not None:  # fp16: the lm loss is multiplied by the
+        # loss scale before backward and every gradient divided by it at the step: so are these
+        scale *= float(schedule_config.grad_scale_func(torch.ones((), dtype=torch.float64)))
     for chunk in model:
         set_aux_loss_scale(chunk, scale)
     return data_iterator

@@ -99,3 +99,14 @@ def test_per_token_loss_and_rampup_at_two_ranks_match_one_process(single, data_p
             "ramp ep2": "ramp", "ramp global ep2": "ramp global"}
     for name, _ in runs:
         _assert_equal_runs(got[name], single[want[name]], name)
+
+
+def test_per_token_loss_at_ep2_over_dp4_with_the_distributed_optimizer(single, data_prefix,
+                                                                       tmp_path_factory):
+    """EP = 2 folded over DP = 4 (expert-DP 2) with the distributed optimizer, per-token loss
+    with its masks: one micro-batch of one sequence per DP rank, each with its own loss tokens."""
+    cache = str(tmp_path_factory.mktemp("moe_scale_cache4"))
+    runs = [("per token ep2 dp4 distopt", _argv(data_prefix, cache, *MASKED, *ep(2),
+                                                "--use-distributed-optimizer"))]
+    got = run_distributed(4, run_many, runs, timeout=1200)[-1]
+    _assert_equal_runs(got[runs[0][0]], single["per token"], runs[0][0])

@@ -66,12 +66,14 @@ def _forward_step(data_iterator, model):
     return model(tokens, labels), partial(_loss_func, mask)
 
 
-def _schedule_grads(per_token, coeff, m):
+def _schedule_grads(per_token, coeff, m, loss_scale=None):
     cfg = MoEConfig(num_experts=E, moe_router_topk=K, moe_aux_loss_coeff=coeff,
                     moe_z_loss_coeff=coeff * ZC / AUX or None)
     model = _Tiny(cfg).train()
     pg = ProcessGroupCollection.world_of_one()
-    sched = PipelineConfig(hidden_size=H, calculate_per_token_loss=per_token)
+    sched = PipelineConfig(hidden_size=H, calculate_per_token_loss=per_token,
+                           grad_scale_func=None if loss_scale is None else
+                           (lambda loss: loss * loss_scale))
     data = prepare_moe_iteration(_forward_step, iter(_batches(m)), [model], moe_config=cfg,
                                  num_microbatches=m, seq_length=S, micro_batch_size=B,
                                  schedule_config=sched, pg_collection=pg)
@@ -129,3 +131,13 @@ def test_router_losses_contribute_the_same_with_and_without_per_token_loss(m):
     assert per_token["moe.router.weight"].abs().max() > 1e-4
     for name in per_token:
         torch.testing.assert_close(per_token[name], mean[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_fp16_loss_scale_multiplies_the_router_losses_too(per_token):
+    """With a grad scaler (fp16) the schedule multiplies the lm loss by the loss scale before
+    backward and the step divides every gradient by it: the router losses' gradient must be
+    multiplied alike, else the step shrinks it by the loss scale."""
+    got, want = _schedule_grads(per_token, AUX, 2, loss_scale=1024.0), _oracle_grads(per_token, AUX, 2)
+    for name in want:
+        torch.testing.assert_close(got[name] / 1024.0, want[name], rtol=1e-5, atol=1e-7, msg=name)

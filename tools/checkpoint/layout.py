@@ -84,9 +84,12 @@ def unpad_vocab(weight: torch.Tensor, true_vocab_size: int) -> torch.Tensor:
     return weight[:true_vocab_size]
 
 
-def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int) -> List[Dict[str, torch.Tensor]]:
+def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int,
+                        expert_tp: int = 1) -> List[Dict[str, torch.Tensor]]:
     """Logical layer tensors -> one state dict per tensor-parallel rank, keys relative to the
-    layer (``self_attention.query_key_value.weight``, ...), as in ``LlamaModel``."""
+    layer (``self_attention.query_key_value.weight``, ...), as in ``LlamaModel``. A MoE layer's
+    routed experts are whole on every rank at ``expert_tp`` 1, split over the tensor ranks at
+    ``expert_tp`` = ``tp`` (:func:`tools.checkpoint.moe_layout.split_experts`)."""
     qkv = fuse_qkv(layer["q"], layer["k"], layer["v"], tp)
     dense = split(layer["o"], tp, 1)
     parts = [{"input_layernorm.weight": layer["input_norm"],
@@ -100,10 +103,12 @@ def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int) -> List[Dict[st
         for p in parts:
             p.update({"self_attention.q_layernorm.weight": layer["q_norm"],
                       "self_attention.k_layernorm.weight": layer["k_norm"]})
-    if "router" in layer:  # a MoE layer: experts replicated over tensor ranks
-        from tools.checkpoint.moe_layout import to_ours
+    if "router" in layer:  # a MoE layer: experts replicated over tensor ranks, or split
+        from tools.checkpoint.moe_layout import split_experts, to_ours
         moe = to_ours(layer)
-        return [dict(p, **moe) for p in parts]
+        if expert_tp == 1:
+            return [dict(p, **moe) for p in parts]
+        return [{**p, **moe, **split} for p, split in zip(parts, split_experts(moe, expert_tp))]
     gate_up = fuse_gate_up(layer["gate"], layer["up"], tp)
     down = split(layer["down"], tp, 1)
     for r, p in enumerate(parts):
@@ -134,13 +139,26 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
     return layer
 
 
-def check_layout(meta: dict, tp: int, pp: int, ep: int = 1) -> None:
+def check_layout(meta: dict, tp: int, pp: int, ep: int = 1, expert_tp: int = 1) -> None:
     """Refuse a target layout before anything is written.
 
     Raises:
         ValueError: heads, query groups, ffn width or layers not divisible by the target sizes;
-            an expert-parallel size ``ep`` > 1 for a dense model or not dividing the experts.
+            an expert-parallel size ``ep`` > 1 for a dense model or not dividing the experts;
+            an expert-tensor-parallel size ``expert_tp`` > 1 for a dense model, other than 1 and
+            ``tp``, or not dividing the experts' width.
     """
+    if expert_tp > 1 and not meta.get("num_experts"):
+        raise ValueError(f"--target-expert-tensor-parallel-size {expert_tp}: the model is dense "
+                         "(no experts); drop the flag")
+    if expert_tp not in (1, tp):
+        raise ValueError(f"--target-expert-tensor-parallel-size {expert_tp}: only 1 or the "
+                         f"target tensor-parallel size ({tp}) are written (a legacy checkpoint "
+                         "splits experts over its tensor ranks); choose 1 or "
+                         f"--target-tensor-parallel-size {expert_tp}")
+    if expert_tp > 1 and meta["moe_ffn_hidden_size"] % expert_tp:
+        raise ValueError(f"--target-expert-tensor-parallel-size {expert_tp} does not divide the "
+                         f"experts' ffn hidden size {meta['moe_ffn_hidden_size']}")
     if ep > 1 and not meta.get("num_experts"):
         raise ValueError(f"--target-expert-parallel-size {ep}: the model is dense (no experts); "
                          "drop the flag")

@@ -249,9 +249,9 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             (:func:`megatron.hf_folder.refuse_custom_code`).
     """
     if any((getattr(args, f"target_{kind}_parallel_size", None) or 1) != 1
-           for kind in ("tensor", "pipeline", "expert")):
+           for kind in ("tensor", "pipeline", "expert", "expert_tensor")):
         raise ValueError("--saver hf writes one unsharded model: drop "
-                         "--target-tensor/pipeline/expert-parallel-size")
+                         "--target-tensor/pipeline/expert/expert-tensor-parallel-size")
     if not meta.get("true_vocab_size"):
         raise ValueError("the checkpoint does not store its true vocabulary size, so padding rows "
                          "cannot be removed: pass --true-vocab-size N (the tokenizer's vocabulary)")

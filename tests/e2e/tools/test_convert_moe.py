@@ -177,11 +177,7 @@ def test_expert_parallel_shards_missing_or_disagreeing_are_refused(mixtral, tmp_
                          "--loader", "hf", "--saver", "megatron", "--load-dir", folder,
                          "--save-dir", tmp_path / "z", "--target-expert-parallel-size", 3)
     assert not (tmp_path / "z" / "release").exists()
-    _refused_in_one_line(capsys, "--include-optimizer with --target-expert-parallel-size 2",
-                         "--loader", "megatron", "--saver", "megatron", "--load-dir", ckpt,
-                         "--save-dir", tmp_path / "o", "--include-optimizer",
-                         "--target-expert-parallel-size", 2)
-    _refused_in_one_line(capsys, "drop --target-tensor/pipeline/expert-parallel-size",
+    _refused_in_one_line(capsys, "drop --target-tensor/pipeline/expert/expert-tensor-parallel-size",
                          "--loader", "hf", "--saver", "hf", "--load-dir", folder, "--save-dir",
                          tmp_path / "w", "--target-expert-parallel-size", 2)
     make_hf(str(tmp_path / "dense"))

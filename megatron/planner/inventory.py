@@ -34,6 +34,8 @@ class StageInventory:
         names: every parameter's name, dense and expert, in registration order.
         dense: element counts of the dense parameters (reduced over DP x CP).
         expert: element counts of the expert parameters (reduced over expert-DP).
+        is_expert: for each name, whether the parameter is an expert one (the two kinds'
+            interleaving, which ZeRO-2's gradient timeline follows).
         expert_shapes: shapes of each transformer layer's expert parameters, one tuple per
             layer of the stage (empty for a dense layer).
         units: ZeRO-3's units of the dense parameters, root unit (embedding, final norm, output
@@ -45,6 +47,7 @@ class StageInventory:
     names: Tuple[str, ...]
     dense: Tuple[int, ...]
     expert: Tuple[int, ...]
+    is_expert: Tuple[bool, ...]
     expert_shapes: Tuple[Tuple[Tuple[int, ...], ...], ...]
     units: Tuple[Tuple[Tuple[int, bool], ...], ...]
 
@@ -133,6 +136,7 @@ def _stage_inventory(config: _Key, tp: int, pp: int, pp_rank: int, moe: _Key,
     return StageInventory(names=tuple(n for n, _ in named),
                           dense=tuple(p.numel() for p, _ in dense),
                           expert=tuple(p.numel() for _, p in named if is_expert_param(p)),
+                          is_expert=tuple(bool(is_expert_param(p)) for _, p in named),
                           expert_shapes=tuple(tuple(tuple(p.shape) for p in layer.parameters()
                                                     if is_expert_param(p))
                                               for layer in model.layers),

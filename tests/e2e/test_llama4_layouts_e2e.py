@@ -23,7 +23,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "1", "--moe-ffn-hidden-size", 
 ATTENTION = ["--rotary-interleaved", "--qk-l2-norm", "--no-rope-freq", "2",
              "--attention-chunk-size", "5", "--attn-temperature-tuning",
              "--attn-temperature-floor-scale", "4", "--attn-temperature-scale", "0.5"]
-# Packed documents (each loss-masked token counts alike; per-token loss is tested in test_moe_loss_scale_e2e.py)
+# Packed documents: positions and attention restart after each EOD, which the loss leaves out
 DOCUMENTS = ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
 
 

@@ -14,6 +14,7 @@ layouts asks for the same stage many times.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Tuple
@@ -113,11 +114,27 @@ class _Key:
         return hash(self._key)
 
 
+# The last keys made, by the identity of their (frozen) config: a ranking asks for the stages of
+# one config object thousands of times, and making its key walks every field.
+_KEYS: "OrderedDict[int, _Key]" = OrderedDict()
+
+
+def _key(config) -> _Key:
+    """``_Key(config)``, made once per config object (the key holds the object, so its id is not
+    reused while it is remembered)."""
+    key = _KEYS.get(id(config))
+    if key is None or key.config is not config:
+        key = _KEYS[id(config)] = _Key(config)
+        if len(_KEYS) > 64:
+            _KEYS.popitem(last=False)
+    return key
+
+
 def stage_inventory(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
                     moe: Optional[MoEConfig] = None, ep: int = 1) -> StageInventory:
     """The :class:`StageInventory` of :func:`build_meta_stage`'s model (same arguments and
     errors); cached, also for configs holding a dict (``rope_scaling``)."""
-    return _stage_inventory(_Key(config), tp, pp, pp_rank, _Key(moe), ep)
+    return _stage_inventory(_key(config), tp, pp, pp_rank, _key(moe), ep)
 
 
 @lru_cache(maxsize=256)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from functools import lru_cache
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from megatron.config import ModelConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
-from megatron.model.flops import active_ffn_hidden_size
+from megatron.model.flops import active_ffn_hidden_sizes
 from megatron.planner.inventory import stage_inventory
 from megatron.planner.moe import (dispatch_buffer_bytes, dispatch_saved_bytes,
                                   expert_data_parallel_size, is_moe, stage_expert_numels,
@@ -73,6 +74,12 @@ def bucket_numels(numels: List[int], dp: int, bucket_size: Optional[int] = None,
     the distributed optimizer)."""
     if bucket_size is None:
         bucket_size = default_bucket_size(dp)
+    return list(_bucket_numels(tuple(numels), dp, bucket_size, frozenset(alone)))
+
+
+@lru_cache(maxsize=4096)  # a ranking asks for the same stage's buckets for many layouts
+def _bucket_numels(numels: Tuple[int, ...], dp: int, bucket_size: int,
+                   alone: FrozenSet[int]) -> Tuple[int, ...]:
     pad = lambda n: -(-n // dp) * dp  # noqa: E731
     out, cursor = [], 0
     for i in reversed(range(len(numels))):
@@ -85,7 +92,7 @@ def bucket_numels(numels: List[int], dp: int, bucket_size: Optional[int] = None,
             cursor = 0
     if cursor:
         out.append(pad(cursor))
-    return out
+    return tuple(out)
 
 
 def grad_buffer_numel(numels: List[int], dp: int, bucket_size: Optional[int] = None) -> int:
@@ -478,7 +485,7 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     expert_params, expert_grads, expert_opt, expert_opt_dist = experts[stage]
     model_config = config
     if is_moe(moe):  # activations: a dense layer of the mean active width
-        width = sum(active_ffn_hidden_size(config, moe, i) for i in range(config.num_layers))
+        width = sum(active_ffn_hidden_sizes(config, moe))
         config = config.replace(ffn_hidden_size=width // config.num_layers)
     grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer
     params = e * sum(numels)

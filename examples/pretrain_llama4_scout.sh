@@ -14,12 +14,12 @@
 # q/k L2 norm and interleaved RoPE (base 5e5, Llama-3 scaling factor 16); vocabulary 202048:
 # 107.8B parameters, 17.2B active per token (tools/plan.py --model llama4-scout).
 #
-# Layout: tools/plan.py's first for this shape on 32 x 141 GiB: TP=1 x CP=2 x PP=2, DP = 8,
+# Layout: tools/plan.py's first for this shape on 32 x 141 GiB: TP=1 x CP=4 x PP=2, DP = 4,
 # with the experts split over EP=8 (folded over CP x DP: each rank holds 2 of the 16 experts of
-# its 24 layers, expert-TP 1) and the distributed optimizer. Per GPU it estimates 132.5 GiB (of
+# its 24 layers, expert-TP 1) and the distributed optimizer. Per GPU it estimates 123.2 GiB (of
 # 141, with 4 kept back): 21.6 bf16 parameters, 43.2 fp32 gradients, 37.6 optimizer state,
-# 30.0 activations. On H100 (80 GB) nodes it needs 8 nodes (TP=1 x CP=4 x PP=4, DP = 4, EP=8:
-# 69.5 GiB).
+# 20.7 activations (the all-to-all dispatch's kept rows included; at CP=2 they no longer fit).
+# On H100 (80 GB) nodes it needs 8 nodes (TP=1 x CP=4 x PP=4, DP = 4, EP=8: 75.2 GiB).
 #   python tools/plan.py --model llama4-scout --num-gpus 32 --gpu-memory-gib 141 \
 #       --global-batch-size 512 --seq-length 8192
 NAME=${NAME:-llama4_scout}
@@ -49,7 +49,7 @@ MOE_ARGS=(
 )
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2
-    --context-parallel-size 2 --cp-comm-type p2p
+    --context-parallel-size 4 --cp-comm-type p2p
     --expert-model-parallel-size 8 --expert-tensor-parallel-size 1
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
     "${MOE_ARGS[@]}"

@@ -14,16 +14,18 @@
 # parameters, 3.3B active per token. Qwen3 also normalises each head's queries and keys
 # (RMSNorm per head before RoPE: --qk-layernorm), so the checkpoints convert to Qwen3's.
 #
-# Layout: tools/plan.py's first for this shape on 16 x 80 GB: TP=1 x CP=2 x PP=4, DP = 2,
-# every rank holding all 128 experts of its 12 layers (EP=1: the planner charges expert
-# parallelism the all-to-all's time, and the memory fits without it), with the distributed
-# optimizer. Per GPU it estimates 71.9 GiB (of 80, with 4 kept back): 14.5 bf16 parameters, 29.0
-# fp32 gradients, 21.8 optimizer state, 6.6 activations; 10.4 s per iteration.
+# Layout: tools/plan.py's first for this shape on 16 x 80 GB (expert-TP 1): TP=1 x CP=2 x PP=2,
+# DP = 4, the experts split over EP=4 (folded over CP x DP: each rank holds 32 of the 128
+# experts of its 24 layers), with the distributed optimizer. Per GPU it estimates 70.6 GiB (of
+# 80, with 4 kept back): 8.2 bf16 parameters, 16.4 fp32 gradients, 21.3 optimizer state, 24.7
+# activations (the all-to-all dispatch's kept rows of the top-8 routing included: with them
+# EP=1 x PP=4 no longer fits); 12.3 s per iteration.
 #   python tools/plan.py --num-gpus 16 --gpu-memory-gib 80 --num-layers 48 --hidden-size 2048 \
 #       --ffn-hidden-size 6144 --num-attention-heads 32 --num-query-groups 4 --kv-channels 128 \
 #       --vocab-size 151936 --make-vocab-size-divisible-by 1 \
 #       --untie-embeddings-and-output-weights --num-experts 128 --moe-ffn-hidden-size 768 \
-#       --moe-router-topk 8 --global-batch-size 512 --seq-length 4096
+#       --moe-router-topk 8 --expert-tensor-parallel-size 1 --global-batch-size 512 \
+#       --seq-length 4096
 NAME=${NAME:-qwen3_30b_a3b}
 NNODES=${NNODES:-2}
 : "${TOKENIZER_DIR:?set TOKENIZER_DIR to a local folder holding the Qwen3 tokenizer.json}"
@@ -44,9 +46,9 @@ MOE_ARGS=(
     --moe-token-dispatcher-type alltoall --moe-grouped-gemm
 )
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2
     --context-parallel-size 2 --cp-comm-type p2p
-    --expert-model-parallel-size 1 --expert-tensor-parallel-size 1
+    --expert-model-parallel-size 4 --expert-tensor-parallel-size 1
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
     "${MOE_ARGS[@]}"
 )

@@ -18,6 +18,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long tests (kill/restart, multi-node, demo); run with -m slow")
 
 
+def pytest_deselected(items):
+    if items:
+        from tests.helpers.suite_counts import record_deselected
+        record_deselected(items[0].config, items)
+
+
+def pytest_collection_finish(session):
+    from tests.helpers.suite_counts import record_collection
+    record_collection(session)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _warm_worlds():
     """The warm worlds of ``run_distributed`` live for the session and end with it."""

@@ -320,8 +320,6 @@ def main(argv=None) -> int:
     print(f"  parameters {_gib(best.memory.parameters)}   gradients (fp32 buffer) {_gib(best.memory.gradients)}"
           f"   optimizer {_gib(best.memory.optimizer)} plain / {_gib(best.memory.optimizer_distributed)} distributed")
     strategies = (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"), ("optim_grads_params", "ZeRO-3"))
-    if moe is not None:  # the planner models MoE with ZeRO-1 and ZeRO-3 (not ZeRO-2 yet)
-        strategies = (strategies[0], strategies[2])
     for strategy, label in strategies:
         z = estimate_memory(tp_config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=args.seq_length,
                             micro_batch_size=L.micro_batch_size,

@@ -17,6 +17,7 @@ from megatron.usage_error import UsageError
 
 DISPATCHERS = ("alltoall", "allgather")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+MOE_RECOMPUTE_MODULES = frozenset({"moe_act", "moe", "shared_experts"})
 
 
 def add_moe_args(parser):
@@ -278,6 +279,13 @@ def validate_moe(args, defaults: dict) -> None:
     until it is proven."""
     validate_moe_flags(args, defaults)
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    moe_modules = sorted(set(args.recompute_modules or ()) & MOE_RECOMPUTE_MODULES)
+    if args.num_experts is None and moe_modules:
+        raise UsageError(f"--recompute-modules {' '.join(moe_modules)} needs --num-experts (a "
+                         "dense model has no MoE layer): use act or mlp, or add --num-experts")
+    if "shared_experts" in moe_modules and not args.moe_shared_expert_intermediate_size:
+        raise UsageError("--recompute-modules shared_experts needs "
+                         "--moe-shared-expert-intermediate-size (no shared expert to recompute)")
     if args.num_experts is None:
         if ep > 1:
             raise UsageError(f"--expert-model-parallel-size {ep} needs --num-experts (a dense "
@@ -310,13 +318,11 @@ def validate_moe(args, defaults: dict) -> None:
     if args.recompute_granularity == "selective" and modules and modules <= {"act", "mlp"} \
             and all(args.moe_layer_freq):
         raise UsageError(f"--recompute-modules {' '.join(sorted(modules))} recomputes nothing "
-                         "when every layer is MoE (the experts have no selective recompute): add "
-                         "core_attn or layernorm, or use --recompute-granularity full")
+                         "when every layer is MoE (act and mlp are the dense MLP's): add moe_act, "
+                         "moe, core_attn or layernorm, or use --recompute-granularity full")
     refused = [
         (cp > 1 and args.moe_token_drop_policy == "position",
          f"--moe-token-drop-policy position at --context-parallel-size {cp}"),
-        (args.calculate_per_token_loss, "--calculate-per-token-loss"),
-        (args.rampup_batch_size is not None, "--rampup-batch-size"),
     ]
     # A legacy file at expert-TP > 1 other than TP holds whole experts (gathered at the save,
     # checkpointing/legacy.py); the plain optimizer's state of the slices is not gathered.

@@ -333,7 +333,8 @@ def _add_training_args(parser):
                         "first --recompute-num-layers layers of each stage (block)")
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-modules", nargs="+", default=None,
-                   choices=["core_attn", "act", "layernorm", "mlp"],
+                   choices=["core_attn", "act", "layernorm", "mlp", "moe_act", "moe",
+                            "shared_experts"],
                    help="selective recompute: what to recompute (default: core_attn act layernorm)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="norms and dropout on [s/TP, b, h] (needs TP > 1)")

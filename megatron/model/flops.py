@@ -26,10 +26,18 @@ def active_ffn_hidden_size(config: ModelConfig, moe: Optional[MoEConfig], layer:
     """The MLP width a token passes through in ``layer``: ``--ffn-hidden-size`` in a dense layer;
     in an MoE layer top-k experts of ``--moe-ffn-hidden-size`` (default ``--ffn-hidden-size``)
     plus the shared expert's ``--moe-shared-expert-intermediate-size``."""
-    if not moe_layers(moe, config.num_layers)[layer]:
-        return config.ffn_hidden_size
+    return active_ffn_hidden_sizes(config, moe)[layer]
+
+
+def active_ffn_hidden_sizes(config: ModelConfig, moe: Optional[MoEConfig]) -> List[int]:
+    """:func:`active_ffn_hidden_size` of every layer, in order (the layer pattern read once:
+    the planner asks for every layer of thousands of layouts)."""
+    if moe is None or not moe.num_experts:
+        return [config.ffn_hidden_size] * config.num_layers
     expert = moe.moe_ffn_hidden_size or config.ffn_hidden_size
-    return moe.moe_router_topk * expert + (moe.moe_shared_expert_intermediate_size or 0)
+    width = moe.moe_router_topk * expert + (moe.moe_shared_expert_intermediate_size or 0)
+    return [width if is_moe else config.ffn_hidden_size
+            for is_moe in moe_layers(moe, config.num_layers)]
 
 
 def num_floating_point_operations(config: ModelConfig, batch_size: int, seq_length: int,
@@ -56,7 +64,7 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, seq_leng
     h, layers = config.hidden_size, config.num_layers
     query_projection_ratio = config.kv_channels * config.num_attention_heads / h
     gated_linear_multiplier = 1.5  # SwiGLU: three ffn-sized matrices instead of two
-    mlp = sum(active_ffn_hidden_size(config, moe, i) for i in range(layers)) / layers
+    mlp = sum(active_ffn_hidden_sizes(config, moe)) / layers
     return 12.0 * batch_size * seq_length * layers * h * h * (
         (1 + config.num_query_groups / config.num_attention_heads + seq_length / h)
         * query_projection_ratio

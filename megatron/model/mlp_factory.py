@@ -106,6 +106,7 @@ def _dense(config, layer_number, *, pg_collection, device=None):
 
 
 def _moe(config, layer_number, *, pg_collection, device=None, moe_config):
+    from megatron.model.recompute import selective_modules
     # It records its router losses itself (MoEAuxLossAutoScaler): the plain [s, b, h] output.
     ep, etp, dp = pg_collection.ep, pg_collection.expt_tp, pg_collection.dp
     sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
@@ -115,7 +116,8 @@ def _moe(config, layer_number, *, pg_collection, device=None, moe_config):
                     device=device, ep_group=ep.group if ep.size > 1 else None,
                     expert_tp_group=etp.group if etp.size > 1 else None,
                     dp_group=dp.group if dp.size > 1 else None,
-                    token_group=moe_token_group(pg_collection, sequence_parallel))
+                    token_group=moe_token_group(pg_collection, sequence_parallel),
+                    recompute_modules=selective_modules(config))
 
 
 register_mlp("dense", _dense)

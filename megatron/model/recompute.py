@@ -17,6 +17,9 @@ Recomputation in Large Transformer Models", section 5; Megatron-LM's ``--recompu
   layernorm     both RMSNorms of the layer (their ``[s, b, h]`` outputs, which the following
                 linear layers would otherwise keep)
   mlp           the whole MLP block (re-runs its GEMMs; Megatron-Core's ``mlp``)
+  moe_act       the routed experts' SwiGLU activation (MoE layers; ``[rows, f]``)
+  moe           the whole MoE layer (router, dispatch, experts, combine; its input kept)
+  shared_experts  the MoE layer's shared expert (its input kept)
   ============  ===============================================================================
 
   The default is ``core_attn act layernorm``: recompute without GEMMs. Megatron-Core's default is
@@ -34,7 +37,7 @@ import torch
 
 from megatron.core.tensor_parallel.random import checkpoint
 
-RECOMPUTE_MODULES = ("core_attn", "act", "layernorm", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "act", "layernorm", "mlp", "moe_act", "moe", "shared_experts")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn", "act", "layernorm")
 
 

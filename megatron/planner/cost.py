@@ -193,7 +193,8 @@ def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
     L = layout
     e = 2 if bf16 else 4
     gbs = L.micro_batch_size * L.num_microbatches * L.dp
-    flops = num_floating_point_operations(config, gbs, seq_length, moe)
+    model_flops = num_floating_point_operations(config, gbs, seq_length, moe)
+    flops = model_flops
     layer_flops = num_floating_point_operations(config.replace(padded_vocab_size=0), gbs, seq_length,
                                                 moe)
     if L.recompute == "full":
@@ -201,7 +202,7 @@ def estimate(config: ModelConfig, layout: Layout, hw: Hardware, seq_length: int,
     elif L.recompute == "selective":  # forward of scores and context: 4 s^2 (n d) per layer and sample
         flops += 4.0 * gbs * seq_length ** 2 * config.num_attention_heads * config.kv_channels * config.num_layers
     # The last stage adds the output layer to its share of the layers; all stages wait for it.
-    head_flops = num_floating_point_operations(config, gbs, seq_length, moe) - layer_flops
+    head_flops = model_flops - layer_flops
     slowest_stage_flops = (flops - head_flops) / L.pp + head_flops
     compute = slowest_stage_flops / (L.tp * L.cp * L.dp * hw.peak_flops * hw.mfu)
     bubble = compute * (L.pp - 1) / L.num_microbatches
@@ -301,7 +302,9 @@ def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_
         raise ValueError(f"no TP x PP x DP layout of {hw.num_gpus} GPUs divides --num-layers "
                          f"({config.num_layers}) and --global-batch-size ({global_batch_size}); "
                          "change --num-gpus or --global-batch-size")
-    results = [estimate(config_for_tp(config, l.tp, vocab_size, make_vocab_size_divisible_by),
-                        l, hw, seq_length, bf16, moe=moe) for l in layouts]
+    # one config object per TP: the stage inventories are cached by it
+    configs = {tp: config_for_tp(config, tp, vocab_size, make_vocab_size_divisible_by)
+               for tp in {l.tp for l in layouts}}
+    results = [estimate(configs[l.tp], l, hw, seq_length, bf16, moe=moe) for l in layouts]
     return distinct(sorted((r for r in results if r.fits),
                            key=lambda r: (r.iteration_s, r.memory.total)))

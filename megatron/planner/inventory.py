@@ -14,6 +14,7 @@ layouts asks for the same stage many times.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Tuple
@@ -34,6 +35,8 @@ class StageInventory:
         names: every parameter's name, dense and expert, in registration order.
         dense: element counts of the dense parameters (reduced over DP x CP).
         expert: element counts of the expert parameters (reduced over expert-DP).
+        is_expert: for each name, whether the parameter is an expert one (the two kinds'
+            interleaving, which ZeRO-2's gradient timeline follows).
         expert_shapes: shapes of each transformer layer's expert parameters, one tuple per
             layer of the stage (empty for a dense layer).
         units: ZeRO-3's units of the dense parameters, root unit (embedding, final norm, output
@@ -45,6 +48,7 @@ class StageInventory:
     names: Tuple[str, ...]
     dense: Tuple[int, ...]
     expert: Tuple[int, ...]
+    is_expert: Tuple[bool, ...]
     expert_shapes: Tuple[Tuple[Tuple[int, ...], ...], ...]
     units: Tuple[Tuple[Tuple[int, bool], ...], ...]
 
@@ -110,11 +114,27 @@ class _Key:
         return hash(self._key)
 
 
+# The last keys made, by the identity of their (frozen) config: a ranking asks for the stages of
+# one config object thousands of times, and making its key walks every field.
+_KEYS: "OrderedDict[int, _Key]" = OrderedDict()
+
+
+def _key(config) -> _Key:
+    """``_Key(config)``, made once per config object (the key holds the object, so its id is not
+    reused while it is remembered)."""
+    key = _KEYS.get(id(config))
+    if key is None or key.config is not config:
+        key = _KEYS[id(config)] = _Key(config)
+        if len(_KEYS) > 64:
+            _KEYS.popitem(last=False)
+    return key
+
+
 def stage_inventory(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
                     moe: Optional[MoEConfig] = None, ep: int = 1) -> StageInventory:
     """The :class:`StageInventory` of :func:`build_meta_stage`'s model (same arguments and
     errors); cached, also for configs holding a dict (``rope_scaling``)."""
-    return _stage_inventory(_Key(config), tp, pp, pp_rank, _Key(moe), ep)
+    return _stage_inventory(_key(config), tp, pp, pp_rank, _key(moe), ep)
 
 
 @lru_cache(maxsize=256)
@@ -133,6 +153,7 @@ def _stage_inventory(config: _Key, tp: int, pp: int, pp_rank: int, moe: _Key,
     return StageInventory(names=tuple(n for n, _ in named),
                           dense=tuple(p.numel() for p, _ in dense),
                           expert=tuple(p.numel() for _, p in named if is_expert_param(p)),
+                          is_expert=tuple(bool(is_expert_param(p)) for _, p in named),
                           expert_shapes=tuple(tuple(tuple(p.shape) for p in layer.parameters()
                                                     if is_expert_param(p))
                                               for layer in model.layers),

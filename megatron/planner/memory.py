@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from functools import lru_cache
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from megatron.config import ModelConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.distributed.param_and_grad_buffer import default_bucket_size
-from megatron.model.flops import active_ffn_hidden_size
+from megatron.model.flops import active_ffn_hidden_sizes
 from megatron.planner.inventory import stage_inventory
-from megatron.planner.moe import expert_data_parallel_size, is_moe, stage_expert_numels
+from megatron.planner.moe import (dispatch_buffer_bytes, dispatch_saved_bytes,
+                                  expert_data_parallel_size, is_moe, stage_expert_numels,
+                                  stage_moe_layers)
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -71,6 +74,12 @@ def bucket_numels(numels: List[int], dp: int, bucket_size: Optional[int] = None,
     the distributed optimizer)."""
     if bucket_size is None:
         bucket_size = default_bucket_size(dp)
+    return list(_bucket_numels(tuple(numels), dp, bucket_size, frozenset(alone)))
+
+
+@lru_cache(maxsize=4096)  # a ranking asks for the same stage's buckets for many layouts
+def _bucket_numels(numels: Tuple[int, ...], dp: int, bucket_size: int,
+                   alone: FrozenSet[int]) -> Tuple[int, ...]:
     pad = lambda n: -(-n // dp) * dp  # noqa: E731
     out, cursor = [], 0
     for i in reversed(range(len(numels))):
@@ -83,7 +92,7 @@ def bucket_numels(numels: List[int], dp: int, bucket_size: Optional[int] = None,
             cursor = 0
     if cursor:
         out.append(pad(cursor))
-    return out
+    return tuple(out)
 
 
 def grad_buffer_numel(numels: List[int], dp: int, bucket_size: Optional[int] = None) -> int:
@@ -107,6 +116,63 @@ def sharded_grad_window_numel(buckets: List[int], *, overlap_grad_reduce: bool,
         if live_throughout is not None:
             live.add(live_throughout)
         best = max(best, sum(buckets[i] for i in live))
+    return best
+
+
+def bucket_assignment(numels: List[int], dp: int, bucket_size: Optional[int] = None,
+                      alone: Sequence[int] = ()) -> Tuple[List[int], List[int]]:
+    """:func:`bucket_numels`'s buckets and, for each parameter (registration order), the index
+    of its bucket: ``(bucket of each parameter, padded elements of each bucket)``."""
+    sizes = bucket_numels(numels, dp, bucket_size, alone)
+    if bucket_size is None:
+        bucket_size = default_bucket_size(dp)
+    of, bucket, cursor = [0] * len(numels), 0, 0
+    for i in reversed(range(len(numels))):  # bucket_numels' walk, recording the bucket index
+        if i in alone and cursor:
+            bucket, cursor = bucket + 1, 0
+        of[i] = bucket
+        cursor += numels[i]
+        if i in alone or cursor >= bucket_size:
+            bucket, cursor = bucket + 1, 0
+    return of, sizes
+
+
+def interleaved_grad_window_numel(is_expert: Sequence[bool], dense: List[int], expert: List[int],
+                                  *, dp: int, expert_dp: int, bucket_size: Optional[int] = None,
+                                  overlap_grad_reduce: bool = False,
+                                  tied_throughout: bool = False) -> int:
+    """ZeRO-2's most full-gradient elements at once (besides the shards) when a stage has a
+    dense and an expert buffer (MoE): the backward makes the parameters' gradients final in
+    reverse registration order (``is_expert``: the two kinds' interleaving); a bucket of either
+    buffer holds its full storage from its first gradient to its reduce-scatter, issued as its
+    last gradient is final, so a dense and an expert bucket are live together while an MoE
+    layer's backward fills both. Under ``--overlap-grad-reduce`` each buffer's previous bucket
+    stays held until that buffer's next one is launched. ``tied_throughout``: the dense buffer's
+    last bucket (the tied embedding at PP = 1) is live from the start (see
+    :func:`sharded_grad_window_numel`). Expert buckets are padded to ``expert_dp``."""
+    kinds = {False: bucket_assignment(dense, dp, bucket_size),
+             True: bucket_assignment(expert, expert_dp, bucket_size)}
+    left = {kind: [0] * len(sizes) for kind, (_, sizes) in kinds.items()}
+    for kind, (of, _) in kinds.items():
+        for b in of:
+            left[kind][b] += 1
+    position = {False: len(dense), True: len(expert)}
+    live = {False: set(), True: set()}
+    held = {False: None, True: None}  # the previous bucket, in flight under overlap
+    best = 0
+    for flag in reversed(is_expert):
+        position[flag] -= 1
+        of, sizes = kinds[flag]
+        bucket = of[position[flag]]
+        live[flag].add(bucket)
+        now = set(live[False]) | ({len(kinds[False][1]) - 1} if tied_throughout else set())
+        total = sum(kinds[False][1][b] for b in now | ({held[False]} - {None}))
+        total += sum(kinds[True][1][b] for b in live[True] | ({held[True]} - {None}))
+        best = max(best, total)
+        left[flag][bucket] -= 1
+        if not left[flag][bucket]:  # final: reduce-scattered
+            live[flag].discard(bucket)
+            held[flag] = bucket if overlap_grad_reduce else None
     return best
 
 
@@ -307,6 +373,35 @@ def stage_activation_bytes(config: ModelConfig, seq_length: int, micro_batch_siz
     return int(total)
 
 
+def moe_dispatch_activation_bytes(config: ModelConfig, moe: MoEConfig, *, seq_length: int,
+                                  micro_batch_size: int, tp: int, cp: int, pp: int,
+                                  pp_rank: int, micro_batches: float, ep: int, etp: int,
+                                  sequence_parallel: bool = False, recompute: str = "none",
+                                  recompute_method: str = "uniform",
+                                  recompute_num_layers: int = 1, dtype_bytes: int = 2) -> int:
+    """What the alltoall dispatch adds to stage ``pp_rank``'s activations on one rank: each MoE
+    layer's :func:`~megatron.planner.moe.dispatch_saved_bytes` per micro-batch in flight
+    (``micro_batches``; under full recompute only the layers rebuilt in backward keep it), plus
+    one exchange's buffers (:func:`~megatron.planner.moe.dispatch_buffer_bytes`). ``seq_length``
+    is this rank's ``s / CP``; the capacity's token set is the micro-batch's ``s b``. The
+    allgather dispatcher is not modelled (0)."""
+    layers = sum(stage_moe_layers(config, moe, pp, pp_rank))
+    if not layers or moe.moe_token_dispatcher_type != "alltoall":
+        return 0
+    tokens = seq_length * micro_batch_size // (tp if sequence_parallel else 1)
+    kw = dict(token_set=seq_length * cp * micro_batch_size,
+              capacity_factor=moe.moe_expert_capacity_factor,
+              pad_to_capacity=moe.moe_pad_expert_input_to_capacity, etp=etp)
+    shape = (tokens, moe.moe_router_topk, config.hidden_size, dtype_bytes, moe.num_experts)
+    one = dispatch_saved_bytes(*shape, ffn_hidden_size=moe.moe_ffn_hidden_size
+                               or config.ffn_hidden_size, **kw)
+    if recompute == "full":
+        kept = min(recompute_num_layers if recompute_method == "uniform" else 1, layers)
+    else:
+        kept = layers * micro_batches
+    return int(one * kept) + dispatch_buffer_bytes(*shape, ep=ep, **kw)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank of one layout (the busiest pipeline stage)."""
@@ -368,19 +463,16 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     ``Psi_dense_pad / N + Psi_expert_pad / expert-DP``, the gather window the root unit and the
     largest two neighbouring layer units, the gradient peak the root and the largest layer unit
     (``tests/unit/planner/test_planner_moe.py`` against a built model at EP 1 and 2).
-    ``optim_grads`` (ZeRO-2) with experts is not modelled (two buffers' buckets interleave in
-    backward).
+    ``optim_grads`` (ZeRO-2) with experts: the gradient shards of both buffers and the full
+    buckets of both live at once along the backward (:func:`interleaved_grad_window_numel`).
     Activations of an MoE layer are estimated as those of a dense layer whose ffn width is the
-    active one (top-k x expert width + shared expert; :func:`active_ffn_hidden_size`); the
-    dispatched copies of the hidden states and the dispatch buffers are not counted.
+    active one (top-k x expert width + shared expert; :func:`active_ffn_hidden_size`), plus what
+    the alltoall dispatch keeps and its exchange buffers (:func:`moe_dispatch_activation_bytes`).
 
     Raises:
-        ValueError: MoE with ZeRO-2, or EP x expert-TP not dividing TP x CP x DP."""
+        ValueError: EP x expert-TP not dividing TP x CP x DP."""
     e = 2 if bf16 else 4
     expert_dp = expert_data_parallel_size(tp, cp, dp, ep, etp) if is_moe(moe) else 1
-    if is_moe(moe) and use_distributed_optimizer and sharding_strategy == "optim_grads":
-        raise ValueError("the planner models MoE with --use-distributed-optimizer (ZeRO-1) and "
-                         "ZeRO-3 only, not --data-parallel-sharding-strategy optim_grads")
     seq_length, dp = seq_length // cp, dp * cp
     ranks = sorted({0, pp - 1})
     experts = {r: expert_memory(config, moe, pp=pp, pp_rank=r, ep=ep, etp=etp, expert_dp=expert_dp,
@@ -393,7 +485,7 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
     expert_params, expert_grads, expert_opt, expert_opt_dist = experts[stage]
     model_config = config
     if is_moe(moe):  # activations: a dense layer of the mean active width
-        width = sum(active_ffn_hidden_size(config, moe, i) for i in range(config.num_layers))
+        width = sum(active_ffn_hidden_sizes(config, moe))
         config = config.replace(ffn_hidden_size=width // config.num_layers)
     grads = 4 * grad_buffer_numel(numels, dp, bucket_size)  # fp32 main_grad buffer
     params = e * sum(numels)
@@ -405,7 +497,17 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
         buckets = bucket_numels(numels, dp, bucket_size, alone)
         psi_pad = sum(buckets)
         params, grads = e * psi_pad, 4 * psi_pad
-        if strategy == "optim_grads":
+        if strategy == "optim_grads" and is_moe(moe):  # two buffers' buckets interleave
+            inventory = stage_inventory(model_config, tp, pp, stage, moe, ep)
+            expert_numels = stage_expert_numels(model_config, moe, pp, stage, ep, etp)
+            window = interleaved_grad_window_numel(
+                inventory.is_expert, numels, expert_numels, dp=dp, expert_dp=expert_dp,
+                bucket_size=default_bucket_size(dp) if bucket_size is None else bucket_size,
+                overlap_grad_reduce=overlap_grad_reduce,
+                tied_throughout=pp == 1 and tied and not alone)
+            expert_grads = expert_grads // expert_dp  # the shards; full buckets in the window
+            grads = 4 * psi_pad // dp + 4 * window
+        elif strategy == "optim_grads":
             window = sharded_grad_window_numel(
                 buckets, overlap_grad_reduce=overlap_grad_reduce,
                 live_throughout=len(buckets) - 1 if pp == 1 and tied else None)
@@ -427,10 +529,19 @@ def estimate_memory(config: ModelConfig, *, tp: int, pp: int, dp: int, seq_lengt
               recompute_num_layers=recompute_num_layers)
     act = stage_activation_bytes(config, seq_length, micro_batch_size, tp, pp, num_microbatches,
                                  sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
+    dispatch = {}
+    if is_moe(moe):  # the dispatched copies and the all-to-all's buffers (alltoall)
+        for rank, in_flight in ((0, in_flight_microbatches(pp, num_microbatches)), (pp - 1, 1)):
+            dispatch[rank] = moe_dispatch_activation_bytes(
+                model_config, moe, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                tp=tp, cp=cp, pp=pp, pp_rank=rank, micro_batches=in_flight, ep=ep, etp=etp,
+                sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
+        act += dispatch[0]
     if pp > 1:  # the last stage holds the head's activations for its micro-batch
         last = (layers_activation_bytes(config, seq_length, micro_batch_size, tp, config.num_layers // pp,
                                         sequence_parallel=sequence_parallel, dtype_bytes=e, **rc)
-                + head_activation_bytes(config, seq_length, micro_batch_size, tp, e))
+                + head_activation_bytes(config, seq_length, micro_batch_size, tp, e)
+                + dispatch.get(pp - 1, 0))
         act = max(act, last)
     return MemoryEstimate(
         parameters=params + expert_params, gradients=grads + expert_grads,

@@ -93,3 +93,70 @@ def alltoall_bytes_per_iteration(tokens_per_rank: int, topk: int, hidden_size: i
     one forward (2 more exchanges), not counted here.
     """
     return 4.0 * tokens_per_rank * topk * hidden_size * dtype_bytes * (ep - 1) / ep * moe_layers_per_rank
+
+
+def dispatch_rows(tokens: int, topk: int, num_experts: int, *, token_set: int,
+                  capacity_factor: Optional[float] = None, pad_to_capacity: bool = False,
+                  etp: int = 1) -> tuple:
+    """``(kept, rows)`` of one MoE layer's alltoall dispatch on one rank for one micro-batch,
+    with the uniform routing the planner assumes (every expert gets ``N k / E`` choices of the
+    micro-batch's N = ``token_set`` tokens, so a capacity factor >= 1 drops nothing): ``kept``
+    the rank's choices sent (its T tokens x k, gathered over expert-TP: ``T etp k``), ``rows``
+    the rows it sends and receives (``kept``; padded to capacity, ``E C`` with
+    ``C = ceil(N k / E x factor) x etp`` rows per expert, zeros after the real ones)."""
+    kept = tokens * etp * topk
+    if not pad_to_capacity:
+        return kept, kept
+    capacity = math.ceil(token_set * topk / num_experts * capacity_factor) * etp
+    return kept, num_experts * capacity
+
+
+def dispatch_saved_bytes(tokens: int, topk: int, hidden_size: int, dtype_bytes: int,
+                         num_experts: int, *, token_set: int, ffn_hidden_size: int,
+                         capacity_factor: Optional[float] = None, pad_to_capacity: bool = False,
+                         etp: int = 1) -> int:
+    """Bytes the dispatch and combine of one MoE layer keep for backward, one micro-batch on one
+    rank (the alltoall dispatcher, :mod:`megatron.core.transformer.moe.token_dispatcher`), with
+    ``kept, rows`` of :func:`dispatch_rows`, h the hidden size and e the element size:
+
+    * the permuted tokens the experts read, ``e rows h`` (their first GEMM's input), and the
+      experts' output rows, ``e rows h`` (the combine's ``index_copy`` keeps its source);
+    * the rows returned by the combine in fp32, ``4 kept h``, and the per-choice outputs the
+      probabilities weight, ``4 T k h``, with the probabilities ``4 T k``;
+    * the int64 indices: the choices' token ids and choice ids (``8 kept`` each) and the
+      regrouping permutation (``8 rows``);
+    * with ``--moe-pad-expert-input-to-capacity`` the real rows copied into the padded buffer
+      (``e kept h``) and their slots (``8 kept``), and the experts' SwiGLU on the padding rows,
+      ``3 e (rows - kept) f / etp`` (f = ``ffn_hidden_size``, the expert width).
+
+    The experts' SwiGLU on the real rows (``3 e T k f``) is the activation model's (a dense
+    layer of the active width); the router's ``[T, E]`` scores and ``[T, k]`` choices and the
+    grouped GEMM's ``[E_local]`` int32 offsets are not counted. Checked
+    against the bytes autograd keeps (``saved_tensors_hooks``) in
+    tests/unit/planner/test_planner_moe.py."""
+    kept, rows = dispatch_rows(tokens, topk, num_experts, token_set=token_set,
+                               capacity_factor=capacity_factor,
+                               pad_to_capacity=pad_to_capacity, etp=etp)
+    h, e = hidden_size, dtype_bytes
+    out = 2 * e * rows * h + 4 * kept * h + 4 * tokens * topk * h + 4 * tokens * topk
+    out += 8 * (2 * kept + rows)
+    if pad_to_capacity:
+        out += e * kept * h + 8 * kept + 3 * e * (rows - kept) * (ffn_hidden_size // etp)
+    return out
+
+
+def dispatch_buffer_bytes(tokens: int, topk: int, hidden_size: int, dtype_bytes: int,
+                          num_experts: int, *, token_set: int, ep: int,
+                          capacity_factor: Optional[float] = None,
+                          pad_to_capacity: bool = False, etp: int = 1) -> int:
+    """The all-to-all's own buffers at their peak: one exchange's send and receive buffers,
+    ``2 e rows h`` (the dispatch's permuted tokens and the rows received, the combine's and the
+    two backward exchanges' gradients alike; padding included in ``rows``); none at EP = 1.
+    They live only during the exchange: the planner adds them once per rank, on top of what is
+    kept."""
+    if ep == 1:
+        return 0
+    _, rows = dispatch_rows(tokens, topk, num_experts, token_set=token_set,
+                            capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity,
+                            etp=etp)
+    return 2 * dtype_bytes * rows * hidden_size

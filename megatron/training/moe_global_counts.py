@@ -15,7 +15,7 @@ running average over the micro-batches seen so far does).
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -49,17 +49,39 @@ def _moe_layers(model) -> List[MoELayer]:
     return [m for chunk in model for m in chunk.modules() if isinstance(m, MoELayer)]
 
 
+def _counting_loss_tokens(forward_step_func, counted: list):
+    """``forward_step_func`` whose loss function also appends its token count to ``counted``."""
+    def step(data_iterator, model):
+        output, loss_func = forward_step_func(data_iterator, model)
+
+        def counting_loss(output_tensor):
+            outputs = loss_func(output_tensor)
+            if len(outputs) == 3:
+                counted.append(torch.as_tensor(outputs[1]).detach().to(torch.int64).cpu())
+            return outputs
+        return output, counting_loss
+    return step
+
+
 def count_global_batch(forward_step_func, data_iterator, model, *, num_microbatches: int,
-                       seq_length: int, micro_batch_size: int, schedule_config, pg_collection):
+                       seq_length: int, micro_batch_size: int, schedule_config, pg_collection,
+                       count_experts: bool = True, loss_tokens: Optional[list] = None):
     """Run the counting pass of one iteration and return the data iterator(s) that replay its
-    micro-batches; afterwards each MoE layer of ``model`` holds ``global_counts [E]`` (int64,
-    every choice of the global batch, before capacity) and ``global_micro_batches`` (M).
+    micro-batches; afterwards (``count_experts``) each MoE layer of ``model`` holds
+    ``global_counts [E]`` (int64, every choice of the global batch, before capacity) and
+    ``global_micro_batches`` (M).
 
     Args:
         forward_step_func / data_iterator / model / num_microbatches / seq_length /
             micro_batch_size / schedule_config / pg_collection: those of the iteration's
             forward-backward call.
+        count_experts: sum the layers' counts over their groups (``global_aux_loss``).
+        loss_tokens: a list to which the last pipeline stage appends each micro-batch's loss
+            token count (the ``num_tokens`` its loss function returns), for
+            ``--calculate-per-token-loss``; None: not counted.
     """
+    if loss_tokens is not None:
+        forward_step_func = _counting_loss_tokens(forward_step_func, loss_tokens)
     layers = _moe_layers(model)
     items = _take(data_iterator, num_microbatches)
     for chunk in model:
@@ -77,7 +99,7 @@ def count_global_batch(forward_step_func, data_iterator, model, *, num_microbatc
     finally:
         set_device_rng_states(device_states)
         get_rng_tracker().set_states(tracker_states)
-    for layer in layers:
+    for layer in layers if count_experts else ():
         layer.finish_global_count()
     return _replay(items)
 

@@ -32,7 +32,7 @@ from megatron.training.logging import IterationProgress, format_validation_block
 from megatron.training.compile import compile_transformer_layers
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.training.moe_bias import update_expert_biases
-from megatron.training.moe_global_counts import count_global_batch, needs_global_counts
+from megatron.training.moe_loss_scale import prepare_moe_iteration
 from megatron.training.resilience import collective_guard
 from megatron.training.startup_report import StartupReport
 from megatron.training.training_logger import (  # noqa: F401  (re-exported)
@@ -93,11 +93,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    if needs_global_counts(getattr(config, "moe", None)):  # global_aux_loss: count first
-        data_iterator = count_global_batch(
-            forward_step_func, data_iterator, model, num_microbatches=num_microbatches,
-            seq_length=config.data.seq_length, micro_batch_size=config.training.micro_batch_size,
-            schedule_config=schedule_config, pg_collection=pg_collection)
+    # MoE: the router losses' gradient scale of this iteration (its micro-batches, the
+    # per-token loss's count), after global_aux_loss's counting pass where it runs
+    data_iterator = prepare_moe_iteration(
+        forward_step_func, data_iterator, model, moe_config=getattr(config, "moe", None),
+        num_microbatches=num_microbatches, seq_length=config.data.seq_length,
+        micro_batch_size=config.training.micro_batch_size, schedule_config=schedule_config,
+        pg_collection=pg_collection)
     losses = get_forward_backward_func(pg_collection)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=config.data.seq_length,

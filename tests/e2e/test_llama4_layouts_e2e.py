@@ -23,7 +23,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "1", "--moe-ffn-hidden-size", 
 ATTENTION = ["--rotary-interleaved", "--qk-l2-norm", "--no-rope-freq", "2",
              "--attention-chunk-size", "5", "--attn-temperature-tuning",
              "--attn-temperature-floor-scale", "4", "--attn-temperature-scale", "0.5"]
-# Packed documents (a MoE run takes no --calculate-per-token-loss, docs/moe.md)
+# Packed documents: positions and attention restart after each EOD, which the loss leaves out
 DOCUMENTS = ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
 
 

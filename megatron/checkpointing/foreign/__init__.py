@@ -50,6 +50,8 @@ def identify(path: str) -> Foreign | None:
     Raises:
         CheckpointError: it pickles a class that is not read as plain data (names file and class).
     """
+    if not os.path.isfile(path):  # a pipe would block the open below: our reader names it
+        return None
     try:
         if not torch.serialization.get_unsafe_globals_in_checkpoint(path):
             return None

@@ -78,6 +78,22 @@ def _allreduce_embedding_grads(model_chunks, pg_collection) -> None:
     _allreduce_coalesced(grads, pg_collection.embedding.group)
 
 
+def global_token_count(num_tokens, pg_collection: ProcessGroupCollection,
+                       device=None) -> torch.Tensor:
+    """The global batch's loss tokens, as per-token loss divides by them: ``num_tokens`` (this
+    rank's last pipeline stage's sum over its micro-batches; ignored on other stages) broadcast
+    from the last stage and summed over the data x context-parallel group. A 0-dim fp64 tensor.
+
+    Collectives: pipeline broadcast, data x context-parallel all-reduce (groups of one: none)."""
+    total = torch.as_tensor(num_tokens, dtype=torch.float64, device=device).clone().reshape(())
+    pp, dp_cp = pg_collection.pp, pg_collection.dp_cp
+    if pp.size > 1:
+        dist.broadcast(total, src=pp.ranks[-1], group=pp.group)
+    if dp_cp.size > 1:
+        dist.all_reduce(total, group=dp_cp.group)
+    return total
+
+
 def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
                          num_tokens: Optional[Union[torch.Tensor, int]] = None,
                          pg_collection: ProcessGroupCollection) -> None:
@@ -107,12 +123,7 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], *,
     if num_tokens is None:
         return
     device = next(iter(_unique_params(model_chunks)))[1].device
-    total = torch.as_tensor(num_tokens, dtype=torch.float64, device=device).clone().reshape(())
-    pp, dp_cp = pg_collection.pp, pg_collection.dp_cp
-    if pp.size > 1:
-        dist.broadcast(total, src=pp.ranks[-1], group=pp.group)
-    if dp_cp.size > 1:
-        dist.all_reduce(total, group=dp_cp.group)
+    total = global_token_count(num_tokens, pg_collection, device)
     if total.item() <= 0:
         raise ValueError(f"finalize_model_grads: the global batch has {total.item():g} loss tokens; "
                          "with --calculate-per-token-loss at least one unmasked token is needed")

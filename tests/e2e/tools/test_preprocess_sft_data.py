@@ -16,6 +16,7 @@ import pytest
 from megatron.data.chat_templates import HFChatTokenizer, SentencePieceChatTokenizer, to_messages
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.sft_dataset import SFTDataset
+from tests.helpers.cli import run_main
 from tests.unit.data.test_chat_templates import CHATML, SP_MODEL, _tiny_hf_folder
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
@@ -38,16 +39,9 @@ def _run(*args, subprocess_run=False):
     if subprocess_run:
         return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT,
                               timeout=600)
-    import contextlib
-    import io
-    import types
-
     from tools import preprocess_sft_data
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = preprocess_sft_data.cli(list(args))
-    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+    return run_main(preprocess_sft_data.cli, args)
 
 
 def _write_jsonl(path, objs, extra=""):
@@ -110,7 +104,7 @@ def test_invalid_lines_stop_or_are_skipped(tmp_path, hf_folder):
     src = _write_jsonl(tmp_path / "in.jsonl", LINES[:2], extra='{"text": "no chat"}\nnot json\n')
     flags = ["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "HuggingFaceTokenizer",
              "--tokenizer-name-or-path", hf_folder]
-    out = _run(*flags, subprocess_run=True)
+    out = _run(*flags)
     assert out.returncode == 2 and "in.jsonl:3" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "o_text_document.idx")
     out = _run(*flags, "--skip-invalid")
@@ -141,14 +135,14 @@ def test_preference_pairs_aligned(tmp_path, hf_folder):
             assert masked == reply + "<|im_end|>\n"
 
 
-@pytest.mark.parametrize("flags, match", [
+@pytest.mark.parametrize("flags, match, subprocess_run", [
     (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "missing.model", "--chat-template", "llama2"],
-     "missing.model"),
-    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"], "chat template"),
+     "missing.model", True),  # the command's own exit status and one line
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"], "chat template", False),
 ])
-def test_usage_errors_one_line(tmp_path, flags, match):
+def test_usage_errors_one_line(tmp_path, flags, match, subprocess_run):
     src = _write_jsonl(tmp_path / "in.jsonl", LINES[:1])
-    out = _run("--input", src, "--output-prefix", str(tmp_path / "o"), *flags, subprocess_run=True)
+    out = _run("--input", src, "--output-prefix", str(tmp_path / "o"), *flags, subprocess_run=subprocess_run)
     assert out.returncode == 2 and match in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 

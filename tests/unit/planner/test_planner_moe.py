@@ -66,6 +66,8 @@ def _measure(ep, strategy="optim"):
     if ddp.param_units is not None:  # ZeRO-3: shards + the gather window, gradients at peak
         mem = {"params": mem["param_shards"] + ddp.param_units.peak_gathered_bytes,
                "grads": ddp.grad_meter.peak}
+    elif strategy == "optim_grads":  # ZeRO-2: gradient shards + the full buckets at their peak
+        mem = {"params": mem["params"], "grads": ddp.grad_meter.peak}
     parts = getattr(opt, "parts", [opt])
     experts = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True) is False)
     return {"params": mem["params"], "grads": mem["grads"],
@@ -76,6 +78,7 @@ def _measure(ep, strategy="optim"):
 def _measure_all():
     out = {ep: _measure(ep) for ep in (1, 2)}
     out.update({(ep, "zero3"): _measure(ep, "optim_grads_params") for ep in (1, 2)})
+    out.update({(ep, "zero2"): _measure(ep, "optim_grads") for ep in (1, 2)})
     return out
 
 
@@ -118,12 +121,23 @@ def test_planner_equals_the_built_moe_model_under_zero3(measured, ep):
         assert got["optimizer"] == zero1["optimizer"]  # the same shards as ZeRO-1
 
 
-def test_planner_refuses_moe_with_zero2_in_one_line():
+@pytest.mark.parametrize("ep", [1, 2])
+def test_planner_equals_the_built_moe_model_under_zero2(measured, ep):
+    """ZeRO-2 (``--data-parallel-sharding-strategy optim_grads``): the gradient peak, the dense
+    shards over DP and the expert shards over expert-DP plus the full buckets of both buffers
+    live at once along the backward (:func:`interleaved_grad_window_numel`; bucket size 3000:
+    several dense and expert buckets), equals the built model's meter; parameters and optimizer
+    state as ZeRO-1."""
     config = ModelConfig(**TINY, params_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="not --data-parallel-sharding-strategy optim_grads$"):
-        estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
-                        num_microbatches=NUM_MB, use_distributed_optimizer=True, moe=MOE,
-                        sharding_strategy="optim_grads")
+    est = estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
+                          num_microbatches=NUM_MB, bf16=True, use_distributed_optimizer=True,
+                          bucket_size=BUCKET, moe=MOE, ep=ep, sharding_strategy="optim_grads")
+    for m in measured:
+        got = m[(ep, "zero2")]
+        assert (got["params"], got["grads"], got["optimizer"]) == \
+            (est.parameters, est.gradients, est.optimizer_distributed)
+        assert got["grads"] < m[ep]["grads"]  # below ZeRO-1's whole buffers
+        assert (got["params"], got["optimizer"]) == (m[ep]["params"], m[ep]["optimizer"])
 
 
 def test_expert_shapes_and_expert_dp():
@@ -264,3 +278,90 @@ def test_expert_tp_follows_tp_by_default():
     odd = dataclasses.replace(MOE, moe_ffn_hidden_size=23)  # 23 % 2 != 0
     assert {l.tp for l in enumerate_layouts(config, hw, 16, 32, moe=odd)} == {1}
     assert {l.tp for l in enumerate_layouts(config, hw, 16, 32, moe=odd, etp=1)} == {1, 2}
+
+
+DISPATCH_CASES = {"dropless": {"moe_grouped_gemm": True},
+                  "dropless loop": {},
+                  "padded": {"moe_expert_capacity_factor": 2.0,
+                             "moe_pad_expert_input_to_capacity": True,
+                             "moe_grouped_gemm": True}}
+
+
+def _dispatch_rank(case):
+    """One MoE layer at EP=2 (4 experts, top-2, fp32) under the planner's uniform routing:
+    ``(saved bytes of the layer, of its router alone, the largest all_to_all_single's send +
+    receive bytes, the number of row exchanges)``."""
+    import dataclasses
+
+    from benchmarks.moe import balanced_router
+    from megatron.core.transformer.moe import MoELayer
+    from megatron.core.transformer.moe import token_dispatcher
+    from tests.helpers.activation_memory import saved_activation_bytes
+
+    cfg = dataclasses.replace(MoEConfig(num_experts=4, moe_router_topk=2),
+                              **DISPATCH_CASES[case])
+    layer = MoELayer(cfg, hidden_size=H, ffn_hidden_size=12, seed=1, layer_number=1,
+                     ep_group=dist.new_group([0, 1])).train()
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x.requires_grad_()
+    params = list(layer.parameters())
+    exchanges = []
+    original = token_dispatcher.dist.all_to_all_single
+
+    def counted(out, inp, output_splits=None, input_splits=None, group=None):
+        if inp.is_floating_point():  # not the token counts
+            exchanges.append(inp.untyped_storage().nbytes() + out.untyped_storage().nbytes())
+        return original(out, inp, output_splits, input_splits, group=group)
+
+    token_dispatcher.dist.all_to_all_single = counted
+    try:
+        with balanced_router(2, 4):
+            y, saved = saved_activation_bytes(lambda: layer(x), exclude=params + [x])
+            _, router = saved_activation_bytes(lambda: layer.router(x.view(-1, H)),
+                                               exclude=params + [x])
+            y.backward(torch.ones_like(y))
+    finally:
+        token_dispatcher.dist.all_to_all_single = original
+    return saved, router, max(exchanges), len(exchanges)
+
+
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_dispatch_bytes_equal_the_built_layer(case):
+    """The MoE layer keeps for backward its router's tensors, the experts' SwiGLU on the real
+    rows (the activation model's ``3 e T k f``), the grouped GEMM's offsets and exactly
+    :func:`dispatch_saved_bytes`; the all-to-all's largest exchange (forward or backward, the
+    padding included) holds :func:`dispatch_buffer_bytes`."""
+    from megatron.planner.moe import dispatch_buffer_bytes, dispatch_saved_bytes
+
+    cfg = DISPATCH_CASES[case]
+    kw = dict(token_set=S * B, capacity_factor=cfg.get("moe_expert_capacity_factor"),
+              pad_to_capacity=cfg.get("moe_pad_expert_input_to_capacity", False))
+    swiglu = 3 * 4 * S * B * 2 * 12
+    offsets = 4 * 2 if cfg.get("moe_grouped_gemm") else 0  # [E_local] int32
+    want = dispatch_saved_bytes(S * B, 2, H, 4, 4, ffn_hidden_size=12, **kw)
+    buffers = dispatch_buffer_bytes(S * B, 2, H, 4, 4, ep=2, **kw)
+    for saved, router, largest, calls in run_distributed(2, _dispatch_rank, case):
+        assert saved - router - swiglu - offsets == want
+        assert largest == buffers and calls == 4
+    if kw["pad_to_capacity"]:  # capacity 2.0: twice the rows, half of them padding
+        assert buffers == 2 * dispatch_buffer_bytes(S * B, 2, H, 4, 4, ep=2, token_set=S * B)
+
+
+def test_estimate_adds_the_dispatch_to_the_activations():
+    """``estimate_memory``'s activations of an MoE model: the dense layers of the active width
+    plus, per MoE layer and micro-batch in flight, :func:`dispatch_saved_bytes`, plus one
+    exchange's buffers at EP > 1 (2 MoE layers of 3 at PP = 1; 2 micro-batches, 1 in flight)."""
+    from megatron.planner.memory import stage_activation_bytes
+    from megatron.planner.moe import dispatch_buffer_bytes, dispatch_saved_bytes
+    from megatron.model.flops import active_ffn_hidden_size
+
+    config = ModelConfig(**TINY, params_dtype=torch.bfloat16)
+    width = sum(active_ffn_hidden_size(config, MOE, i) for i in range(3)) // 3
+    dense = stage_activation_bytes(config.replace(ffn_hidden_size=width), 16, 2, 1, 1, NUM_MB)
+    for ep in (1, 2):
+        est = estimate_memory(config, tp=1, pp=1, dp=2, seq_length=16, micro_batch_size=2,
+                              num_microbatches=NUM_MB, moe=MOE, ep=ep)
+        shape = (32, 2, 32, 2, 4)
+        assert est.activations == dense + 2 * dispatch_saved_bytes(
+            *shape, token_set=32, ffn_hidden_size=24) + dispatch_buffer_bytes(
+            *shape, token_set=32, ep=ep)

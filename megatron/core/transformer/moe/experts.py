@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megatron.core.transformer.initialization import is_meta_device, normal_block_init, scaled_std
 from megatron.core.transformer.swiglu import swiglu
@@ -61,6 +62,9 @@ class GroupedMLP(torch.nn.Module):
             matmul uses Megatron's scaled init ``std / sqrt(2 num_layers)``).
         grouped_gemm: use ``torch._grouped_mm`` where the dtype allows.
         tp_rank / tp_size: this rank's place in the expert-TP group.
+        recompute_act: ``--recompute-modules moe_act`` (Megatron-Core's name): the SwiGLU
+            activation ``[M, f]`` is not kept for backward but recomputed from ``gate_up``
+            (which its own backward keeps anyway); the same bits, ``M f`` elements fewer saved.
 
     Raises:
         ValueError: f not divisible by ``tp_size``.
@@ -69,8 +73,9 @@ class GroupedMLP(torch.nn.Module):
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  first_expert: int, seed: int, layer_number: int, init_method_std: float,
                  num_layers: int, grouped_gemm: bool = False, params_dtype=torch.float32,
-                 device=None, tp_rank: int = 0, tp_size: int = 1):
+                 device=None, tp_rank: int = 0, tp_size: int = 1, recompute_act: bool = False):
         super().__init__()
+        self.recompute_act = recompute_act
         if ffn_hidden_size % tp_size:
             raise ValueError(f"--moe-ffn-hidden-size ({ffn_hidden_size}) must be divisible by "
                              f"--expert-tensor-parallel-size ({tp_size})")
@@ -116,13 +121,24 @@ class GroupedMLP(torch.nn.Module):
     def _grouped(self, x, tokens_per_expert):
         offs = torch.cumsum(tokens_per_expert.to(torch.int64), 0).to(torch.int32)
         gate_up = torch._grouped_mm(x, self.weight1.transpose(1, 2), offs=offs)
-        act = swiglu(_ContiguousGrad.apply(gate_up))
-        out = torch._grouped_mm(act, self.weight2.transpose(1, 2), offs=offs)
-        return _ContiguousGrad.apply(out)
+        return _ContiguousGrad.apply(self._activated(
+            _ContiguousGrad.apply(gate_up),
+            lambda act: torch._grouped_mm(act, self.weight2.transpose(1, 2), offs=offs)))
 
     def _loop(self, x, tokens_per_expert):
         outs = []
         for i, rows in enumerate(torch.split(x, tokens_per_expert.tolist())):
             if rows.shape[0]:
-                outs.append(F.linear(swiglu(F.linear(rows, self.weight1[i])), self.weight2[i]))
+                outs.append(self._activated(F.linear(rows, self.weight1[i]),
+                                            lambda act, i=i: F.linear(act, self.weight2[i])))
         return torch.cat(outs)
+
+    def _activated(self, gate_up, consumer):
+        """``consumer(swiglu(gate_up))``; with ``recompute_act`` in training the activation's
+        storage is freed once ``consumer`` has saved it, and recomputed in backward."""
+        if not (self.recompute_act and self.training and torch.is_grad_enabled()):
+            return consumer(swiglu(gate_up))
+        ckpt = CheckpointWithoutOutput()
+        out = consumer(ckpt.checkpoint(swiglu, gate_up))
+        ckpt.discard_output_and_register_recompute(out)
+        return out

@@ -47,7 +47,7 @@ from megatron.core.process_groups import group_rank, group_size
 from megatron.core.tensor_parallel.mappings import (all_gather_first_dim,
                                                     gather_from_sequence_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region)
-from megatron.core.tensor_parallel.random import is_recomputing
+from megatron.core.tensor_parallel.random import checkpoint, is_recomputing
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.moe.capacity import whole_set_keep_mask
@@ -72,6 +72,11 @@ class MoELayer(torch.nn.Module):
         seed / layer_number / init_method_std / num_layers: the initialisation; the router from
             ``(seed, layer, "mlp.router")``, expert e from ``(seed, layer, "mlp.experts.…", e)``.
         ep_group / token_group / dp_group: see the module.
+        recompute_modules: the selective recompute modules (``--recompute-modules``) this layer
+            acts on, Megatron-Core's: ``moe`` (the whole layer re-runs in backward, its input
+            alone kept; the replay records nothing: ``is_recomputing``), ``moe_act`` (the routed
+            experts' activation, :class:`~.experts.GroupedMLP`), ``shared_experts``. ``moe``
+            covers the other two.
 
     Raises:
         ValueError: E not divisible by the expert-parallel size.
@@ -81,8 +86,9 @@ class MoELayer(torch.nn.Module):
                  ffn_hidden_size: Optional[int] = None,
                  layer_number: int, init_method_std: float = 0.02, num_layers: int = 1,
                  params_dtype=torch.float32, device=None, ep_group=None, token_group=None,
-                 dp_group=None, expert_tp_group=None):
+                 dp_group=None, expert_tp_group=None, recompute_modules=frozenset()):
         super().__init__()
+        self.recompute_layer = "moe" in recompute_modules
         self.config, self.layer_number = config, layer_number
         self.ep_group, self.token_group, self.dp_group = ep_group, token_group, dp_group
         self.expert_tp_group = expert_tp_group
@@ -103,14 +109,18 @@ class MoELayer(torch.nn.Module):
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, first_expert=ep_rank * local,
                                   grouped_gemm=config.moe_grouped_gemm,
                                   tp_rank=group_rank(expert_tp_group),
-                                  tp_size=group_size(expert_tp_group), **init)
+                                  tp_size=group_size(expert_tp_group),
+                                  recompute_act="moe_act" in recompute_modules and
+                                  not self.recompute_layer, **init)
         for p in self.experts.parameters():  # reduced over expert-DP, the optimizer's expert part
             mark_expert(p)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(
                 hidden_size, config.moe_shared_expert_intermediate_size,
-                gate=config.moe_shared_expert_gate, **init)
+                gate=config.moe_shared_expert_gate,
+                recompute="shared_experts" in recompute_modules and not self.recompute_layer,
+                **init)
         if group_size(token_group) > 1:  # gradients from each shard's tokens: summed over it
             shared = [] if self.shared_experts is None else list(self.shared_experts.parameters())
             for p in [self.router.weight] + shared:
@@ -195,6 +205,11 @@ class MoELayer(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]`` in ``hidden``'s dtype (this rank's tokens: ``[s/T, b, h]``
         or ``[s/CP, b, h]`` when ``token_group`` splits them)."""
+        if self.recompute_layer and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, False, hidden, tp_group=None)
+        return self._forward(hidden)
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         s, b, h = hidden.shape
         x = hidden.reshape(s * b, h)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.initialization import init_block, scaled_std
 from megatron.core.transformer.swiglu import swiglu
 
@@ -18,12 +19,15 @@ class SharedExpertMLP(torch.nn.Module):
     Args:
         hidden_size: h. ffn_hidden_size: f_s (``--moe-shared-expert-intermediate-size``).
         gate: ``--moe-shared-expert-gate``.
+        recompute: ``--recompute-modules shared_experts`` (Megatron-Core's name): in training
+            only the input is kept and the whole block re-runs in backward.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, gate: bool, seed: int,
                  layer_number: int, init_method_std: float, num_layers: int,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         shapes = {"linear_fc1": (2 * ffn_hidden_size, hidden_size),
                   "linear_fc2": (hidden_size, ffn_hidden_size)}
         if gate:
@@ -38,6 +42,11 @@ class SharedExpertMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, h] -> [T, h]``."""
+        if self.recompute and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, False, x, tp_group=None)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(swiglu(F.linear(x, self.linear_fc1)), self.linear_fc2)
         if self.gate_weight is not None:
             out = torch.sigmoid(F.linear(x, self.gate_weight)) * out

@@ -101,12 +101,37 @@ def test_ranges(files, flag, value):
 @pytest.mark.parametrize("extra, flag", [
     ("--context-parallel-size 2 --moe-expert-capacity-factor 1 --moe-token-drop-policy position",
      "--moe-token-drop-policy position at --context-parallel-size 2"),
-    ("--calculate-per-token-loss", "--calculate-per-token-loss"),
 ])
 def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, flag):
     with pytest.raises(UsageError, match=f"--num-experts with {flag} is not supported yet") as e:
         check(base_argv(files) + ["--num-experts", "4"] + extra.split())
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra", [
+    "--calculate-per-token-loss",
+    "--rampup-batch-size 8 8 16 --global-batch-size 16 --lr-warmup-samples 8 --train-samples 64 "
+    "--lr-warmup-iters 0",
+])
+def test_per_token_loss_and_rampup_run_with_experts(files, extra):
+    """Built (tests/e2e/test_moe_loss_scale_e2e.py): no longer refused."""
+    argv = base_argv(files) + ["--num-experts", "4"] + extra.split()
+    if "--train-samples" in extra:
+        argv = _without(argv, "--train-iters")
+    check(argv)
+
+
+def test_moe_recompute_modules_need_experts(files):
+    with pytest.raises(UsageError, match="--recompute-modules moe moe_act needs --num-experts"):
+        check(base_argv(files) + "--recompute-granularity selective --recompute-modules moe_act "
+              "moe".split())
+    check(base_argv(files) + "--num-experts 4 --recompute-granularity selective "
+          "--recompute-modules moe_act moe core_attn".split())
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -125,6 +150,8 @@ def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, f
     ("--moe-layer-freq [0,0,0,0]", "no layer is MoE"),
     ("--recompute-granularity selective --recompute-modules act mlp",
      "--recompute-modules act mlp recomputes nothing when every layer is MoE"),
+    ("--recompute-granularity selective --recompute-modules moe_act shared_experts",
+     "--recompute-modules shared_experts needs --moe-shared-expert-intermediate-size"),
 ])
 def test_expert_layouts_not_built_are_one_line(files, extra, match):
     with pytest.raises(UsageError, match=match) as e:

@@ -257,17 +257,44 @@ def completion_prompt(body: Dict[str, Any]) -> Union[str, List[int]]:
                        "(one prompt per request)", "prompt")
 
 
+# A message's keys: ``name`` (a participant's name) is read and ignored.
+MESSAGE_KEYS = ("role", "content", "name")
+
+
+def _content_text(content: Any) -> Optional[str]:
+    """A message's text: a string, or OpenAI's list of text parts ``[{"type": "text", "text":
+    ...}]`` joined; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+            and isinstance(p["text"], str) for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
 def render_chat(messages: Any) -> str:
-    """The built-in template: ``{role}: {content}\\n`` per message, then ``assistant:``."""
+    """The built-in template: ``{role}: {content}\\n`` per message, then ``assistant:``.
+
+    Raises:
+        RequestError: not a non-empty list of messages of a known role with text content, or a
+            message key other than :data:`MESSAGE_KEYS` (named, e.g. ``messages[1].tool_calls``).
+    """
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     lines = []
     for i, m in enumerate(messages):
-        if (not isinstance(m, dict) or m.get("role") not in CHAT_ROLES
-                or not isinstance(m.get("content"), str)):
+        text = _content_text(m.get("content")) if isinstance(m, dict) else None
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or text is None:
             raise RequestError(f"messages[{i}] must be {{'role': one of {list(CHAT_ROLES)}, "
-                               "'content': a string}", "messages")
-        lines.append(f"{m['role']}: {m['content']}\n")
+                               "'content': a string or a list of text parts}", "messages")
+        unknown = sorted(k for k in m if k not in MESSAGE_KEYS)
+        if unknown:
+            raise RequestError(f"Unrecognized request argument supplied: messages[{i}]."
+                               f"{unknown[0]}", "messages")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise RequestError(f"messages[{i}].name must be a string", "messages")
+        lines.append(f"{m['role']}: {text}\n")
     return "".join(lines) + "assistant:"
 
 

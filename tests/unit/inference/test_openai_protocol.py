@@ -1,6 +1,8 @@
 """OpenAI request fields read into SamplingParams, refusals, the chat template and what a stream
 holds back, against hand-written expectations."""
 
+import re
+
 import pytest
 
 from megatron.inference.engine import SamplingParams
@@ -174,3 +176,20 @@ def test_logprobs_objects_have_openais_shapes():
     assert chat["content"][1] == {"token": "b", "logprob": -2.0, "bytes": [98], "top_logprobs": [
         {"token": "é", "logprob": -0.5, "bytes": [195, 169]},
         {"token": "b", "logprob": -2.0, "bytes": [98]}]}
+
+
+def test_message_keys_and_text_parts():
+    """A message key the template does not read was dropped silently (``tool_calls``); text
+    parts are OpenAI's other form of content."""
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    assert render_chat([{"role": "user", "content": parts, "name": "bob"}]) == \
+        "user: Hello\nassistant:"
+    for bad, words in (({"role": "user", "content": "x", "tool_calls": []},
+                        "Unrecognized request argument supplied: messages[0].tool_calls"),
+                       ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                        "a list of text parts"),
+                       ({"role": "user", "content": []}, "a list of text parts"),
+                       ({"role": "user", "content": "x", "name": 3}, "messages[0].name")):
+        with pytest.raises(RequestError, match=re.escape(words)) as e:
+            render_chat([bad])
+        assert e.value.param == "messages"

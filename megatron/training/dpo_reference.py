@@ -75,7 +75,7 @@ def read_reference(folder: str, expected: dict) -> tuple[np.ndarray, np.ndarray,
             broken link: never read, a pipe would wait for a writer forever) or unreadable, or a
             :data:`CHECKED` value differs.
     """
-    from megatron.checkpointing.checkpoint_folder import _file_kind
+    from megatron.checkpointing.save_folder import file_kind
 
     path = reference_file(folder)
     fix = ("resume from the --save folder of the DPO run that wrote it with that run's flags, or "
@@ -84,7 +84,7 @@ def read_reference(folder: str, expected: dict) -> tuple[np.ndarray, np.ndarray,
     if not os.path.lexists(path):
         raise UsageError(f"{resumes} {path} is missing; {fix}")
     if not os.path.isfile(path):  # stat only: nothing is opened
-        raise UsageError(f"{resumes} {path} is a {_file_kind(path)}, not a regular file; "
+        raise UsageError(f"{resumes} {path} is a {file_kind(path)}, not a regular file; "
                          f"remove it, then {fix}")
     try:
         # Non-blocking, then checked again on the open file: one swapped for a pipe after the

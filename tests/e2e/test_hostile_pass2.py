@@ -73,8 +73,6 @@ def test_a_hostile_lock_file_is_refused_in_one_line_without_blocking(tmp_path, k
     assert save_folder.LOCK_FILENAME in str(value) and "\n" not in str(value)
 
 
-@pytest.mark.xfail(strict=True, reason="a lock file of 60000 '[' (under the 64 KiB limit) raises "
-                   "json's RecursionError through read_holder: a traceback instead of one line")
 def test_a_deeply_nested_lock_file_is_refused_in_one_line(tmp_path):
     with open(tmp_path / save_folder.LOCK_FILENAME, "w") as f:
         f.write("[" * 60000)
@@ -124,9 +122,6 @@ def _pretrain(argv, cwd, timeout):
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.xfail(strict=True, reason="--save whose latest_checkpointed_iteration.txt is a folder "
-                   "(and no --load) is not checked at start: the run trains, then its first save "
-                   "renames iter_N into place and dies in os.replace with IsADirectoryError")
 def test_a_tracker_that_is_a_folder_in_save_is_refused_before_training(tiny_data, tmp_path):
     prefix, cache = tiny_data
     save = tmp_path / "save"
@@ -139,9 +134,6 @@ def test_a_tracker_that_is_a_folder_in_save_is_refused_before_training(tiny_data
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.xfail(strict=True, reason="latest_checkpointed_iteration.txt.tmp that is a named "
-                   "pipe in --save: the first save blocks forever in open() for writing "
-                   "(checkpoint_folder.publish)")
 def test_a_tracker_temporary_that_is_a_pipe_does_not_hang_the_save(tiny_data, tmp_path):
     prefix, cache = tiny_data
     save = tmp_path / "save"
@@ -223,10 +215,6 @@ def test_zero3_reads_between_iterations_raise_the_named_error(zero3_reads, read)
 
 # --- the converter's export copies a file named inside the checkpoint ------------------------
 
-@pytest.mark.xfail(strict=True, reason="convert.py --saver hf copies the file named by the "
-                   "checkpoint's recorded args['tokenizer_model'] into the export (shutil.copy2 "
-                   "in saver_hf._copy_tokenizer), whatever it is: a downloaded checkpoint naming "
-                   "a private file puts that file into the HF folder the user publishes")
 def test_export_does_not_copy_a_private_file_named_by_the_checkpoint(tmp_path):
     from tests.helpers.convert import convert, make_hf
 
@@ -252,9 +240,6 @@ def test_export_does_not_copy_a_private_file_named_by_the_checkpoint(tmp_path):
 
 # --- tools/serve.py: undecodable text inside valid JSON --------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="a JSON escape decoding to a lone surrogate in 'prompt' or "
-                   "a chat 'content' reaches SentencePiece: HTTP 500 'Internal Server Error' and a "
-                   "traceback in the server's log, not a 400 naming the field")
 @pytest.mark.parametrize("route, body", [
     ("/v1/completions", b'{"prompt": "abc \\ud800 def", "max_tokens": 2}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udc80y"}], '
@@ -430,3 +415,26 @@ def test_sigterm_twice_at_pp2_with_loader_workers_saves_and_resumes_bitwise(tmp_
             for k in ("lm loss", "grad norm")}
     assert got["lm loss"] == tail["lm loss"] and got["grad norm"] == tail["grad norm"]
     assert got["valid"] == [v for v in want["valid"] if v[0] > last]
+
+
+def test_export_copies_a_sentencepiece_model_named_by_the_checkpoint(tmp_path, shared_data):
+    """The other side of the check above: a real SentencePiece model recorded as the
+    checkpoint's --tokenizer-model is still copied into the export."""
+    from tests.helpers.convert import convert, make_hf
+
+    model = os.path.join(shared_data, "sentencepiece-llama-32k.model")
+    if not os.path.isfile(model):
+        pytest.skip("the 32k SentencePiece model is not beside the repository")
+    make_hf(str(tmp_path / "hf"))
+    os.remove(tmp_path / "hf" / "tokenizer.model")
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", tmp_path / "hf",
+            "--save-dir", tmp_path / "meg")
+    for path in glob.glob(str(tmp_path / "meg" / "**" / "model_optim_rng.pt"), recursive=True):
+        state = torch.load(path, weights_only=True)
+        state["args"]["tokenizer_model"] = model
+        state["args"].pop("tokenizer_dir", None)
+        torch.save(state, path)
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "meg",
+            "--save-dir", tmp_path / "export")
+    with open(model, "rb") as f:
+        assert (tmp_path / "export" / "tokenizer.model").read_bytes() == f.read()

@@ -193,3 +193,17 @@ def test_message_keys_and_text_parts():
         with pytest.raises(RequestError, match=re.escape(words)) as e:
             render_chat([bad])
         assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize("raw, where, param", [
+    (b'{"prompt": "abc \\ud800 def"}', "'prompt'", "prompt"),
+    (b'{"messages": [{"role": "user", "content": "x\\udc80y"}]}', "'messages[0].content'",
+     "messages"),
+    (b'{"prompt": "a", "stop": ["\\udfff"]}', "'stop[0]'", "stop"),
+])
+def test_a_lone_surrogate_is_refused_naming_the_field(raw, where, param):
+    """Valid JSON whose \\u escape is a lone surrogate reached SentencePiece: HTTP 500."""
+    with pytest.raises(RequestError) as e:
+        request_body(raw)
+    assert str(e.value).startswith(f"{where} is not Unicode text") and e.value.param == param
+    assert request_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}  # a pair

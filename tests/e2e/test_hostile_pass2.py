@@ -233,9 +233,6 @@ def test_export_does_not_copy_a_private_file_named_by_the_checkpoint(tmp_path):
 
 # --- HuggingFace folders holding pipes or hostile JSON ------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="hf_folder.refuse_custom_code opens every *config*.json of "
-                   "the folder with open(): a generation_config.json that is a named pipe blocks "
-                   "it forever (convert.py --loader hf, HuggingFace tokenizer folders)")
 def test_a_config_file_that_is_a_pipe_is_refused_without_blocking(tmp_path):
     from megatron.hf_folder import refuse_custom_code
 
@@ -246,8 +243,6 @@ def test_a_config_file_that_is_a_pipe_is_refused_without_blocking(tmp_path):
     assert "generation_config.json" in str(value)
 
 
-@pytest.mark.xfail(strict=True, reason="a config.json of 100000 '[' raises json's RecursionError "
-                   "through hf_folder.refuse_custom_code (it catches JSONDecodeError only)")
 def test_a_deeply_nested_config_is_refused_in_one_line(tmp_path):
     from megatron.hf_folder import refuse_custom_code
 
@@ -258,9 +253,6 @@ def test_a_deeply_nested_config_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=True, reason="a weight_map shard that is a named pipe passes "
-                   "hf_folder.weight_map (it checks where entries lead, not what they are) and "
-                   "safetensors' open blocks forever on it: convert.py --loader hf hangs")
 def test_a_shard_that_is_a_pipe_is_refused_without_blocking(tmp_path):
     from tests.helpers.convert import make_hf
 
@@ -335,9 +327,6 @@ GOOD_CONVERSATION = (b'{"messages": [{"role": "user", "content": "hi"}, '
                      b'{"role": "assistant", "content": "ok"}]}\n')
 
 
-@pytest.mark.xfail(strict=True, reason="a JSON escape decoding to a lone surrogate in a "
-                   "conversation reaches SentencePiece in preprocess_sft_data.py: pybind11's "
-                   "RuntimeError traceback, exit 1 (preprocess_data.py names FILE:LINE)")
 def test_sft_preprocessing_names_a_lone_surrogate_by_file_and_line(tmp_path, shared_data):
     bad = (b'{"messages": [{"role": "user", "content": "x \\ud800 y"}, '
            b'{"role": "assistant", "content": "ok"}]}\n')

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron.inference.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from megatron.text_checks import lone_surrogate
 
 # The built-in chat template: one line per message ``{role}: {content}``, then ``assistant:``
 # for the answer; the answer stops at the next ``\nuser:`` line.
@@ -174,33 +175,12 @@ def request_body(raw: bytes) -> Dict[str, Any]:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    where = _lone_surrogate(body)
+    where = lone_surrogate(body)
     if where is not None:
         raise RequestError(f"'{where[0]}' is not Unicode text: a \\u escape in it is a lone "
                            f"surrogate (U+{where[1]:04X}), which no text holds; send UTF-8 text",
                            where[0].split(".")[0].split("[")[0])
     return body
-
-
-def _lone_surrogate(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
-    """``(path, code point)`` of the first string (value or key) holding a lone surrogate, which
-    JSON's ``\\uD800`` escapes can smuggle in past UTF-8 decoding (the tokenizer then fails);
-    iterative, so any depth the parser took is walked."""
-    stack = [(k, v) for k, v in reversed(list(body.items()))]
-    while stack:
-        path, value = stack.pop()
-        texts = [value] if isinstance(value, str) else []
-        if isinstance(value, dict):
-            texts += list(value)
-            stack += [(f"{path}.{k}", v) for k, v in reversed(list(value.items()))]
-        elif isinstance(value, list):
-            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
-        for text in texts:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return path, ord(text[e.start])
-    return None
 
 
 def _number(body, name, default, kind=float, low=None, high=None):

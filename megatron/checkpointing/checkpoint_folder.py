@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import stat
 
 import torch
 import torch.distributed as dist
@@ -242,8 +243,6 @@ def publish(save_dir, staging, final_dir, iteration, keep_last, protect=()) -> N
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NONBLOCK", 0)
                  | getattr(os, "O_NOFOLLOW", 0), 0o644)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        import stat
-
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointSaveError(f"{tmp} is a {save_folder.file_kind(tmp)}, not the tracker's "
                                       "temporary file: remove it")

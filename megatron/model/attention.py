@@ -20,6 +20,7 @@ from megatron.model.chunked_attention import (chunked_attention, chunked_cache_m
                                               is_nope_layer, l2_norm)
 from megatron.core.transformer.initialization import (fused_init_method, normal_block_init,
                                                       scaled_std)
+from megatron.model.full_width_qk_norm import FullWidthRMSNorm
 from megatron.model.recompute import recompute_active, selective_modules
 from megatron.model.rms_norm import RMSNorm
 from megatron.model.rotary import apply_rotary_pos_emb
@@ -37,14 +38,9 @@ def check_attention_config(config: ModelConfig) -> None:
                          f"--tensor-model-parallel-size ({tp}); use a smaller TP or more groups")
     if nh % ng:
         raise ValueError(f"--num-attention-heads ({nh}) must be divisible by --num-query-groups ({ng})")
-    if getattr(config, "qk_layernorm_full_width", False):
-        if not config.qk_layernorm:
-            raise ValueError("--qk-layernorm-full-width needs --qk-layernorm (it says how wide the "
-                             "q/k norms are): add --qk-layernorm")
-        if tp > 1:  # the mean square would need the other ranks' heads (an all-reduce)
-            raise ValueError(f"--qk-layernorm-full-width at --tensor-model-parallel-size {tp}: "
-                             "the norm over the whole q/k projection spans every rank's heads "
-                             "and is not split over tensor ranks; use TP 1")
+    if getattr(config, "qk_layernorm_full_width", False) and not config.qk_layernorm:
+        raise ValueError("--qk-layernorm-full-width needs --qk-layernorm (it says how wide the "
+                         "q/k norms are): add --qk-layernorm")
 
 
 def _check_context_parallel_inputs(attention_mask, inference_params, dropout_p: float) -> None:
@@ -119,12 +115,15 @@ class SelfAttention(torch.nn.Module):
         self.qk_layernorm_full_width = config.qk_layernorm_full_width
         if config.qk_layernorm:
             norm = dict(eps=config.norm_epsilon, params_dtype=config.params_dtype, device=device)
-            widths = ((config.num_attention_heads * d, config.num_query_groups * d)
-                      if self.qk_layernorm_full_width else (d, d))
-            self.q_layernorm, self.k_layernorm = (RMSNorm(w, **norm) for w in widths)
-            if tp > 1:  # per head: the same weights on every rank, each rank's heads give part
-                for p in (self.q_layernorm.weight, self.k_layernorm.weight):  # of the gradient,
-                    p.sequence_parallel = True  # summed over the tensor-parallel group
+            if self.qk_layernorm_full_width:  # OLMoE: over the whole width, sharded with heads
+                self.q_layernorm, self.k_layernorm = (
+                    FullWidthRMSNorm(w, pg_collection.tp.group, **norm)
+                    for w in (config.num_attention_heads * d, config.num_query_groups * d))
+            else:
+                self.q_layernorm, self.k_layernorm = RMSNorm(d, **norm), RMSNorm(d, **norm)
+            if tp > 1 and not self.qk_layernorm_full_width:  # per head: the same weights on
+                for p in (self.q_layernorm.weight, self.k_layernorm.weight):  # every rank, each
+                    p.sequence_parallel = True  # rank's heads give part of the gradient, summed
         self.recompute_core_attn = "core_attn" in selective_modules(config)
         # Llama 4 (megatron.model.chunked_attention): NoPE layers attend to the whole causal
         # context with temperature-scaled queries; RoPE layers may be chunked and L2-normed.
@@ -203,11 +202,10 @@ class SelfAttention(torch.nn.Module):
         # A copy: kept by SDPA for backward, a view would keep the whole QKV output alive.
         v = v.contiguous().view(s, b, g, d)
         if inference_params is not None and hasattr(inference_params, "attend"):
-            if self.chunk_size is not None:
-                raise ValueError("the paged KV cache does not attend in chunks "
-                                 "(--attention-chunk-size): generate with the contiguous cache")
-            # A paged KV cache (megatron.inference.engine) attends per request over its blocks.
-            return inference_params.attend(self.layer_number, q, k, v).reshape(s, b, n * d)
+            # A paged KV cache (megatron.inference.engine) attends per request over its blocks
+            # (on the RoPE layers of Llama 4 over its chunk's blocks only).
+            return inference_params.attend(self.layer_number, q, k, v,
+                                           chunk_size=self.chunk_size).reshape(s, b, n * d)
         if inference_params is not None:
             k, v = inference_params.append_kv(self.layer_number, k, v)
             cache_mask = inference_params.attention_mask(s, q.device)

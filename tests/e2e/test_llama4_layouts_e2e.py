@@ -10,6 +10,7 @@ documents; 8 ranks (TP=2 x EP=2 x PP=2, distributed optimizer) in the slow tier.
 import pytest
 
 from tests.e2e.test_moe_layouts_e2e import DISTOPT, EVAL, SP, ep
+from tests.e2e.test_moe_zero_e2e import ZERO3
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import (LAYOUT_ITERS, LAYOUT_LR, UNTIED,
                                     assert_close_history, cp_args, e2e_argv, layout_args,
@@ -82,3 +83,13 @@ def test_llama4_tp2_ep2_pp2_matches_one_process(single, data_prefix, tmp_path_fa
                                   *ep(2), *DISTOPT))]
     got = run_distributed(8, run_many, runs, timeout=1800)[-1]
     assert_close_history(got["tp2 ep2 pp2"], single["plain"], "Llama 4 TP=2 x EP=2 x PP=2")
+
+
+def test_llama4_zero3_ep2_matches_one_process(single, data_prefix, tmp_path_factory):
+    """ZeRO-3 (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``) at
+    DP=4 x EP=2: the dense parameters, gradients and optimizer state sharded over DP=4, the
+    experts' over their expert-DP of 2; every layer gathered per forward and per backward."""
+    cache = str(tmp_path_factory.mktemp("llama4_zero3_cache"))
+    runs = [("ep2 zero3", _argv(data_prefix, cache, *ATTENTION, *ep(2), *ZERO3))]
+    got = run_distributed(4, run_many, runs, timeout=1500)[-1]
+    assert_close_history(got["ep2 zero3"], single["plain"], "Llama 4 ZeRO-3 DP=4 x EP=2")

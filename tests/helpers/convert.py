@@ -104,25 +104,27 @@ def tokens_batch(b=2, s=128, vocab=VOCAB, seed=3):
     return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-def _logits_rank(tp, pp, load_dir, tokens, ep=1):
+def _logits_rank(tp, pp, load_dir, tokens, ep=1, etp=1):
     from megatron.inference import forward_logits
     from megatron.inference.model_loader import load_model_for_inference
 
-    # the converter writes whole experts (expert-TP 1); the groups' default would be TP
+    # the converter writes whole experts (expert-TP 1) unless asked for expert-TP = TP; the
+    # groups' default would be TP
     groups = ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
-                                          expert_tensor_parallel_size=1)
+                                          expert_tensor_parallel_size=etp)
     model, _ = load_model_for_inference(load_dir, groups)
     logits = forward_logits(model, tokens, pg_collection=groups)
     first_tp = groups.tp.rank == 0
     return logits if logits is not None and first_tp else None
 
 
-def megatron_logits(load_dir: str, tp: int, pp: int, tokens, ep: int = 1) -> torch.Tensor:
+def megatron_logits(load_dir: str, tp: int, pp: int, tokens, ep: int = 1,
+                    etp: int = 1) -> torch.Tensor:
     """Full-vocabulary logits ``[b, s, v_padded]`` of our model loaded from ``load_dir`` in a
-    world of TP x PP x EP ranks (a MoE model's experts over EP of the data-parallel ranks; every
-    data-parallel rank's logits must agree)."""
-    out = [o for o in run_distributed(tp * pp * ep, _logits_rank, tp, pp, load_dir, tokens, ep)
-           if o is not None]
+    world of TP x PP x EP ranks (a MoE model's experts over EP of the data-parallel ranks, split
+    over ``etp`` expert-tensor-parallel ranks; every data-parallel rank's logits must agree)."""
+    out = [o for o in run_distributed(tp * pp * ep, _logits_rank, tp, pp, load_dir, tokens, ep,
+                                      etp) if o is not None]
     assert all(torch.equal(o, out[0]) for o in out)
     return out[0]
 

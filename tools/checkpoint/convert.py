@@ -10,6 +10,11 @@ Usage::
         --target-pipeline-parallel-size 2 [--target-params-dtype bf16]
     python tools/checkpoint/convert.py --loader hf --saver megatron --load-dir Mixtral-8x7B \
         --save-dir ckpt --target-tensor-parallel-size 2 --target-expert-parallel-size 4
+    python tools/checkpoint/convert.py --loader hf --saver megatron --load-dir Mixtral-8x7B \
+        --save-dir ckpt --target-tensor-parallel-size 2 --target-expert-parallel-size 2 \
+        --target-expert-tensor-parallel-size 2
+    python tools/checkpoint/convert.py --loader megatron --saver megatron --include-optimizer \
+        --load-dir run-ep2 --save-dir run-ep4 --target-expert-parallel-size 4
     python tools/checkpoint/convert.py --loader megatron --saver hf --load-dir ckpt --save-dir out
     python tools/checkpoint/convert.py --loader megatron-llama --saver megatron \\
         --load-dir mllama-ckpt --save-dir ckpt --norm-epsilon 1e-6
@@ -94,6 +99,12 @@ def build_parser(argv=None):
                         help="EP of the written MoE checkpoint: each expert-parallel rank's shard "
                              "folder (mp_rank_TT[_PPP]_EEE) holds num_experts / EP experts "
                              "(default: 1)")
+    parser.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                        help="expert-TP of the written MoE checkpoint: 1 (every tensor rank's "
+                             "shard holds whole experts) or the target TP (tensor rank t holds "
+                             "slice t of every expert: weight1 [E/EP, 2f/TP, h], weight2 "
+                             "[E/EP, h, f/TP], as training at --expert-tensor-parallel-size TP "
+                             "saves them) (default: 1)")
     parser.add_argument("--target-params-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="dtype of the written weights (default: the source's)")
     parser.add_argument("--include-optimizer", action="store_true",
@@ -136,18 +147,13 @@ def main(argv=None) -> str:
     parser, loader, saver = build_parser(argv)
     args = parser.parse_args(argv)
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                 "target_expert_parallel_size"):
+                 "target_expert_parallel_size", "target_expert_tensor_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     if args.include_optimizer and (args.loader, args.saver) != ("megatron", "megatron"):
         parser.error("--include-optimizer needs --loader megatron --saver megatron (only our "
                      "training checkpoints hold an optimizer state we can re-split)")
-    if args.include_optimizer and (args.target_expert_parallel_size or 1) > 1:
-        raise ValueError(f"--include-optimizer with --target-expert-parallel-size "
-                         f"{args.target_expert_parallel_size}: the optimizer state is re-cut at "
-                         "expert-parallel size 1 only; convert the weights (drop "
-                         "--include-optimizer) and load them with --finetune")
     if hasattr(saver, "check_target"):  # a --save-dir it cannot write: refused before reading
         saver.check_target(args)
     meta, stream = loader.load_checkpoint(args)

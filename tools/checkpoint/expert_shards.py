@@ -36,7 +36,7 @@ def saved_expert_parallel_size(load_dir: str) -> Tuple[int, dict]:
     return int(saved.get("expert_model_parallel_size") or 1), saved
 
 
-def find_expert_shards(load_dir: str, ep: int, pp: int, tp: int):
+def find_expert_shards(load_dir: str, ep: int, pp: int, tp: int, expert_tp: int = 1):
     """``(folder, {(tp_rank, pp_rank): [(path, same tensor rank) per expert rank 0..EP-1]}, tp,
     pp)``.
 
@@ -44,11 +44,13 @@ def find_expert_shards(load_dir: str, ep: int, pp: int, tp: int):
     expert-TP 1 the expert-parallel group runs across tensor ranks, so at TP 2 x EP 2 only
     ``mp_rank_00_000`` and ``mp_rank_01_001`` may exist. The experts are whole on every tensor
     rank, so expert rank e's experts are read from its folder of the lowest tensor rank when
-    tensor rank t has none; the dense tensors always come from tensor rank t's own folder.
+    tensor rank t has none; the dense tensors always come from tensor rank t's own folder. At
+    ``expert_tp`` = TP > 1 each tensor rank's folder holds its own slice of the experts, so
+    every (tensor rank, expert rank) folder must exist (the training code writes them all).
 
     Raises:
         CheckpointError: a (tensor rank, pipeline rank) or (pipeline rank, expert rank) without
-            any shard, naming it.
+            any shard, or at expert-TP > 1 a (tensor rank, expert rank) folder missing, naming it.
     """
     folder = get_checkpoint_dir(load_dir, *read_metadata(
         os.path.join(load_dir, "latest_checkpointed_iteration.txt")))
@@ -71,6 +73,12 @@ def find_expert_shards(load_dir: str, ep: int, pp: int, tp: int):
             if not any((t, p, e) in have for e in range(ep)):
                 raise CheckpointError(f"{folder} is incomplete: no shard of tensor rank {t}, "
                                       f"pipeline rank {p} (mp_rank_{t:02d}*)")
+            lacking = [e for e in range(ep) if (t, p, e) not in have]
+            if expert_tp > 1 and lacking:
+                raise CheckpointError(
+                    f"{folder} is incomplete at --expert-tensor-parallel-size {expert_tp}: no "
+                    f"{os.path.relpath(path(t, p, lacking[0]), folder)} (each tensor rank's "
+                    "folder holds its own slice of the experts)")
             shards[(t, p)] = [(path(t, p, e), True) if (t, p, e) in have else
                               (path(min(u for u in range(tp) if (u, p, e) in have), p, e), False)
                               for e in range(ep)]

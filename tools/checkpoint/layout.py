@@ -84,9 +84,12 @@ def unpad_vocab(weight: torch.Tensor, true_vocab_size: int) -> torch.Tensor:
     return weight[:true_vocab_size]
 
 
-def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int) -> List[Dict[str, torch.Tensor]]:
+def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int,
+                        expert_tp: int = 1) -> List[Dict[str, torch.Tensor]]:
     """Logical layer tensors -> one state dict per tensor-parallel rank, keys relative to the
-    layer (``self_attention.query_key_value.weight``, ...), as in ``LlamaModel``."""
+    layer (``self_attention.query_key_value.weight``, ...), as in ``LlamaModel``. A MoE layer's
+    routed experts are whole on every rank at ``expert_tp`` 1, split over the tensor ranks at
+    ``expert_tp`` = ``tp`` (:func:`tools.checkpoint.moe_layout.split_experts`)."""
     qkv = fuse_qkv(layer["q"], layer["k"], layer["v"], tp)
     dense = split(layer["o"], tp, 1)
     parts = [{"input_layernorm.weight": layer["input_norm"],
@@ -96,14 +99,21 @@ def layer_to_partitions(layer: Dict[str, torch.Tensor], tp: int) -> List[Dict[st
     if "q_bias" in layer:  # --add-qkv-bias: fused like the weight
         for r, b in enumerate(fuse_qkv(layer["q_bias"], layer["k_bias"], layer["v_bias"], tp)):
             parts[r]["self_attention.query_key_value.bias"] = b
-    if "q_norm" in layer:  # --qk-layernorm: [d], the same on every rank
+    if "q_norm" in layer and layer["q_norm"].shape[0] == layer["q"].shape[0]:
+        # --qk-layernorm-full-width (OLMoE): [nh d] and [ng d], sharded with the heads
+        for p, qn, kn in zip(parts, split(layer["q_norm"], tp, 0), split(layer["k_norm"], tp, 0)):
+            p.update({"self_attention.q_layernorm.weight": qn,
+                      "self_attention.k_layernorm.weight": kn})
+    elif "q_norm" in layer:  # --qk-layernorm: [d], the same on every rank
         for p in parts:
             p.update({"self_attention.q_layernorm.weight": layer["q_norm"],
                       "self_attention.k_layernorm.weight": layer["k_norm"]})
-    if "router" in layer:  # a MoE layer: experts replicated over tensor ranks
-        from tools.checkpoint.moe_layout import to_ours
+    if "router" in layer:  # a MoE layer: experts replicated over tensor ranks, or split
+        from tools.checkpoint.moe_layout import split_experts, to_ours
         moe = to_ours(layer)
-        return [dict(p, **moe) for p in parts]
+        if expert_tp == 1:
+            return [dict(p, **moe) for p in parts]
+        return [{**p, **moe, **split} for p, split in zip(parts, split_experts(moe, expert_tp))]
     gate_up = fuse_gate_up(layer["gate"], layer["up"], tp)
     down = split(layer["down"], tp, 1)
     for r, p in enumerate(parts):
@@ -122,7 +132,10 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
         layer["q_bias"], layer["k_bias"], layer["v_bias"] = unfuse_qkv(
             [p["self_attention.query_key_value.bias"] for p in parts], meta["num_attention_heads"],
             meta["num_query_groups"], meta["kv_channels"])
-    if meta.get("qk_layernorm"):
+    if meta.get("qk_layernorm") and meta.get("qk_layernorm_full_width"):  # sharded with heads
+        layer.update({name: torch.cat([p[f"self_attention.{name[0]}_layernorm.weight"]
+                                       for p in parts]) for name in ("q_norm", "k_norm")})
+    elif meta.get("qk_layernorm"):
         layer.update(q_norm=parts[0]["self_attention.q_layernorm.weight"],
                      k_norm=parts[0]["self_attention.k_layernorm.weight"])
     if meta.get("num_experts") and "mlp.router.weight" in parts[0]:  # dense layers may interleave
@@ -134,13 +147,26 @@ def partitions_to_layer(parts: List[Dict[str, torch.Tensor]], meta: dict) -> Dic
     return layer
 
 
-def check_layout(meta: dict, tp: int, pp: int, ep: int = 1) -> None:
+def check_layout(meta: dict, tp: int, pp: int, ep: int = 1, expert_tp: int = 1) -> None:
     """Refuse a target layout before anything is written.
 
     Raises:
         ValueError: heads, query groups, ffn width or layers not divisible by the target sizes;
-            an expert-parallel size ``ep`` > 1 for a dense model or not dividing the experts.
+            an expert-parallel size ``ep`` > 1 for a dense model or not dividing the experts;
+            an expert-tensor-parallel size ``expert_tp`` > 1 for a dense model, other than 1 and
+            ``tp``, or not dividing the experts' width.
     """
+    if expert_tp > 1 and not meta.get("num_experts"):
+        raise ValueError(f"--target-expert-tensor-parallel-size {expert_tp}: the model is dense "
+                         "(no experts); drop the flag")
+    if expert_tp not in (1, tp):
+        raise ValueError(f"--target-expert-tensor-parallel-size {expert_tp}: only 1 or the "
+                         f"target tensor-parallel size ({tp}) are written (a legacy checkpoint "
+                         "splits experts over its tensor ranks); choose 1 or "
+                         f"--target-tensor-parallel-size {expert_tp}")
+    if expert_tp > 1 and meta["moe_ffn_hidden_size"] % expert_tp:
+        raise ValueError(f"--target-expert-tensor-parallel-size {expert_tp} does not divide the "
+                         f"experts' ffn hidden size {meta['moe_ffn_hidden_size']}")
     if ep > 1 and not meta.get("num_experts"):
         raise ValueError(f"--target-expert-parallel-size {ep}: the model is dense (no experts); "
                          "drop the flag")
@@ -155,10 +181,6 @@ def check_layout(meta: dict, tp: int, pp: int, ep: int = 1) -> None:
                         "tensor-parallel rank must own whole groups, replication is not supported)")
     if meta["ffn_hidden_size"] % tp and not meta.get("num_experts"):
         problems.append(f"ffn hidden size {meta['ffn_hidden_size']}")
-    if meta.get("qk_layernorm_full_width") and tp > 1:
-        raise ValueError(f"--target-tensor-parallel-size {tp}: the q/k norm over the whole "
-                         "projection (OLMoE, --qk-layernorm-full-width) spans every rank's heads "
-                         "and is not split over tensor ranks; use 1 (and EP or PP to split)")
     if problems:
         raise ValueError(f"--target-tensor-parallel-size {tp} does not divide: "
                          + "; ".join(problems) + ". Choose a tensor-parallel size dividing them")

@@ -125,9 +125,10 @@ def is_llama4(saved: dict) -> bool:
     return saved.get("hf_architecture") == MODEL_TYPE or bool(saved.get("moe_apply_probs_on_input"))
 
 
-def meta_from_args(saved: dict) -> dict:
+def meta_from_args(saved: dict, expert_parallel: bool = False) -> dict:
     """The Llama-4-only metadata of a checkpoint's recorded ``saved`` args (per-layer patterns
-    as tuples).
+    as tuples); an expert-parallel size > 1 only where the caller joins the experts
+    (``expert_parallel``: our own shards).
 
     Raises:
         CheckpointError: MoE settings Llama 4 does not have (naming the setting).
@@ -137,9 +138,10 @@ def meta_from_args(saved: dict) -> dict:
     freq = saved.get("moe_layer_freq", 1)
     pattern = tuple(freq) if isinstance(freq, (list, tuple)) else tuple(
         int(i % freq == 0) for i in range(n))
-    for key, want in (("moe_router_score_function", "sigmoid"), ("moe_apply_probs_on_input", True),
-                      ("moe_router_topk", 1), ("expert_model_parallel_size", 1),
-                      ("expert_tensor_parallel_size", 1)):
+    checked = (("moe_router_score_function", "sigmoid"), ("moe_apply_probs_on_input", True),
+               ("moe_router_topk", 1))
+    for key, want in checked + ((("expert_model_parallel_size", 1),) if not expert_parallel
+                                else ()):
         if saved.get(key, want) != want:
             raise CheckpointError(f"--{key.replace('_', '-')} {saved[key]!r} in the checkpoint's "
                                   f"args is not Llama 4's ({want!r}); not converted")

@@ -90,7 +90,15 @@ def find_shards(load_dir: str):
     return folder, shards, tp, pp
 
 
-def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parallel: bool = False) -> dict:
+def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parallel: bool = False,
+                   experts: str = "foreign") -> dict:
+    """The converter's ``meta`` from a checkpoint's recorded ``saved`` args. ``experts`` says how
+    its shards hold the routed experts: ``"legacy"`` (ours: split as the recorded expert-TP
+    says, 1 or TP), ``"whole"`` (a torch_dist checkpoint read whole, at any recorded expert-TP)
+    or ``"foreign"`` (another system's: expert-TP 1 only, refused otherwise).
+
+    Raises:
+        CheckpointError / ExpertError: MoE settings not converted (naming the setting)."""
     meta = {k: saved.get(k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "max_position_embeddings", "seq_length", "norm_epsilon", "rotary_base",
@@ -98,10 +106,14 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parall
         "tokenizer_type", "tokenizer_model", "hf_token_ids", "qk_layernorm", "qk_layernorm_full_width",
         "add_qkv_bias", *MOE_ARGS, *ATTENTION_FIELDS)}
     if llama4_layout.is_llama4(saved):
-        meta.update(llama4_layout.meta_from_args(saved), hf_architecture=llama4_layout.MODEL_TYPE)
+        meta.update(llama4_layout.meta_from_args(saved, expert_parallel),
+                    hf_architecture=llama4_layout.MODEL_TYPE)
     elif meta["num_experts"]:
-        _check_moe_args(saved, expert_parallel)
+        _check_moe_args(saved, expert_parallel, split_experts=experts != "foreign")
         meta["moe_ffn_hidden_size"] = meta["moe_ffn_hidden_size"] or meta["ffn_hidden_size"]
+    if meta["num_experts"]:  # whole experts (1) or split over the tensor ranks (TP)
+        meta["expert_tensor_parallel_size"] = (moe_layout.check_saved_expert_tp(saved)
+                                               if experts == "legacy" else 1)
     meta["num_query_groups"] = meta["num_query_groups"] or meta["num_attention_heads"]
     if meta["rope_scaling"] is None and saved.get("use_rope_scaling"):  # a training checkpoint
         meta["rope_scaling"] = rope_scaling_from_args(argparse.Namespace(**saved))
@@ -113,10 +125,12 @@ def meta_from_args(saved: dict, padded_rows: int, true_vocab_size, expert_parall
     return meta
 
 
-def _check_moe_args(saved: dict, expert_parallel: bool = False) -> None:
+def _check_moe_args(saved: dict, expert_parallel: bool = False,
+                    split_experts: bool = False) -> None:
     """Refuse MoE settings these converters do not carry (before anything is written); an
     expert-parallel size > 1 only where the caller joins the experts (``expert_parallel``: our
-    own shards, :mod:`tools.checkpoint.expert_shards`).
+    own shards, :mod:`tools.checkpoint.expert_shards`), an expert-tensor-parallel size > 1 only
+    where it joins split experts or reads whole ones (``split_experts``: ours).
 
     Raises:
         CheckpointError: naming the recorded setting.
@@ -125,10 +139,12 @@ def _check_moe_args(saved: dict, expert_parallel: bool = False) -> None:
     if not (freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))):
         raise CheckpointError(f"--moe-layer-freq {freq!r}: only checkpoints with every layer MoE "
                               "are converted")
-    checked = (("expert_tensor_parallel_size", 1), ("moe_router_score_function", "softmax"),
+    checked = (("moe_router_score_function", "softmax"),
                ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
                ("moe_router_enable_expert_bias", False), ("moe_apply_probs_on_input", False),
                ("moe_expert_capacity_factor", None))
+    if not split_experts:
+        checked = (("expert_tensor_parallel_size", 1),) + checked
     if not expert_parallel:
         checked = (("expert_model_parallel_size", 1),) + checked
     for key, default in checked:
@@ -152,7 +168,8 @@ def load_checkpoint(args):
     if ep > 1:  # our MoE shards at EP > 1: each (tensor, pipeline) rank's experts in EP folders
         folder, joined, tp, pp = expert_shards.find_expert_shards(
             args.load_dir, ep, int(ep_args.get("pipeline_model_parallel_size") or 1),
-            int(ep_args.get("tensor_model_parallel_size") or 1))
+            int(ep_args.get("tensor_model_parallel_size") or 1),
+            moe_layout.saved_expert_tp(ep_args))
         shards = {k: expert_shards.own_shard(v) for k, v in joined.items()}
     else:
         folder, shards, tp, pp = find_shards(args.load_dir)
@@ -170,12 +187,9 @@ def load_checkpoint(args):
     chunks = chunks if "model" not in first and chunks else ["model"]
     embedding = first[chunks[0]]["word_embeddings.weight"]
     padded = embedding.shape[0] * tp
-    meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None), ep > 1)
+    meta = meta_from_args(saved, padded, getattr(args, "true_vocab_size", None), ep > 1,
+                          experts="legacy")
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
-    if getattr(args, "include_optimizer", False) and ep > 1:
-        raise CheckpointError(f"{shards[(0, 0)]}: --include-optimizer is not supported for "
-                              f"checkpoints saved at --expert-model-parallel-size {ep}; convert "
-                              "the weights only")
     if getattr(args, "include_optimizer", False) and len(chunks) > 1:
         raise CheckpointError(f"{shards[(0, 0)]}: --include-optimizer is not supported for "
                               f"checkpoints with virtual pipeline stages ({', '.join(chunks)}); "
@@ -185,10 +199,10 @@ def load_checkpoint(args):
         common = optimizer_state.unpack(first, shards[(0, 0)])[1]
         meta["optimizer"] = dict(common, **{k: first.get(k) for k in (
             "iteration", "consumed_train_samples", "consumed_valid_samples",
-            "opt_param_scheduler")}, source_args=saved, mixed=first["optimizer"] is not None
-            and "fp32_from_fp16_params" in first["optimizer"])
+            "opt_param_scheduler")}, source_args=saved)
         del first
-        return meta, stream_with_optimizer(shards, tp, pp, meta)
+        groups = joined if ep > 1 else {key: [(path, True)] for key, path in shards.items()}
+        return meta, stream_with_optimizer(groups, tp, pp, meta)
     # Virtual stage v * PP + p is chunk v of pipeline rank p: streamed in that order as PP x v
     # plain stages (a shard file is read once per chunk).
     if ep > 1:
@@ -230,7 +244,7 @@ def load_torch_dist(folder: str, args):
     embedding = state["word_embeddings.weight"]
     meta = meta_from_args(common["args"], embedding.shape[0],  # global experts: any EP it ran at
                           getattr(args, "true_vocab_size", None) or common.get("true_vocab_size"),
-                          expert_parallel=True)
+                          expert_parallel=True, experts="whole")
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[embedding.dtype]
     return meta, stream_stages([[lambda: state]], meta, names=OUR_NAMES)
 
@@ -347,17 +361,41 @@ def stage_messages(states, p: int, pp: int, meta: dict, names: dict, rows: int |
         yield "final", final
 
 
-def stream_with_optimizer(shards, tp: int, pp: int, meta: dict):
-    """Like :func:`stream_stages` over our shards, each payload with an ``"optimizer"`` entry:
+def read_with_optimizer(entries):
+    """``(model state, {quantity: flat state})`` of one (tensor rank, pipeline rank) from its
+    shards ``entries`` (:func:`tools.checkpoint.expert_shards.find_expert_shards`' form: one
+    ``(path, own)`` per expert-parallel rank, or the one shard): the weights and each optimizer
+    quantity joined over the expert ranks alike (the Adam moments of the experts go with them).
+
+    Raises:
+        ExpertError: a replicated tensor or its optimizer state differing between expert ranks.
+    """
+    states = []
+    for path, _ in entries:
+        ckpt = load_torch_file(path)
+        states.append((ckpt["model"], optimizer_state.unpack(ckpt, path)[0]))
+        del ckpt
+    if len(states) == 1:
+        return states[0]
+    where = f"{os.path.dirname(os.path.dirname(expert_shards.own_shard(entries)))}: "
+    own = [o for _, o in entries]
+    model = moe_layout.join_expert_shards([m for m, _ in states], where, own)
+    return model, {q: moe_layout.join_expert_shards([u[q] for _, u in states],
+                                                    f"{where}optimizer {q}: ", own)
+                   for q in optimizer_state.QUANTITIES}
+
+
+def stream_with_optimizer(groups, tp: int, pp: int, meta: dict):
+    """Like :func:`stream_stages` over our shards (``groups``: ``{(tensor rank, pipeline rank):
+    entries}`` of :func:`read_with_optimizer`), each payload with an ``"optimizer"`` entry:
     ``{quantity: payload of the same message}`` (see :mod:`tools.checkpoint.optimizer_state`).
     Vocabulary rows stay padded: the padded rows are trained too (they are in the softmax)."""
     rows = meta["vocab_rows"]
     for p in range(pp):
-        ckpts = [load_torch_file(shards[(t, p)]) for t in range(tp)]
-        unpacked = [optimizer_state.unpack(c, shards[(t, p)]) for t, c in enumerate(ckpts)]
-        model = stage_messages([c["model"] for c in ckpts], p, pp, meta, OUR_NAMES, rows)
-        per_q = {q: stage_messages([u[0][q] for u in unpacked], p, pp, meta, OUR_NAMES, rows)
+        read = [read_with_optimizer(groups[(t, p)]) for t in range(tp)]
+        model = stage_messages([m for m, _ in read], p, pp, meta, OUR_NAMES, rows)
+        per_q = {q: stage_messages([u[q] for _, u in read], p, pp, meta, OUR_NAMES, rows)
                  for q in optimizer_state.QUANTITIES}
         for kind, payload in model:
             yield kind, dict(payload, optimizer={q: next(g)[1] for q, g in per_q.items()})
-        del ckpts, unpacked
+        del read

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shlex
 
+from tools.checkpoint import moe_layout
+
 HF_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "PretrainedFromHF")
 # a HuggingFace folder is a usable tokenizer when it holds one of these
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -73,8 +75,9 @@ def pretrain_flags(saved: dict) -> list[str]:
               "--pipeline-model-parallel-size", saved.get("pipeline_model_parallel_size", 1)]
     if saved.get("num_experts") and saved.get("tensor_model_parallel_size", 1) > 1:
         # MoE at TP > 1 trains with SP (each tensor rank routes its share of the tokens) and
-        # whole experts on each rank, as these shards hold them
-        flags += ["--sequence-parallel", "--expert-tensor-parallel-size", 1]
+        # the experts split as these shards hold them: whole (1) or over the tensor ranks
+        flags += ["--sequence-parallel", "--expert-tensor-parallel-size",
+                  moe_layout.saved_expert_tp(saved)]
     if (saved.get("expert_model_parallel_size") or 1) > 1:  # its shards hold E / EP experts
         flags += ["--expert-model-parallel-size", saved["expert_model_parallel_size"]]
     return [str(f) for f in flags + tokenizer_flags(saved)]

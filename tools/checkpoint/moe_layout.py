@@ -12,9 +12,13 @@ Logical MoE layer tensors (beside the attention and norm keys of
   [E, 2f, h]`` = ``[gate; up]`` per expert and ``experts.down_proj [E, h, f]``; ours
   ``mlp.experts.weight1 [E, 2f, h]`` = ``[gate; up]`` and ``mlp.experts.weight2 [E, h, f]``).
 
-Experts are not tensor-parallel here (Megatron-Core's ``--expert-tensor-parallel-size 1``):
-every tensor rank's shard holds the whole ``weight1`` / ``weight2`` of its layers, and the
-loader refuses shards whose copies differ.
+At expert-TP 1 (Megatron-Core's ``--expert-tensor-parallel-size 1``) every tensor rank's shard
+holds the whole ``weight1`` / ``weight2`` of its layers, and the loader refuses shards whose
+copies differ. At expert-TP = TP tensor rank r holds slice r of every expert, as the training
+code splits them (Megatron-Core's column split of ``linear_fc1``, row split of ``linear_fc2``):
+``weight1 [E, 2f/TP, h]`` = ``[gate rows r; up rows r]``, ``weight2 [E, h, f/TP]`` = columns r
+(:func:`split_experts`, :func:`join_split_experts`). The shared expert is whole on every rank
+either way.
 """
 
 from __future__ import annotations
@@ -208,6 +212,51 @@ def to_ours(layer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def saved_expert_tp(saved: dict) -> int:
+    """The expert-tensor-parallel size a checkpoint's recorded ``saved`` args say its shards
+    hold (None or absent: TP, Megatron-Core's default, as the training code reads it)."""
+    value = saved.get("expert_tensor_parallel_size")
+    return int(value if value is not None else saved.get("tensor_model_parallel_size") or 1)
+
+
+def check_saved_expert_tp(saved: dict, where: str = "") -> int:
+    """:func:`saved_expert_tp`, refused unless 1 or the tensor-parallel size (the splits the
+    training code writes in the legacy format).
+
+    Raises:
+        ExpertError: naming the recorded size."""
+    etp, tp = saved_expert_tp(saved), int(saved.get("tensor_model_parallel_size") or 1)
+    if etp not in (1, tp):
+        raise ExpertError(f"{where}--expert-tensor-parallel-size {etp} in the checkpoint's args "
+                          f"at --tensor-model-parallel-size {tp}: only expert-TP 1 or TP are read")
+    return etp
+
+
+def split_experts(moe: Dict[str, torch.Tensor], expert_tp: int) -> List[Dict[str, torch.Tensor]]:
+    """The ``mlp.experts.weight1/2`` of each expert-tensor-parallel rank 0..expert_tp-1 from
+    :func:`to_ours`' whole ones: rank r's ``weight1 [E, 2f/etp, h]`` = ``[gate_r; up_r]`` and
+    ``weight2 [E, h, f/etp]`` = ``down[..., f_r]`` (``f_r``: the r-th of etp equal slices of the
+    width); cloned, so each shard saves alone."""
+    w1, w2 = moe["mlp.experts.weight1"], moe["mlp.experts.weight2"]
+    f = w2.shape[2]
+    gate, up = w1[:, :f], w1[:, f:]
+    width = f // expert_tp
+    return [{"mlp.experts.weight1": torch.cat([gate[:, r * width:(r + 1) * width],
+                                               up[:, r * width:(r + 1) * width]], 1),
+             "mlp.experts.weight2": w2[..., r * width:(r + 1) * width].clone()}
+            for r in range(expert_tp)]
+
+
+def join_split_experts(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`split_experts`: the whole ``weight1 [E, 2f, h]`` and ``weight2
+    [E, h, f]`` from the shards of expert-tensor-parallel ranks 0..etp-1 (``parts``: their state
+    dicts of one layer, keys relative to it)."""
+    w1s = [p["mlp.experts.weight1"] for p in parts]
+    half = w1s[0].shape[1] // 2
+    return {"mlp.experts.weight1": torch.cat([w[:, :half] for w in w1s] + [w[:, half:] for w in w1s], 1),
+            "mlp.experts.weight2": torch.cat([p["mlp.experts.weight2"] for p in parts], 2)}
+
+
 EXPERT_SUFFIXES = ("mlp.experts.weight1", "mlp.experts.weight2")
 
 
@@ -257,11 +306,19 @@ def join_expert_shards(shards: List[Dict[str, torch.Tensor]], where: str = "",
 
 
 def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "") -> Dict[str, torch.Tensor]:
-    """The logical MoE tensors from the per-tensor-rank shards of one layer (replicated copies).
+    """The logical MoE tensors from the per-tensor-rank shards of one layer: the routed experts
+    replicated (``meta["expert_tensor_parallel_size"]`` 1 or absent) or split over the tensor
+    ranks (expert-TP = TP > 1, :func:`join_split_experts`); the router and shared expert
+    replicated.
 
     Raises:
-        ExpertError: a shard lacks the experts, or two tensor ranks hold different copies.
+        ExpertError: a shard lacks the experts, two tensor ranks hold different copies of a
+            replicated tensor, or an expert-TP other than 1 and the number of tensor ranks.
     """
+    etp = int(meta.get("expert_tensor_parallel_size") or 1)
+    if etp not in (1, len(parts)):
+        raise ExpertError(f"{where}experts split at --expert-tensor-parallel-size {etp} over "
+                          f"{len(parts)} tensor ranks: only 1 or the tensor-parallel size are read")
     names = ("mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2")
     shared = meta.get("moe_shared_expert_intermediate_size")
     gated = shared and meta.get("moe_shared_expert_gate")
@@ -273,13 +330,16 @@ def from_ours(parts: List[Dict[str, torch.Tensor]], meta: dict, where: str = "")
         for name in names:
             if name not in p:
                 raise ExpertError(f"{where}tensor rank {r} lacks {name}")
+            if r and etp > 1 and name in EXPERT_SUFFIXES:  # slices, joined below
+                continue
             if r and not torch.equal(p[name], parts[0][name]):
                 raise ExpertError(f"{where}{name} differs between tensor ranks 0 and {r} "
                                   "(experts are replicated over tensor ranks here)")
     f = meta["moe_ffn_hidden_size"]
-    w1 = parts[0]["mlp.experts.weight1"]
+    experts = join_split_experts(parts) if etp > 1 else parts[0]
+    w1 = experts["mlp.experts.weight1"]
     out = {"router": parts[0]["mlp.router.weight"], "experts_gate": w1[:, :f],
-           "experts_up": w1[:, f:], "experts_down": parts[0]["mlp.experts.weight2"]}
+           "experts_up": w1[:, f:], "experts_down": experts["mlp.experts.weight2"]}
     if shared:
         fc1 = parts[0]["mlp.shared_experts.linear_fc1"]
         out.update(shared_gate=fc1[:shared], shared_up=fc1[shared:],

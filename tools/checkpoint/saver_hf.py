@@ -249,9 +249,9 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             (:func:`megatron.hf_folder.refuse_custom_code`).
     """
     if any((getattr(args, f"target_{kind}_parallel_size", None) or 1) != 1
-           for kind in ("tensor", "pipeline", "expert")):
+           for kind in ("tensor", "pipeline", "expert", "expert_tensor")):
         raise ValueError("--saver hf writes one unsharded model: drop "
-                         "--target-tensor/pipeline/expert-parallel-size")
+                         "--target-tensor/pipeline/expert/expert-tensor-parallel-size")
     if not meta.get("true_vocab_size"):
         raise ValueError("the checkpoint does not store its true vocabulary size, so padding rows "
                          "cannot be removed: pass --true-vocab-size N (the tokenizer's vocabulary)")
@@ -267,8 +267,9 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     writer = _ShardWriter(folder, args.max_shard_size)
     llama4 = meta.get("hf_architecture") == llama4_layout.MODEL_TYPE
     if moe_layout.is_moe(meta):
-        if not llama4:
-            mixtral_config(meta)  # refused before anything is written
+        if not llama4:  # refused before anything is written; a training checkpoint records no
+            # hf_architecture, its settings name it (OLMoE's full-width q/k norm, a shared expert)
+            moe_architecture = mixtral_config(meta)["model_type"]
         experts = moe_layout.ExpertGate(meta, "hf saver")
     layer, reward = 0, False
     for kind, payload in stream:
@@ -285,8 +286,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
             elif moe_layout.is_moe(meta):
                 dense = {k: v for k, v in _HF_LAYER.items() if k not in ("gate", "up", "down")}
                 experts.layer(layer, payload, payload.get("expert_checksums"))
-                for name, tensor in moe_tensors(layer, payload,
-                                                meta.get("hf_architecture") or "mixtral"):
+                for name, tensor in moe_tensors(layer, payload, moe_architecture):
                     writer.add(name, tensor.to(dtype))
             if meta.get("add_qkv_bias"):
                 dense = dict(dense, q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",

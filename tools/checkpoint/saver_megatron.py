@@ -4,6 +4,9 @@ target TP/PP, loadable by ``megatron.checkpointing.load_checkpoint`` (``--load D
 At ``--target-expert-parallel-size`` EP > 1 each (tensor rank, stage) shard is written once per
 expert-parallel rank e (``mp_rank_TT[_PPP]_EEE``, Megatron-LM's naming), holding experts
 ``e E/EP .. (e+1) E/EP - 1`` in ``mlp.experts.weight1/2`` and the same copy of everything else.
+At ``--target-expert-tensor-parallel-size`` TP tensor rank t's shards hold slice t of those
+experts (``weight1 [E/EP, 2f/TP, h]``, ``weight2 [E/EP, h, f/TP]``,
+:func:`tools.checkpoint.moe_layout.split_experts`); at 1 (the default) whole experts.
 
 Streaming: each layer's tensor-parallel pieces are spilled to a per-rank file as the layer
 arrives; when a stage's last layer is in, the shards of that stage are written one (tensor rank,
@@ -13,7 +16,9 @@ under ``release.tmp/`` and the folder and the tracker are put in place only afte
 exists.
 
 ``--include-optimizer`` (from ``--loader megatron``): the Adam moments and fp32 main parameters
-are re-split exactly like the weights (:mod:`tools.checkpoint.optimizer_state`) and the
+are re-split exactly like the weights (:mod:`tools.checkpoint.optimizer_state`; a model with
+experts keeps its dense and expert optimizer parts, and the experts' state goes with them to
+their expert rank at any ``--target-expert-parallel-size``) and the
 checkpoint is written as ``iter_XXXXXXX`` of the source's iteration with its scheduler state and
 consumed samples, so ``--load`` resumes training at the new layout. RNG states are not carried
 (they are per tensor-parallel rank): resume with ``--no-load-rng``.
@@ -68,7 +73,7 @@ def check_target(args) -> None:
 
 
 def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divisible_by: int,
-                    ep: int = 1) -> dict:
+                    ep: int = 1, expert_tp: int = 1) -> dict:
     """The ``args`` entry (plain values; the names ``--use-checkpoint-args`` takes over)."""
     return {
         "num_layers": meta["num_layers"], "hidden_size": meta["hidden_size"],
@@ -92,7 +97,7 @@ def checkpoint_args(meta: dict, tp: int, pp: int, padded: int, dtype: str, divis
         "hf_token_ids": meta.get("hf_token_ids"), **rope_scaling_flags(meta.get("rope_scaling")),
         "qk_layernorm": bool(meta.get("qk_layernorm")),
         "qk_layernorm_full_width": bool(meta.get("qk_layernorm_full_width")),
-        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta, ep),
+        "add_qkv_bias": bool(meta.get("add_qkv_bias")), **moe_args(meta, ep, expert_tp),
         **{k: (list(meta[k]) if isinstance(meta[k], tuple) else meta[k])
            for k in ATTENTION_FIELDS if meta.get(k) is not None},
     }
@@ -103,15 +108,14 @@ MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router
             "hf_architecture", "moe_router_score_function", "moe_apply_probs_on_input")
 
 
-def moe_args(meta: dict, ep: int = 1) -> dict:
+def moe_args(meta: dict, ep: int = 1, expert_tp: int = 1) -> dict:
     """The MoE entries of the recorded args (Megatron-Core's dests; none for a dense model):
-    the shards' expert-parallel size ``ep``; experts are not tensor-parallel in these shards
-    (``expert_tensor_parallel_size`` 1)."""
+    the shards' expert-parallel size ``ep`` and expert-tensor-parallel size ``expert_tp``."""
     if not meta.get("num_experts"):
         return {}
     out = {k: meta.get(k) for k in MOE_ARGS}
     out.update(moe_layer_freq=list(meta["moe_layer_freq"]) if meta.get("moe_layer_freq") else 1,
-               expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+               expert_model_parallel_size=ep, expert_tensor_parallel_size=expert_tp)
     out["moe_router_score_function"] = out["moe_router_score_function"] or "softmax"
     out["moe_apply_probs_on_input"] = bool(out["moe_apply_probs_on_input"])
     return out
@@ -150,7 +154,8 @@ def save_checkpoint(meta: dict, stream, args) -> str:
 
 
 def _save_torch_dist(meta: dict, stream, args) -> str:
-    given = [f"--target-{kind}-parallel-size" for kind in ("tensor", "pipeline", "expert")
+    given = [f"--target-{kind.replace('_', '-')}-parallel-size"
+             for kind in ("tensor", "pipeline", "expert", "expert_tensor")
              if (getattr(args, f"target_{kind}_parallel_size", None) or 1) != 1]
     if given:
         raise ValueError(f"--target-ckpt-format torch_dist is layout-free (--load reshards it to "
@@ -179,7 +184,8 @@ def _save_legacy(meta: dict, stream, args):
     tp = args.target_tensor_parallel_size or 1
     pp = args.target_pipeline_parallel_size or 1
     ep = getattr(args, "target_expert_parallel_size", None) or 1
-    check_layout(meta, tp, pp, ep)
+    expert_tp = getattr(args, "target_expert_tensor_parallel_size", None) or 1
+    check_layout(meta, tp, pp, ep, expert_tp)
     dtype_name = args.target_params_dtype or meta.get("params_dtype", "fp32")
     dtype = DTYPES[dtype_name]
     divisible_by = (args.make_vocab_size_divisible_by or meta.get("make_vocab_size_divisible_by")
@@ -187,8 +193,6 @@ def _save_legacy(meta: dict, stream, args):
     vocab_rows = meta["true_vocab_size"] or meta["vocab_rows"]
     padded = vocab_size_with_padding(vocab_rows, divisible_by, tp)
     optim = meta.get("optimizer") if getattr(args, "include_optimizer", False) else None
-    if optim is not None and ep > 1:  # convert.py refuses the flags first, naming them
-        raise ValueError(f"--include-optimizer with --target-expert-parallel-size {ep}")
     if optim is not None and padded != meta["vocab_rows"]:
         raise ValueError(f"--include-optimizer: the padded vocabulary would change from "
                          f"{meta['vocab_rows']} to {padded} rows at tensor-parallel size {tp} "
@@ -199,7 +203,7 @@ def _save_legacy(meta: dict, stream, args):
     name = "release" if optim is None else f"iter_{int(optim['iteration']):07d}"
     staging = os.path.join(save, name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    ckpt_args = checkpoint_args(meta, tp, pp, padded, dtype_name, divisible_by, ep)
+    ckpt_args = checkpoint_args(meta, tp, pp, padded, dtype_name, divisible_by, ep, expert_tp)
     extra = {"iteration": 0, "optimizer": None, "opt_param_scheduler": None, "rng_state": None}
     if optim is not None:
         ckpt_args = dict(optim["source_args"], **ckpt_args)
@@ -218,6 +222,7 @@ def _save_legacy(meta: dict, stream, args):
 
 def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name, staging) -> str:
     per_stage = meta["num_layers"] // pp
+    expert_tp = writer.ckpt_args.get("expert_tensor_parallel_size") or 1
 
     def cast(t):
         return t.detach().to(dtype).contiguous()
@@ -240,7 +245,7 @@ def _write(meta, stream, args, optim, writer, tp, pp, dtype, padded, save, name,
                     to_rank(r, q, {"word_embeddings.weight": piece})
             elif kind == "layer":
                 tensors = {k: convert(v) for k, v in part.items() if isinstance(v, torch.Tensor)}
-                for r, piece in enumerate(layer_to_partitions(tensors, tp)):
+                for r, piece in enumerate(layer_to_partitions(tensors, tp, expert_tp)):
                     to_rank(r, q, {f"layers.{writer.local}.{k}": v for k, v in piece.items()})
             else:  # final
                 for r in range(tp):
@@ -322,11 +327,9 @@ class _StageWriter:
             model = {k: v for k, v in flat.items() if not k.startswith("optimizer/")}
             state = dict(self.extra, model=model, args=self.ckpt_args,
                          checkpoint_version=CHECKPOINT_VERSION)
-            if self.optim is not None:
-                quantities = {q: {k[len(f"optimizer/{q}/"):]: v for k, v in flat.items()
-                                  if k.startswith(f"optimizer/{q}/")}
-                              for q in optimizer_state.QUANTITIES}
-                state["optimizer"] = optimizer_state.pack(model, quantities, self.optim, self.mixed)
+            quantities = {q: {k[len(f"optimizer/{q}/"):]: v for k, v in flat.items()
+                              if k.startswith(f"optimizer/{q}/")}
+                          for q in (optimizer_state.QUANTITIES if self.optim else ())}
             for e in range(self.ep):
                 name = get_checkpoint_name(self.staging, 0, release=False,
                                            pipeline_parallel=self.pp > 1, tensor_rank=r,
@@ -336,9 +339,15 @@ class _StageWriter:
                 # final one.
                 name = name.replace(os.path.join(self.staging, "iter_0000000"), self.staging, 1)
                 os.makedirs(os.path.dirname(name), exist_ok=True)
-                torch.save(state if self.ep == 1 else dict(
-                    state, model=moe_layout.local_experts(model, e, self.ep)), name)
-            del flat, model, state
+                local = state if self.ep == 1 else dict(
+                    state, model=moe_layout.local_experts(model, e, self.ep))
+                if self.optim is not None:  # the experts' Adam state goes with them
+                    local["optimizer"] = optimizer_state.pack(
+                        local["model"], {q: moe_layout.local_experts(v, e, self.ep)
+                                         for q, v in quantities.items()}, self.optim, self.mixed)
+                torch.save(local, name)
+                del local
+            del flat, model, state, quantities
             for path in self.spills[r]:
                 os.remove(path)
             self.spills[r] = []

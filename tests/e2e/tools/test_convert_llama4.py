@@ -66,13 +66,18 @@ def llama4(tmp_path_factory):
     return folder, model, tokens, expected
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_llama4_logits_equal_transformers(llama4, tp, pp, tmp_path):
+@pytest.mark.parametrize("tp,pp,ep,etp", [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1),
+                                         (2, 1, 2, 1), (2, 1, 2, 2)])
+def test_llama4_logits_equal_transformers(llama4, tp, pp, ep, etp, tmp_path):
+    """At TP x PP x EP (``--target-expert-parallel-size``: expert rank e's shards hold its
+    fused experts, every rank the shared expert and the dense layers) and expert-TP 1 or TP,
+    loaded in a world of TP x PP x EP ranks, the logits are transformers'."""
     folder, _, tokens, expected = llama4
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
             tmp_path / "ckpt", "--target-tensor-parallel-size", tp,
-            "--target-pipeline-parallel-size", pp)
-    logits = megatron_logits(str(tmp_path / "ckpt"), tp, pp, tokens)
+            "--target-pipeline-parallel-size", pp, "--target-expert-parallel-size", ep,
+            "--target-expert-tensor-parallel-size", etp)
+    logits = megatron_logits(str(tmp_path / "ckpt"), tp, pp, tokens, ep=ep, etp=etp)
     assert_logits_match(logits, expected, atol=3e-5)  # measured 1.1e-5 of logits up to 5
 
 
@@ -95,6 +100,33 @@ def test_round_trip_is_bitwise(llama4, tmp_path):
         assert torch.equal(reloaded(tokens).logits, expected)
 
 
+def test_round_trip_from_an_expert_parallel_checkpoint_is_bitwise(llama4, tmp_path):
+    """HF -> ours at EP2 x PP2 (the MoE layers 1 and 3 one per stage; expert rank e's shards
+    hold experts 2e, 2e+1 of the fused [E, 2f, h]) -> HF: every tensor bitwise."""
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
+
+    folder = llama4[0]
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "a", "--target-expert-parallel-size", 2,
+            "--target-pipeline-parallel-size", 2)
+    original = safetensors_tensors(folder)
+    release = tmp_path / "a" / "release"
+    for e in range(2):
+        shard = load_torch_file(str(release / f"mp_rank_00_001_{e:03d}" / "model_optim_rng.pt"),
+                                what="shard")
+        w1 = shard["model"]["layers.1.mlp.experts.weight1"]  # global layer 3
+        hub = original["model.layers.3.feed_forward.experts.gate_up_proj"]  # [E, h, 2f]
+        assert torch.equal(w1, hub[2 * e:2 * e + 2].transpose(1, 2))
+        assert torch.equal(shard["model"]["layers.1.mlp.shared_experts.linear_fc2"],
+                           original["model.layers.3.feed_forward.shared_expert.down_proj.weight"])
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "a", "--save-dir",
+            tmp_path / "hf")
+    exported = safetensors_tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
 SEQ = 18
 TRAIN_FLAGS = ["--seq-length", str(SEQ), "--tokenizer-type", "NullTokenizer",
                "--vocab-size", str(VOCAB - 1), "--micro-batch-size", "1",
@@ -108,16 +140,19 @@ def _train(argv):
     return pretrain_llama.main(argv)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, pp):
-    """Trained with the flags the converter prints; the training checkpoint exports back
-    bitwise."""
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
+def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, tp, pp, ep):
+    """Trained with the flags the converter prints (at EP 2 each data-parallel rank trains on a
+    copy of the one document; TP2 x EP2 with expert-TP 2 on 4 ranks); the training checkpoint
+    exports back bitwise."""
     from megatron.inference.model_loader import checkpoint_args
     from tools.checkpoint.model_flags import pretrain_flags
 
     folder, model, _, _ = llama4
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
-            tmp_path / "ours", "--target-pipeline-parallel-size", pp)
+            tmp_path / "ours", "--target-pipeline-parallel-size", pp,
+            "--target-tensor-parallel-size", tp, "--target-expert-parallel-size", ep,
+            "--target-expert-tensor-parallel-size", tp)
     printed = capsys.readouterr().out
     flags = pretrain_flags(checkpoint_args(str(tmp_path / "ours")))
     for flag in ("--rotary-interleaved", "--qk-l2-norm", "--no-rope-freq [0,1,0,1]",
@@ -130,8 +165,10 @@ def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, pp):
     tokenizer = flags.index("--tokenizer-type") if "--tokenizer-type" in flags else len(flags)
     argv = flags[:tokenizer] + TRAIN_FLAGS + [
         "--load", str(tmp_path / "ours"), "--data-path", prefix,
-        "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run")]
-    history = run_distributed(pp, _train, argv, timeout=300)[-1]  # the last stage logs the loss
+        "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run"),
+        "--global-batch-size", str(ep)]
+    # the last stage logs the loss
+    history = run_distributed(tp * pp * ep, _train, argv, timeout=600)[-1]
     tokens, labels = doc[None], torch.cat([doc[1:], doc[:1]])
     with torch.no_grad():
         hf_loss = torch.nn.functional.cross_entropy(model(tokens).logits[0], labels).item()
@@ -141,6 +178,30 @@ def test_first_training_loss_equals_transformers(llama4, tmp_path, capsys, pp):
     original, exported = safetensors_tensors(folder), safetensors_tensors(tmp_path / "back")
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
+    if (tp, ep) == (1, 2):  # with its optimizer to EP 1: the experts' Adam moments joined
+        _optimizer_follows_the_experts(tmp_path / "run", tmp_path / "ep1")
+
+
+def _optimizer_follows_the_experts(run, target):
+    """``--include-optimizer`` from the EP 2 training checkpoint to EP 1: the expert part's
+    moments of each MoE layer are the two expert ranks' concatenated, the dense part's (the
+    shared expert, router and dense layers included) expert rank 0's."""
+    from megatron.core.dist_checkpointing.checkpoint_io import load_torch_file
+
+    folder = convert("--loader", "megatron", "--saver", "megatron", "--load-dir", run,
+                     "--save-dir", target, "--include-optimizer")
+    shard = load_torch_file(f"{folder}/mp_rank_00/model_optim_rng.pt", what="shard")
+    source = [load_torch_file(f"{run}/iter_0000001/mp_rank_00_{e:03d}/model_optim_rng.pt",
+                              what="shard") for e in range(2)]
+    dense, expert = shard["optimizer"]["chained_optimizers"]
+    parts = [s["optimizer"]["chained_optimizers"] for s in source]
+    assert len(expert["state"]) == 4  # weight1 and weight2 of layers 1 and 3
+    for i, state in expert["state"].items():
+        assert torch.equal(state["exp_avg_sq"], torch.cat([p[1]["state"][i]["exp_avg_sq"]
+                                                           for p in parts]))
+        assert state["exp_avg_sq"].abs().max() > 0  # the first step's gradients: not empty
+    for i, state in dense["state"].items():
+        assert torch.equal(state["exp_avg"], parts[0][0]["state"][i]["exp_avg"])
 
 
 def _generate_rank(load_dir, prompts, new):

@@ -177,11 +177,7 @@ def test_expert_parallel_shards_missing_or_disagreeing_are_refused(mixtral, tmp_
                          "--loader", "hf", "--saver", "megatron", "--load-dir", folder,
                          "--save-dir", tmp_path / "z", "--target-expert-parallel-size", 3)
     assert not (tmp_path / "z" / "release").exists()
-    _refused_in_one_line(capsys, "--include-optimizer with --target-expert-parallel-size 2",
-                         "--loader", "megatron", "--saver", "megatron", "--load-dir", ckpt,
-                         "--save-dir", tmp_path / "o", "--include-optimizer",
-                         "--target-expert-parallel-size", 2)
-    _refused_in_one_line(capsys, "drop --target-tensor/pipeline/expert-parallel-size",
+    _refused_in_one_line(capsys, "drop --target-tensor/pipeline/expert/expert-tensor-parallel-size",
                          "--loader", "hf", "--saver", "hf", "--load-dir", folder, "--save-dir",
                          tmp_path / "w", "--target-expert-parallel-size", 2)
     make_hf(str(tmp_path / "dense"))
@@ -491,7 +487,7 @@ def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
     """OLMoE: logits equal transformers' at TP1, PP2 and EP2; the printed flags carry
     --qk-layernorm --qk-layernorm-full-width and --moe-router-pre-softmax; HF -> ours
     (PP2 x EP2) -> HF is bitwise and reloads as OLMoE; the first loss equals transformers';
-    TP2 is refused in one line (the full-width norm spans every rank's heads)."""
+    TP > 1: tests/e2e/tools/test_convert_olmoe_tp.py."""
     folder = str(tmp_path / "hf")
     model = make_olmoe(folder)
     tokens, expected = reference_logits(model, VOCAB)
@@ -517,9 +513,6 @@ def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
     assert type(reloaded).__name__ == "OlmoeForCausalLM" and not reloaded.config.norm_topk_prob
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, expected)
-    _refused_in_one_line(capsys, "--target-tensor-parallel-size 2: the q/k norm over the whole "
-                         "projection", "--loader", "hf", "--saver", "megatron", "--load-dir",
-                         folder, "--save-dir", tmp_path / "tp2", "--target-tensor-parallel-size", 2)
     prefix = str(tmp_path / "data")
     doc = one_document_dataset(prefix, SEQ, VOCAB)
     argv = TRAIN_FLAGS + ["--load", str(tmp_path / "pp1ep1"), "--data-path", prefix,
@@ -533,10 +526,8 @@ def test_olmoe_logits_round_trip_and_first_loss(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(qk_layernorm=True, qk_layernorm_full_width=True, tensor_model_parallel_size=2),
-     "--qk-layernorm-full-width at --tensor-model-parallel-size 2"),
     (dict(qk_layernorm_full_width=True), "--qk-layernorm-full-width needs --qk-layernorm")])
-def test_full_width_qk_layernorm_is_refused_at_tp2_naming_the_flag(flags, message):
+def test_full_width_qk_layernorm_without_qk_layernorm_is_refused_naming_the_flag(flags, message):
     from megatron.config import ModelConfig
     from megatron.model.attention import SelfAttention
 

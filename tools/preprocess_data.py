@@ -31,8 +31,8 @@ Empty documents (texts that tokenize to nothing) are recorded as Megatron-LM rec
 entry of the document index without a sequence (``add_document([], [])``, no EOD either), so the
 ``.idx`` is byte-identical to Megatron-LM's; the summary counts them.
 
-A worker that dies (the out-of-memory killer) stops the run with one line naming its exit and no
-output; the workers die with the main process (``PR_SET_PDEATHSIG``).
+A worker that dies (the out-of-memory killer) or stays stopped stops the run with one line naming
+it and no output; the workers die with the main process (``megatron/data/worker_pool.py``).
 
 Output is written to temporary names and renamed at the end, older ``.idx`` files of the outputs
 first deleted, so a run killed at any point leaves no loadable partial dataset; the next run
@@ -49,7 +49,6 @@ import glob
 import gzip
 import itertools
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -64,6 +63,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError, MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path)
+from megatron.data.worker_pool import WorkerDied, WorkerPool  # noqa: E402
 from megatron.tokenizer import add_tokenizer_args, build_tokenizer  # noqa: E402
 
 CHUNK_BYTES = 256 * 1024  # small enough to balance 77 play-sized documents over the workers
@@ -174,13 +174,7 @@ def read_chunks(files: List[str], chunk_size: int,
 _W: Dict = {}
 
 
-def _init_worker(args: argparse.Namespace, tokenizer=None, in_pool: bool = False) -> None:
-    if in_pool:  # the main process handles Ctrl-C and SIGTERM and ends the pool itself
-        from megatron.data.loader_workers import die_with_parent
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        die_with_parent()  # a SIGKILLed main process leaves no worker behind
+def _init_worker(args: argparse.Namespace, tokenizer=None) -> None:
     tokenizer = tokenizer or build_tokenizer(args)
     _W.update(tokenizer=tokenizer, keys=list(args.json_keys), skip=args.skip_invalid,
               eod=tokenizer.eod if args.append_eod else None,
@@ -415,69 +409,6 @@ def encode_chunk(path: str, first_line: int, chunk) -> dict:
     return out
 
 
-class WorkerDied(RuntimeError):
-    """A tokenizer process ended while it held a chunk (out-of-memory killer, a crash)."""
-
-
-class _WorkerPool:
-    """``workers`` tokenizer processes (``concurrent.futures.ProcessPoolExecutor``: unlike
-    ``multiprocessing.Pool``, whose lost task was waited for forever, a worker that dies fails
-    every pending chunk at once, and the others are stopped)."""
-
-    def __init__(self, workers: int, args: argparse.Namespace, tokenizer):
-        from concurrent.futures import ProcessPoolExecutor
-
-        ctx = multiprocessing.get_context()
-        self.executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                            initargs=(args, tokenizer, True))
-        # Start every worker now (fork: all at the first task), before output files are open.
-        started = self.executor.submit(os.getpid)
-        self.processes = list(self.executor._processes.values())
-        self.result(started)
-
-    def submit(self, fn, *args):
-        """``executor.submit``; a dead worker raises :class:`WorkerDied` naming its exit."""
-        return self._named(self.executor.submit, fn, *args)
-
-    def result(self, future):
-        """``future.result()``; a dead worker raises :class:`WorkerDied` naming its exit."""
-        return self._named(future.result)
-
-    def _named(self, call, *args):
-        from concurrent.futures.process import BrokenProcessPool
-
-        try:
-            return call(*args)
-        except BrokenProcessPool:
-            raise self._died() from None
-
-    def close(self) -> None:
-        """Let the workers finish and exit (their CPU time then shows in rusage)."""
-        self.executor.shutdown(wait=True)
-
-    def terminate(self) -> None:
-        """Stop now: SIGTERM every worker, drop the pending chunks."""
-        for process in self.processes:
-            if process.exitcode is None:
-                process.terminate()
-        self.executor.shutdown(wait=True, cancel_futures=True)
-
-    def _died(self) -> WorkerDied:
-        """Name the worker that broke the pool (the first that did not end by our SIGTERM)."""
-        self.executor.shutdown(wait=True, cancel_futures=True)
-        codes = [(p.pid, p.exitcode) for p in self.processes]
-        pid, code = next(((pid, c) for pid, c in codes if c not in (None, 0, -signal.SIGTERM)),
-                         next(((pid, c) for pid, c in codes if c), (None, None)))
-        if code is not None and code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-            if -code == signal.SIGKILL:
-                how += " (the out-of-memory killer sends it when memory runs out)"
-        else:
-            how = f"exited with status {code}"
-        return WorkerDied(f"tokenizer worker (pid {pid}) {how}; stopped, no output written; "
-                          "rerun, with fewer --workers or a smaller --chunk-size if memory ran out")
-
-
 def _in_order(pool, chunks, window: int, budget: int):
     """Results of ``encode_chunk`` over ``chunks`` in input order, at most ``window`` chunks and
     ``budget`` input bytes in flight; a larger chunk goes alone, and its result comes back before
@@ -563,7 +494,9 @@ def run(args: argparse.Namespace) -> dict:
             # Started before the output files are opened, so no worker holds their locks.
             gc.freeze()
             try:
-                pool = _WorkerPool(args.workers, args, tokenizer)
+                pool = WorkerPool(args.workers, _init_worker, (args, tokenizer), what="tokenizer worker",
+                                  advice="rerun, with fewer --workers or a smaller --chunk-size if "
+                                         "memory ran out")
             finally:
                 gc.unfreeze()
             results = _in_order(pool, chunks, window=4 * args.workers, budget=4 * args.workers * CHUNK_BYTES)

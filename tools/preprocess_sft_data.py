@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -56,6 +55,7 @@ from megatron.data.chat_templates import (  # noqa: E402
     BUILTIN_TEMPLATES, CONVERSATION_FORMATS, ConversationError, build_chat_tokenizer, to_messages)
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError, MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path)
+from megatron.data.worker_pool import WorkerDied, WorkerPool  # noqa: E402
 from megatron.tokenizer import add_tokenizer_args  # noqa: E402
 from megatron.usage_error import run_command  # noqa: E402
 
@@ -229,8 +229,8 @@ def run(args: argparse.Namespace) -> dict:
             _init_worker(args, chat)
             results = (encode_chunk(*c) for c in chunks)
         else:
-            pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args, chat))
-            results = pool.imap(_encode_chunk_star, chunks)
+            pool = WorkerPool(args.workers, _init_worker, (args, chat), what="tokenizer worker")
+            results = pool.ordered(encode_chunk, chunks, window=4 * args.workers)
         builders = [(MMapIndexedDatasetBuilder(data_file_path(t), dtype),
                      MMapIndexedDatasetBuilder(data_file_path(m), np.uint8)) for t, m in prefixes]
         for res in results:
@@ -248,7 +248,6 @@ def run(args: argparse.Namespace) -> dict:
                     report["loss_tokens"][k] += int(mask.sum())
         if pool is not None:
             pool.close()
-            pool.join()
             pool = None
         if report["conversations"] == 0:
             raise InputError(f"--input {args.input}: no conversation left to write (skipped: "
@@ -268,16 +267,11 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if pool is not None:
             pool.terminate()
-            pool.join()
     report["seconds"] = round(time.time() - start, 3)
     with open(f"{args.output_prefix}_report.json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     _print_summary(report, args)
     return report
-
-
-def _encode_chunk_star(chunk):
-    return encode_chunk(*chunk)
 
 
 def _print_summary(report: dict, args: argparse.Namespace) -> None:
@@ -306,8 +300,13 @@ USAGE_ERRORS = (InputError, FileNotFoundError, FileExistsError, IndexedDatasetEr
 
 
 def cli(argv: Optional[List[str]] = None) -> int:
-    """The command: 0, or 2 after one line ``preprocess_sft_data.py: error: ...`` on stderr."""
-    return run_command("preprocess_sft_data.py", main, argv, usage_errors=USAGE_ERRORS)
+    """The command: 0; 2 after one line ``preprocess_sft_data.py: error: ...`` on stderr; 1 after
+    one such line when a worker died or stayed stopped (nothing written)."""
+    try:
+        return run_command("preprocess_sft_data.py", main, argv, usage_errors=USAGE_ERRORS)
+    except WorkerDied as e:
+        print(f"preprocess_sft_data.py: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

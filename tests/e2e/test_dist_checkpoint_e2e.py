@@ -29,6 +29,13 @@ DISTOPT = ["--use-distributed-optimizer"]
 VP2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
 FIRST_HALF = ["--save-interval", "5", "--exit-interval", "5"]
 
+
+def _argv(data_prefix, cache, *extra):
+    """The small model's 10 iterations, validation at 5 and 10 on one batch (its losses are
+    compared, not averaged over more)."""
+    return e2e_argv(data_prefix, cache, "--eval-iters", "1", *extra)
+
+
 # New layouts (8 ranks) for the checkpoint saved at TP=2 PP=2 DP=2 with the distributed optimizer.
 NEW_LAYOUTS = {"TP=1 PP=4 DP=2": [*layout_args(1, 4), *DISTOPT],
                "TP=2 PP=1 DP=4 plain optimizer": layout_args(2, 1),
@@ -52,11 +59,11 @@ def assert_resumed_like_uninterrupted(resumed, whole, name, rtol=1e-6):
 def saved_at_2x2x2(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("dist_cache"))
     save = str(tmp_path_factory.mktemp("dist_ckpt") / "ckpt")
-    runs = [("first half", e2e_argv(data_prefix, cache, *UNTIED, *layout_args(2, 2), *DISTOPT,
+    runs = [("first half", _argv(data_prefix, cache, *UNTIED, *layout_args(2, 2), *DISTOPT,
                                     *TORCH_DIST, "--save", save, *FIRST_HALF))]
     for name, layout in NEW_LAYOUTS.items():
-        runs.append((f"{name} resumed", e2e_argv(data_prefix, cache, *UNTIED, *layout, "--load", save)))
-        runs.append((f"{name} whole", e2e_argv(data_prefix, cache, *UNTIED, *layout)))
+        runs.append((f"{name} resumed", _argv(data_prefix, cache, *UNTIED, *layout, "--load", save)))
+        runs.append((f"{name} whole", _argv(data_prefix, cache, *UNTIED, *layout)))
     return run_distributed(8, run_many, runs, timeout=600)[7], save, cache
 
 
@@ -79,12 +86,12 @@ def test_resumes_in_one_process_and_converts_to_legacy_and_hf(saved_at_2x2x2, da
                                                               tmp_path):
     _, save, cache = saved_at_2x2x2
     converted = str(tmp_path / "converted")
-    runs = [("resumed", e2e_argv(data_prefix, cache, *UNTIED, "--load", save)),
-            ("whole", e2e_argv(data_prefix, cache, *UNTIED)),
-            ("convert", e2e_argv(data_prefix, cache, *UNTIED, "--load", save,
+    runs = [("resumed", _argv(data_prefix, cache, *UNTIED, "--load", save)),
+            ("whole", _argv(data_prefix, cache, *UNTIED)),
+            ("convert", _argv(data_prefix, cache, *UNTIED, "--load", save,
                                  "--ckpt-convert-format", "torch",
                                  "--ckpt-convert-save", converted)),
-            ("legacy resumed", e2e_argv(data_prefix, cache, *UNTIED, "--load",
+            ("legacy resumed", _argv(data_prefix, cache, *UNTIED, "--load",
                                         os.path.join(converted, "torch")))]
     out = run_distributed(1, run_many, runs, timeout=600)[0]
     assert_resumed_like_uninterrupted(out["resumed"], out["whole"], "TP=1 PP=1 DP=1")
@@ -124,26 +131,26 @@ def two_ranks(data_prefix, tmp_path_factory):
     asynchronous, bf16 = str(root / "async"), str(root / "bf16")
     tp2, pp2 = [*UNTIED, *layout_args(2, 1)], [*UNTIED, *layout_args(1, 2)]
     runs = [
-        ("TP2 whole", e2e_argv(data_prefix, cache, *tp2)),
-        ("PP2 whole", e2e_argv(data_prefix, cache, *pp2)),
-        ("legacy first half", e2e_argv(data_prefix, cache, *tp2, "--save", legacy, *FIRST_HALF)),
+        ("TP2 whole", _argv(data_prefix, cache, *tp2)),
+        ("PP2 whole", _argv(data_prefix, cache, *pp2)),
+        ("legacy first half", _argv(data_prefix, cache, *tp2, "--save", legacy, *FIRST_HALF)),
         # A legacy checkpoint into a torch_dist run (same layout), which then saves torch_dist.
-        ("legacy into torch_dist", e2e_argv(data_prefix, cache, *tp2, *TORCH_DIST, "--load",
+        ("legacy into torch_dist", _argv(data_prefix, cache, *tp2, *TORCH_DIST, "--load",
                                             legacy, "--save", to_dist)),
-        ("convert to torch_dist", e2e_argv(data_prefix, cache, *tp2, "--load", legacy,
+        ("convert to torch_dist", _argv(data_prefix, cache, *tp2, "--load", legacy,
                                            "--ckpt-convert-format", "torch_dist",
                                            "--ckpt-convert-save", str(root / "converted"))),
-        ("converted at PP2", e2e_argv(data_prefix, cache, *pp2, "--load",
+        ("converted at PP2", _argv(data_prefix, cache, *pp2, "--load",
                                       str(root / "converted" / "torch_dist"))),
         # Saves at 2 and 4 (published at a later iteration), 5 (at the exit).
-        ("async first half", e2e_argv(data_prefix, cache, *tp2, *TORCH_DIST, "--async-save",
+        ("async first half", _argv(data_prefix, cache, *tp2, *TORCH_DIST, "--async-save",
                                       "--save", asynchronous, "--save-interval", "2",
                                       "--exit-interval", "5", "--keep-last-checkpoints", "2")),
-        ("async second half", e2e_argv(data_prefix, cache, *tp2, "--load", asynchronous)),
-        ("bf16 whole", e2e_argv(data_prefix, cache, *UNTIED, *DISTOPT, "--bf16")),
-        ("bf16 first half", e2e_argv(data_prefix, cache, *UNTIED, *DISTOPT, "--bf16", *TORCH_DIST,
+        ("async second half", _argv(data_prefix, cache, *tp2, "--load", asynchronous)),
+        ("bf16 whole", _argv(data_prefix, cache, *UNTIED, *DISTOPT, "--bf16")),
+        ("bf16 first half", _argv(data_prefix, cache, *UNTIED, *DISTOPT, "--bf16", *TORCH_DIST,
                                      "--save", bf16, *FIRST_HALF)),
-        ("bf16 second half", e2e_argv(data_prefix, cache, *UNTIED, *DISTOPT, "--bf16", "--load",
+        ("bf16 second half", _argv(data_prefix, cache, *UNTIED, *DISTOPT, "--bf16", "--load",
                                       bf16)),
     ]
     return run_distributed(2, run_many, runs, timeout=600)[1], root

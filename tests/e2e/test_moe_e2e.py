@@ -9,18 +9,22 @@ import pytest
 
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import (LAYOUT_ITERS, LAYOUT_LR, UNTIED, assert_close_history,
-                                    e2e_argv, layout_args, run_many)
+                                    e2e_argv, layout_args, one_process, run_many)
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
        "--moe-layer-freq", "[1,0,1,1]", "--moe-aux-loss-coeff", "0.01",
        "--moe-z-loss-coeff", "1e-3", "--moe-grouped-gemm"]
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
+# validation at iterations 10 and 20 on one batch: its losses are compared, never averaged more
+EVAL = ["--eval-interval", "10", "--eval-iters", "1"]
 HALF = LAYOUT_ITERS // 2
 
 
 def _argv(data_prefix, cache, *extra):
+    """The MoE modules' run (test_moe_layouts_e2e.py and the modules built on it import it):
+    the layout tests' 20 iterations and learning rate, untied embeddings."""
     return e2e_argv(data_prefix, cache, "--train-iters", str(LAYOUT_ITERS), *LAYOUT_LR, *UNTIED,
-                    *MOE, *extra)
+                    *EVAL, *MOE, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def single(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("moe_cache1"))
     runs = [("dropless", _argv(data_prefix, cache)),
             ("capacity", _argv(data_prefix, cache, *CAPACITY))]
-    return run_distributed(1, run_many, runs, timeout=900)[0]
+    return one_process(runs, timeout=900)
 
 
 def test_moe_trains_and_drops_change_the_run(single):

@@ -9,13 +9,12 @@ goes to one expert (the other EP ranks receive no token); dropless and with capa
 import numpy as np
 import pytest
 
-from tests.e2e.test_moe_e2e import CAPACITY, MOE
+# _argv and EVAL are the MoE modules' run (test_llama4_layouts_e2e.py imports EVAL from here)
+from tests.e2e.test_moe_e2e import CAPACITY, EVAL, MOE, _argv  # noqa: F401
 from tests.helpers.dist import run_distributed
-from tests.helpers.pretrain import (CP_BASE, LAYOUT_ITERS, LAYOUT_LR, UNTIED,
-                                    assert_close_history, cp_args, e2e_argv, layout_args,
-                                    run_many)
+from tests.helpers.pretrain import (LAYOUT_ITERS, LAYOUT_LR, UNTIED, assert_close_history,
+                                    cp_args, e2e_argv, layout_args, one_process, run_many)
 
-EVAL = ["--eval-interval", "10", "--eval-iters", "1"]
 SP = ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]
 DISTOPT = ["--use-distributed-optimizer"]
 SIGMOID = ["--moe-router-score-function", "sigmoid"]
@@ -27,11 +26,6 @@ GLOBAL_TOKENS, MICRO_TOKENS, MOE_LAYERS = 128, 32, 3
 
 def ep(n):
     return ["--expert-model-parallel-size", str(n)]
-
-
-def _argv(data_prefix, cache, *extra):
-    return e2e_argv(data_prefix, cache, "--train-iters", str(LAYOUT_ITERS), *LAYOUT_LR, *UNTIED,
-                    *EVAL, *MOE, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def single(data_prefix, tmp_path_factory):
             ("bias first", _argv(data_prefix, cache, *SIGMOID, *BIAS, "--save", ckpt,
                                  "--save-interval", str(HALF), "--exit-interval", str(HALF))),
             ("bias second", _argv(data_prefix, cache, *SIGMOID, *BIAS, "--load", ckpt))]
-    return run_distributed(1, run_many, runs, timeout=900)[0]
+    return one_process(runs, timeout=900)
 
 
 def test_moe_ep2_matches_one_process(single, data_prefix, tmp_path_factory):

@@ -25,7 +25,7 @@ from tests.e2e.test_moe_e2e import CAPACITY, MOE
 from tests.e2e.test_moe_layouts_e2e import BIAS, SIGMOID, SP, ep, run_skewed
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import LAYOUT_LR, UNTIED, assert_close_history, cp_args, e2e_argv, \
-    layout_args, run_many
+    layout_args, one_process, run_many
 
 ITERS = 3
 SHORT = ["--train-iters", str(ITERS), "--global-batch-size", "4", "--eval-interval", str(ITERS),
@@ -70,7 +70,7 @@ def single(data_prefix, tmp_path_factory):
             ("global mbs1", _argv(data_prefix, cache, *GLOBAL, "--micro-batch-size", "1")),
             ("global mbs4", _argv(data_prefix, cache, *GLOBAL, "--micro-batch-size", "4")),
             ("aux mbs4", _argv(data_prefix, cache, "--micro-batch-size", "4"))]
-    return run_distributed(1, run_many, runs, timeout=900)[0]
+    return one_process(runs, timeout=900)
 
 
 def test_moe_global_aux_loss_is_the_global_batch_loss(single):
@@ -173,8 +173,7 @@ def test_a_pipeline_stage_without_moe_layers(data_prefix, tmp_path_factory):
     plain and the distributed optimizer."""
     cache = str(tmp_path_factory.mktemp("moe_stage_cache"))
     freq = ["--moe-layer-freq", "[0,0,1,1]"]
-    want = run_distributed(1, run_many, [("one", _argv(data_prefix, cache, *freq))],
-                           timeout=900)[0]["one"]
+    want = one_process([("one", _argv(data_prefix, cache, *freq))], timeout=900)["one"]
     runs = [("pp2", _argv(data_prefix, cache, *freq, *layout_args(1, 2))),
             ("pp2 distopt", _argv(data_prefix, cache, *freq, *layout_args(1, 2),
                                   "--use-distributed-optimizer"))]

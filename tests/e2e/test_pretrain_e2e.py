@@ -4,7 +4,9 @@ Every layout (TP x PP x DP) at the same global batch must give the losses and gr
 process over 20 iterations with gradient clipping active on every one of them (rtol 1e-6, dropout
 0), with and without --eod-mask-loss / --calculate-per-token-loss and document masks, tied and
 untied embeddings; saving at iteration 10 and resuming must reproduce the uninterrupted run's
-losses exactly. Worlds are shared: each world runs several layouts in turn.
+losses exactly. Worlds are shared: each world runs several layouts in turn. Global batch 4: two
+micro-batches per rank in every layout (the fewest that accumulate gradients and take 1F1B at
+PP = 2 to its steady state; 1 sequence per micro-batch at DP = 2), half the work of 8.
 """
 
 import os
@@ -14,14 +16,22 @@ import pytest
 
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrain import (CLIP, LAYOUT_ITERS, LAYOUT_LR, MASKED, UNTIED,
-                                    assert_close_history, e2e_argv, layout_args, run_many)
+                                    assert_close_history, e2e_argv, layout_args, one_process,
+                                    run_many)
 
 ITERS = LAYOUT_ITERS
 HALF = ITERS // 2
 
 
 def _argv(data_prefix, cache, *extra):
-    return e2e_argv(data_prefix, cache, "--train-iters", str(ITERS), *LAYOUT_LR, *extra)
+    # one validation batch per evaluation: validation losses are compared, not averaged over more
+    return e2e_argv(data_prefix, cache, "--train-iters", str(ITERS), *LAYOUT_LR, "--eval-iters",
+                    "1", "--global-batch-size", "4", *extra)
+
+
+def _per_rank(tp, pp, world):
+    """``layout_args`` and, at DP = 2, one sequence per micro-batch (two micro-batches per rank)."""
+    return [*layout_args(tp, pp), *(["--micro-batch-size", "1"] if world // (tp * pp) == 2 else [])]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +40,7 @@ def single(data_prefix, tmp_path_factory):
     runs = [("untied", _argv(data_prefix, cache, *UNTIED)),
             ("masked", _argv(data_prefix, cache, *UNTIED, *MASKED)),
             ("tied", _argv(data_prefix, cache))]
-    return run_distributed(1, run_many, runs, timeout=600)[0]
+    return one_process(runs, timeout=600)
 
 
 def test_single_process_trains(single):
@@ -52,9 +62,9 @@ def test_two_rank_layouts_match_one_process(single, data_prefix, tmp_path_factor
     ckpt = str(tmp_path_factory.mktemp("ckpt2"))
     runs = []
     for tp, pp in ((2, 1), (1, 2), (1, 1)):  # (1, 1) on 2 ranks is DP=2
-        runs.append((f"untied {tp}{pp}", _argv(data_prefix, cache, *UNTIED, *layout_args(tp, pp))))
+        runs.append((f"untied {tp}{pp}", _argv(data_prefix, cache, *UNTIED, *_per_rank(tp, pp, 2))))
         runs.append((f"masked {tp}{pp}", _argv(data_prefix, cache, *UNTIED, *MASKED,
-                                               *layout_args(tp, pp))))
+                                               *_per_rank(tp, pp, 2))))
     runs.append(("tied 12", _argv(data_prefix, cache, *layout_args(1, 2))))
     runs.append(("sp selective 21", _argv(data_prefix, cache, *UNTIED, *layout_args(2, 1),
                                           "--sequence-parallel", "--recompute-activations")))
@@ -83,8 +93,8 @@ def test_two_rank_layouts_match_one_process(single, data_prefix, tmp_path_factor
 
 def test_tp2_pp2_dp2_matches_one_process(single, data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache8"))
-    runs = [("untied", _argv(data_prefix, cache, *UNTIED, *layout_args(2, 2))),
-            ("masked", _argv(data_prefix, cache, *UNTIED, *MASKED, *layout_args(2, 2)))]
+    runs = [("untied", _argv(data_prefix, cache, *UNTIED, *_per_rank(2, 2, 8))),
+            ("masked", _argv(data_prefix, cache, *UNTIED, *MASKED, *_per_rank(2, 2, 8)))]
     out = run_distributed(8, run_many, runs, timeout=600)[7]
     assert_close_history(out["untied"], single["untied"], "TP=2 PP=2 DP=2")
     assert_close_history(out["masked"], single["masked"], "masked TP=2 PP=2 DP=2")

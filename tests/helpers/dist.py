@@ -50,10 +50,11 @@ import torch.multiprocessing as mp
 _CTX = None
 
 # Imported once by the fork server, so that no rank pays them: torch's lazily imported distributed
-# modules (DCP with DTensor and sympy: about 3 s of CPU per rank) and the project's entry modules.
+# modules (DCP with DTensor and sympy: about 3 s of CPU per rank; torch._dynamo, which a rank's
+# first torch.optim optimizer imports: 1.3 s more) and the project's entry modules.
 # A module that fails to import here is imported by the rank that needs it, as before.
 PRELOAD = ["torch", "torch.distributed", "numpy", "torch.distributed.checkpoint",
-           "torch.distributed.tensor", "megatron.core.dist_checkpointing.storage",
+           "torch.distributed.tensor", "torch._dynamo", "megatron.core.dist_checkpointing.storage",
            "megatron.training.train", "megatron.checkpointing", "megatron.core.pipeline_parallel",
            "pretrain_llama", "tests.helpers.dist", "tests.helpers.pretrain", "tests.helpers.model"]
 

@@ -1,6 +1,8 @@
 """pretrain_llama.main() runs inside process worlds: the small model's flags and the comparison of
 histories, shared by the end-to-end tests (the dataset is the ``data_prefix`` fixture of conftest.py)."""
 
+import copy
+
 import numpy as np
 
 VOCAB = 127  # NullTokenizer: ids 0..126, end-of-document 127, vocabulary 128
@@ -73,6 +75,40 @@ def run_many(runs):
         out[name] = history
         dist.barrier()
     return out if dist.get_rank() == dist.get_world_size() - 1 else None
+
+
+# The one-process histories this pytest process has computed, by configuration (see one_process).
+_ONE_PROCESS = {}
+_PATH_FLAGS = ("--data-path", "--data-cache-path")
+
+
+def configuration(argv):
+    """``argv`` as a key, with the values of ``--data-path`` and ``--data-cache-path`` left out:
+    every module's ``data_prefix`` (conftest.py) holds the same documents, drawn from
+    ``RandomState(0)``, and the cache only holds indices built from them, so two runs that differ
+    only there train alike. Any other path (``--save``, ``--load``) stays in the key."""
+    key = list(argv)
+    for i, arg in enumerate(key[:-1]):
+        if arg in _PATH_FLAGS:
+            key[i + 1] = "<path>"
+    return tuple(key)
+
+
+def one_process(runs, timeout=900):
+    """The one-process reference of each ``(name, argv)``: ``run_many`` in a 1-rank world for the
+    configurations this pytest session has not run yet (in the given order, so that a run
+    resuming from another's ``--save`` comes after it), the others from the session's memo, as a
+    session-scoped fixture shared by every module would give them. Returns the histories by
+    name, copies (a test may change its own). The oracle is the live run of this machine, never
+    a stored file."""
+    from tests.helpers.dist import run_distributed
+
+    missing = [(name, argv) for name, argv in runs if configuration(argv) not in _ONE_PROCESS]
+    if missing:
+        got = run_distributed(1, run_many, missing, timeout=timeout)[0]
+        for name, argv in missing:
+            _ONE_PROCESS[configuration(argv)] = got[name]
+    return {name: copy.deepcopy(_ONE_PROCESS[configuration(argv)]) for name, argv in runs}
 
 
 def run_finetune(runs):

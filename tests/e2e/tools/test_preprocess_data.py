@@ -392,13 +392,17 @@ def test_pieces_only_where_the_model_allows(shared_data, tmp_path):
 _SLOW_OR_DYING_WORKER = r"""
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
+import megatron.data.worker_pool as worker_pool
 import tools.preprocess_data as pp
 mode, at = sys.argv[2], int(sys.argv[3])
+worker_pool.STOPPED_LIMIT_S = 3.0
 real = pp.encode_chunk
 def encode(path, first_line, chunk):  # runs in a forked worker, which inherits this module
     if first_line >= at:
         if mode == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)
     return real(path, first_line, chunk)
 pp.encode_chunk = encode
@@ -407,8 +411,8 @@ sys.exit(pp.main(sys.argv[4:]))
 
 
 def _start_with_faulty_worker(src, out, mode):
-    """preprocess_data.py --workers 2 whose worker dies ("die") or sleeps ("sleep") at the chunk
-    of line 100."""
+    """preprocess_data.py --workers 2 whose worker dies ("die"), stops itself ("stop": SIGSTOP) or
+    sleeps ("sleep") at the chunk of line 100."""
     argv = ["--input", src, "--output-prefix", str(out / "o"), *NULL, "--chunk-size", "16",
             "--workers", "2"]
     return subprocess.Popen([sys.executable, "-c", _SLOW_OR_DYING_WORKER, ROOT, mode, "100", *argv],
@@ -432,6 +436,25 @@ def test_a_worker_killed_stops_the_run_in_one_line_with_no_output_and_no_orphan(
         r"preprocess_data.py: error: tokenizer worker \(pid \d+\) was killed by SIGKILL .*no output "
         r"written.*--workers.*", lines[0]), err
     assert os.listdir(tmp_path) == []  # neither a .bin/.idx pair nor a temporary
+    assert not _processes_naming(str(tmp_path)), "a tokenizer worker outlived the run"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_stopped_worker_stops_the_run_in_one_line_with_no_output_and_no_orphan(old_and_new, tmp_path):
+    """Before: a SIGSTOPped worker held its chunk and the run waited forever."""
+    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, "stop")
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("preprocess_data.py hung on a stopped worker")
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"preprocess_data.py: error: tokenizer worker \(pid \d+\) has been stopped \(SIGSTOP or a "
+        r"debugger\) for \d+ s .*no output written.*", lines[0]), err
+    assert os.listdir(tmp_path) == []
     assert not _processes_naming(str(tmp_path)), "a tokenizer worker outlived the run"
 
 

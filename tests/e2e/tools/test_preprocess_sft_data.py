@@ -228,3 +228,54 @@ def test_a_line_that_is_not_utf8_is_invalid_not_replaced(tmp_path, hf_folder):
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "o_report.json").read_text())
     assert report["conversations"] == 1 and report["skipped"]["invalid"] == [2]
+
+
+# ---------------------------------------------------------------- a worker killed or stopped
+_FAULTY_WORKER = r"""
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import megatron.data.worker_pool as worker_pool
+import tools.preprocess_sft_data as sft
+sft.LINES_PER_CHUNK = 4
+worker_pool.STOPPED_LIMIT_S = 3.0
+mode, real = sys.argv[2], sft.encode_chunk
+def encode(path, first_line, lines):  # runs in a forked worker, which inherits this module
+    if first_line >= 9:
+        os.kill(os.getpid(), signal.SIGKILL if mode == "die" else signal.SIGSTOP)
+    return real(path, first_line, lines)
+sft.encode_chunk = encode
+sys.exit(sft.cli(sys.argv[3:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("mode", ["die", "stop"])
+def test_a_killed_or_stopped_worker_stops_the_run_in_one_line(tmp_path, hf_folder, mode):
+    """Before: multiprocessing.Pool waited forever for the chunk of a SIGKILLed worker (and both
+    pools for a SIGSTOPped one), leaving temporaries and an orphaned worker."""
+    import re
+    import signal
+
+    src = _write_jsonl(tmp_path / "in.jsonl", LINES[:3] * 8)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FAULTY_WORKER, ROOT, mode, "--input", src, "--output-prefix",
+         str(out / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path",
+         hf_folder, "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT)
+    try:
+        _, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"preprocess_sft_data.py hung on a {mode} worker")
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    what = "was killed by SIGKILL" if mode == "die" else r"has been stopped \(SIGSTOP"
+    assert len(lines) == 1 and re.match(
+        rf"preprocess_sft_data.py: error: tokenizer worker \(pid \d+\) {what}.*no output written", lines[0]), err
+    assert os.listdir(out) == []  # neither a .bin/.idx pair nor a temporary
+    from tests.e2e.tools.test_preprocess_data import _processes_naming
+
+    assert not _processes_naming(str(out)), "a tokenizer worker outlived the run"

@@ -317,19 +317,16 @@ def validate_moe(args, defaults: dict) -> None:
          f"--moe-token-drop-policy position at --context-parallel-size {cp}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss"),
         (args.rampup_batch_size is not None, "--rampup-batch-size"),
-        (etp > 1 and getattr(args, "use_megatron_fsdp", False),
-         f"--use-megatron-fsdp at --expert-tensor-parallel-size {etp}"),
     ]
-    # A legacy mp_rank_TT folder holds tensor rank t's expert-TP slice, so the legacy format saves
-    # experts only at expert-TP = TP (its loader refuses, in one line, a shard saved at another
-    # expert-TP); torch_dist saves whole experts on a global axis at any expert-TP
-    # (model/sharded_state.py) and loads at any other.
-    if etp > 1 and etp != tp and args.save is not None and args.ckpt_format == "torch":
+    # A legacy file at expert-TP > 1 other than TP holds whole experts (gathered at the save,
+    # checkpointing/legacy.py); the plain optimizer's state of the slices is not gathered.
+    if etp > 1 and etp != tp and args.save is not None and args.ckpt_format == "torch" and \
+            not (args.use_distributed_optimizer or getattr(args, "use_megatron_fsdp", False)
+                 or args.no_save_optim):
         raise UsageError(f"--num-experts at --expert-tensor-parallel-size {etp} with "
-                         f"--tensor-model-parallel-size {tp}, --save and --ckpt-format torch: "
-                         "legacy checkpoints of experts split over expert-TP need expert-TP = "
-                         f"TP; use --ckpt-format torch_dist or set --expert-tensor-parallel-size "
-                         f"{tp if tp == 1 else f'{tp} or 1'}")
+                         f"--tensor-model-parallel-size {tp}, --save and --ckpt-format torch "
+                         "saves the experts' optimizer state only with the distributed optimizer: "
+                         "add --use-distributed-optimizer, or use --ckpt-format torch_dist")
     for bad, flag in refused:
         if bad:
             raise UsageError(f"--num-experts with {flag} is not supported yet (docs/moe.md "

@@ -17,8 +17,9 @@ JSON-compatible values, so ``torch.load(weights_only=True)`` reads it), ``rng_st
 (the optimizer's sharding group) also writes its optimizer shard ``distrib_optim_dp_DDD.pt``
 beside it, ``DDD`` its rank in that group (per parameter name and element range, so a load at
 another DP or CP size re-cuts the shards); ``optimizer`` then holds the common part. At EP > 1
-the folders are ``mp_rank_TT[_PPP]_EEE`` (one per expert-parallel rank, holding its experts) and
-a model with experts loads at another EP or DP size: :mod:`megatron.checkpointing.legacy_experts`.
+the folders are ``mp_rank_TT[_PPP]_EEE`` (one per expert-parallel rank, holding its experts: slice
+t of expert-TP = TP, else whole experts) and a model with experts loads at another EP, expert-TP
+or DP size: :mod:`megatron.checkpointing.legacy_experts`.
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp/`` (each file under a temporary name,
 flushed and renamed); after all ranks report success, rank 0 renames the folder to its final name
@@ -48,8 +49,11 @@ from megatron.checkpointing.checkpoint_folder import (TRACKER_FILENAME, agree_on
                                                      publish, write_atomic)
 from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, UnreadableFileError,
                                                           load_torch_file)
+from megatron.checkpointing.expert_slices import gather_whole
 from megatron.checkpointing.legacy_experts import (assemble_experts, expert_keys,
-                                                  plan as legacy_plan)
+                                                  file_expert_slice, plan as legacy_plan,
+                                                  resliced_shard_files,
+                                                  saved_optimizer_expert_tp)
 from megatron.config.saved_args import check_resume_precision, plain
 from megatron.core.distributed.model_chunk import as_model_chunk
 from megatron.core.optimizer.distrib_optimizer_checkpoint import expert_ranges, to_global_ranges
@@ -171,6 +175,16 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
                                           pg_collection.expt_tp.rank), shard)
         except OSError as exc:
             error = f"rank {rank} could not write {shard}: {exc}"
+    # At expert-TP > 1 other than TP a folder's name (its tensor rank) does not say which
+    # expert-TP slice it would hold, and some slices would have no folder: its file holds whole
+    # experts, gathered over expert-TP (collective: every rank of the group joins).
+    etp = pg_collection.expt_tp
+    whole = etp.size > 1 and etp.size != pg_collection.tp.size
+    experts = {}
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+        module = unwrap_model(chunk)
+        experts[key] = {n: gather_whole(n, module.get_parameter(n), etp) if whole else None
+                        for n in expert_keys(module)}
     if writes_model_file(pg_collection):
         state = {
             "args": {k: plain(v) for k, v in run_flags.items()},
@@ -185,6 +199,12 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
             state["rng_state"] = rng_states
         for key, chunk in zip(_model_keys(model_chunks), model_chunks):
             state[key] = unwrap_model(chunk).state_dict()
+            state[key].update({n: t for n, t in experts[key].items() if t is not None})
+        if any(experts.values()):  # which expert-TP slice the file's experts are; the
+            # expert-TP of the optimizer state (distributed: its shards' records)
+            state["expert_tensor_slice"] = [0, 1] if whole or etp.size == 1 else \
+                [etp.rank, etp.size]
+            state["expert_tensor_parallel_size"] = etp.size
         try:
             os.makedirs(os.path.dirname(name), exist_ok=True)
             write_atomic(state, name)
@@ -332,10 +352,7 @@ def _read_shard(path: str, config, pg_collection, run_flags: dict,
                            weights_only=config.finetune or os.path.basename(folder) == "release",
                            expert_parallel=(pg_collection.ep.size > 1 if expert_folders is None
                                             else expert_folders))
-        state = _torch_load(path)
-        check_saved_expert_tp(state, path, config.load, pg_collection.tp.size,
-                              pg_collection.expt_tp.size)
-        return state
+        return _torch_load(path)
     if dist.get_rank() == 0:
         for note in state["notes"]:
             print(f" {note}", flush=True)
@@ -396,27 +413,6 @@ def check_saved_layout(folder: str, load_dir: str, tp: int, pp: int,
         f"or {layout_fix(load_dir, tp, pp, weights_only)}")
 
 
-def check_saved_expert_tp(state: dict, path: str, load_dir: str, tp: int, expert_tp: int) -> None:
-    """Refuse a shard of a model with experts saved at another expert-TP size than this run's
-    (its expert tensors are slices of another width; the shard's ``args``, None meaning TP).
-
-    Raises:
-        CheckpointError: naming both sizes and the fix.
-    """
-    recorded = state.get("args") if isinstance(state, dict) else None  # a dict, not a namespace
-    if not isinstance(recorded, dict) or not recorded.get("num_experts"):
-        return
-    saved = recorded.get("expert_tensor_parallel_size")
-    saved = recorded.get("tensor_model_parallel_size", tp) if saved is None else saved
-    if saved == expert_tp:
-        return
-    raise CheckpointError(
-        f"--load {load_dir}: {path} holds experts split at --expert-tensor-parallel-size "
-        f"{saved}, but this run has --expert-tensor-parallel-size {expert_tp}, and a torch "
-        f"checkpoint loads experts only at their own split: run at --expert-tensor-parallel-size "
-        f"{saved}")
-
-
 def read_saved_args(path: str) -> dict:
     """The ``args`` of the shard ``path`` under our names: ours as saved, another system's
     translated (:func:`megatron.checkpointing.foreign.saved_args`).
@@ -462,8 +458,11 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
                 "with the virtual pipeline flags it was saved with, or re-cut it with "
                 "tools/checkpoint/convert.py")
         module = unwrap_model(chunk)
-        if experts is not None and experts.reassembles:
-            assemble_experts(state, key, module, experts.expert_files, pg_collection.ep, read)
+        etp = pg_collection.expt_tp
+        if experts is not None and expert_keys(module) and (
+                experts.moved or file_expert_slice(state, pg_collection.tp.rank)
+                != (etp.rank, etp.size)):
+            assemble_experts(state, key, module, experts, pg_collection, read)
         check_state_dict_shapes(module.state_dict(), state[key], path)
         module.load_state_dict(state[key], strict=True)
 
@@ -479,14 +478,19 @@ def _load_state(path, release, model_chunks, optimizer, opt_param_scheduler, con
             shards = sorted(glob.glob(os.path.join(os.path.dirname(path),
                                                    distrib_optim_filename("*"))))
             if experts is not None:
-                if experts.reassembles and not state["optimizer"].get("distributed_optimizer"):
+                saved_etp = saved_optimizer_expert_tp(state)
+                run_etp = pg_collection.expt_tp.size
+                if (experts.moved or saved_etp != run_etp) and \
+                        not state["optimizer"].get("distributed_optimizer"):
                     raise CheckpointError(
-                        f"checkpoint {path} holds the plain optimizer's state of "
-                        f"--expert-model-parallel-size {experts.saved_ep}'s experts (indexed by "
-                        f"position), which loads only at that EP; load at "
-                        f"--expert-model-parallel-size {experts.saved_ep}, pass --no-load-optim, "
-                        "or save with --use-distributed-optimizer or --ckpt-format torch_dist")
+                        f"checkpoint {path} holds the plain optimizer's state of the experts at "
+                        f"--expert-model-parallel-size {experts.saved_ep} "
+                        f"--expert-tensor-parallel-size {saved_etp} (indexed by position), which "
+                        "loads only at that layout; load at it, pass --no-load-optim, or save "
+                        "with --use-distributed-optimizer or --ckpt-format torch_dist")
                 shards = experts.shard_files
+                if saved_etp != run_etp:
+                    shards = resliced_shard_files(shards, model_chunks, pg_collection, saved_etp)
             _load_optimizer(optimizer, state["optimizer"], shards, model_chunks)
         if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
             load_scheduler_state(opt_param_scheduler, state["opt_param_scheduler"], config.load)

@@ -1,5 +1,5 @@
 """Legacy checkpoints (``--ckpt-format torch``) with experts: what a rank reads at another
-expert-parallel layout.
+expert-parallel or expert-tensor-parallel layout.
 
 At EP > 1 a legacy checkpoint has one folder per (tensor, pipeline, expert) rank,
 ``mp_rank_TT[_PPP]_EEE`` (Megatron-LM's ``get_checkpoint_name``). Its ``model_optim_rng.pt`` holds
@@ -12,10 +12,14 @@ weights; with ``--use-distributed-optimizer`` every rank of DP x CP writes its s
 * the expert shards of one pipeline rank are spread over every folder of that pipeline rank
   (the experts are sharded over expert-DP, which may span tensor ranks); each shard file
   records its ``expert_tensor_rank``, and a rank reads the expert records of its own;
-* a rank loading at another EP (same TP and PP: the legacy format keeps those) takes the dense
-  weights from a folder of its tensor and pipeline rank and its experts from the global tensor
-  assembled from one folder per saved EP rank (its own tensor rank's; at expert-TP 1, where
-  experts are whole on each tensor rank, any tensor rank's).
+* a file's experts are expert-TP slice t at expert-TP = TP (Megatron-LM's), else whole
+  (gathered over expert-TP at the save); ``expert_tensor_slice`` records which
+  (:func:`file_expert_slice`);
+* a rank loading at another EP or expert-TP (same TP and PP: the legacy format keeps those)
+  takes the dense weights from a folder of its tensor and pipeline rank and its experts from the
+  whole experts of the saved EP ranks holding its rows (a file of whole ones, or the slices of
+  tensor ranks 0 .. k-1 merged), cut to its expert-TP slice (:func:`assemble_experts`); the
+  distributed optimizer's expert records are re-cut alike (:func:`resliced_shard_files`).
 
 Which single group ``mp_rank_TT_XXX`` names is ambiguous in Megatron-LM's naming (a pipeline
 rank, or an expert rank at PP = 1): :func:`saved_with_expert_folders` decides it.
@@ -31,7 +35,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+from megatron.checkpointing.expert_slices import cut, merge
+from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError, load_torch_file
 from megatron.core.distributed.expert_params import is_expert_param
 from megatron.core.optimizer.distrib_optimizer_checkpoint import ShardFiles, expert_ranges
 
@@ -87,21 +92,19 @@ class LegacyExpertPlan:
     Attributes:
         model_file: the ``model_optim_rng.pt`` whose dense weights, optimizer common part,
             scheduler and RNG states it loads.
-        expert_files: one ``model_optim_rng.pt`` per saved EP rank, in EP order (their expert
-            tensors concatenated are the global ones); empty when ``model_file`` holds exactly
-            this rank's experts (same EP, same folder).
+        expert_folders: ``{saved EP rank: {tensor rank: model_optim_rng.pt}}`` of this
+            pipeline rank: where the experts of each saved EP rank are.
+        moved: ``model_file`` does not hold this rank's experts (another EP, or its own file
+            missing): they are taken from ``expert_folders``.
         saved_ep: the EP size the checkpoint was saved at.
         shard_files: the distributed optimizer's shard files (:class:`ShardFiles`).
     """
 
     model_file: str
-    expert_files: List[str]
+    expert_folders: Dict[int, Dict[int, str]]
+    moved: bool
     saved_ep: int
     shard_files: ShardFiles
-
-    @property
-    def reassembles(self) -> bool:
-        return bool(self.expert_files)
 
 
 def plan(folder: str, pg_collection, model_chunks, own_name: str, *, shard_pattern: str,
@@ -115,12 +118,14 @@ def plan(folder: str, pg_collection, model_chunks, own_name: str, *, shard_patte
                                                               read_saved_args))
     saved_ep = 1 + max((e for _, _, e in folders), default=0)
     mine = sorted(e for (t, p, e) in folders if (t, p) == (tp.rank, pp.rank))
-    model_file, expert_files = own_name, []
-    if not (saved_ep == ep.size and os.path.isfile(own_name)):
-        if mine:
-            model_file = os.path.join(folders[(tp.rank, pp.rank, mine[0])], MODEL_FILE)
-        expert_files = _expert_model_files(folders, tp.rank, pp.rank,
-                                           pg_collection.expt_tp.size)
+    model_file = own_name
+    moved = not (saved_ep == ep.size and os.path.isfile(own_name))
+    if moved and mine:
+        model_file = os.path.join(folders[(tp.rank, pp.rank, mine[0])], MODEL_FILE)
+    by_ep: Dict[int, Dict[int, str]] = {}
+    for (t, p, e), path in folders.items():
+        if p == pp.rank:
+            by_ep.setdefault(e, {})[t] = os.path.join(path, MODEL_FILE)
 
     def shards(paths):
         return sorted(f for path in paths for f in glob.glob(os.path.join(path, shard_pattern)))
@@ -129,35 +134,49 @@ def plan(folder: str, pg_collection, model_chunks, own_name: str, *, shard_patte
         shards([os.path.dirname(own_name)])
     experts = shards(path for (_, p, _), path in folders.items() if p == pp.rank)
     ranges = expert_ranges(model_chunks, ep.rank)
-    return LegacyExpertPlan(model_file, expert_files, saved_ep,
+    return LegacyExpertPlan(model_file, by_ep, moved, saved_ep,
                             ShardFiles(dense, experts if ranges else [], ranges,
                                        pg_collection.expt_tp.rank))
 
 
-def _expert_model_files(folders, tp_rank: int, pp_rank: int, expert_tp: int) -> List[str]:
-    """One ``model_optim_rng.pt`` per saved EP rank of pipeline rank ``pp_rank``: its own tensor
-    rank's folder, else (experts whole on each tensor rank, expert-TP 1) any tensor rank's.
+def file_expert_slice(state: dict, tensor_rank: int) -> Tuple[int, int]:
+    """``(rank, size)``: the expert-TP slice that the experts of a legacy ``model_optim_rng.pt``
+    (of tensor rank ``tensor_rank``'s folder) are; ``(0, 1)``: whole experts.
+
+    Recorded as ``expert_tensor_slice``; files without it (saved before it was recorded, or by
+    Megatron-LM) hold their run's expert-TP slice, which their folder names only at expert-TP =
+    TP (slice t in tensor rank t's folder) or expert-TP 1 (whole).
 
     Raises:
-        CheckpointError: at expert-TP > 1, an EP rank saved only in other tensor ranks' folders
-            (their expert slices are other ones)."""
-    by_ep: Dict[int, Dict[int, str]] = {}
-    for (t, p, e), path in folders.items():
-        if p == pp_rank:
-            by_ep.setdefault(e, {})[t] = os.path.join(path, MODEL_FILE)
-    out = []
-    for e in sorted(by_ep):
-        if tp_rank in by_ep[e]:
-            out.append(by_ep[e][tp_rank])
-        elif expert_tp == 1:
-            out.append(by_ep[e][min(by_ep[e])])
-        else:
-            raise CheckpointError(
-                f"the legacy checkpoint holds the experts of expert-parallel rank {e} only in "
-                f"the folders of other tensor ranks ({sorted(by_ep[e])}), whose expert slices "
-                f"differ at --expert-tensor-parallel-size {expert_tp}; load it at the "
-                "expert-parallel layout it was saved with, or save with --ckpt-format torch_dist")
-    return out
+        CheckpointError: a file without the record saved at an expert-TP > 1 other than TP
+            (Megatron-LM writes one file per tensor rank there, so some slices were never
+            written)."""
+    recorded = state.get("expert_tensor_slice")
+    if recorded is not None:
+        return int(recorded[0]), int(recorded[1])
+    args = state.get("args") if isinstance(state.get("args"), dict) else {}
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    size = int(args.get("expert_tensor_parallel_size") or tp)
+    if size == 1:
+        return 0, 1
+    if size == tp:
+        return tensor_rank, size
+    raise CheckpointError(
+        f"the legacy checkpoint's experts were saved at --expert-tensor-parallel-size {size} "
+        f"with --tensor-model-parallel-size {tp} without a record of which slice each file holds "
+        "(Megatron-LM's torch format writes one file per tensor rank there, so expert slices "
+        "are missing): resave it with --ckpt-format torch_dist")
+
+
+def saved_optimizer_expert_tp(state: dict) -> int:
+    """The expert-TP size whose slices the optimizer state of a legacy ``model_optim_rng.pt``
+    and its ``distrib_optim_dp_*.pt`` shards hold: the saving run's (recorded as
+    ``expert_tensor_parallel_size``, else its ``args``; None: TP)."""
+    if state.get("expert_tensor_parallel_size") is not None:
+        return int(state["expert_tensor_parallel_size"])
+    args = state.get("args") if isinstance(state.get("args"), dict) else {}
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    return int(args.get("expert_tensor_parallel_size") or tp)
 
 
 def expert_keys(module: torch.nn.Module) -> List[str]:
@@ -165,24 +184,130 @@ def expert_keys(module: torch.nn.Module) -> List[str]:
     return [n for n, p in module.named_parameters() if is_expert_param(p)]
 
 
-def assemble_experts(state: dict, key: str, module: torch.nn.Module, expert_files: List[str],
-                     ep, read) -> None:
+def _whole_experts(key: str, name: str, files: Dict[int, str], tensor_rank: int, read):
+    """The whole experts of one saved EP rank: its file (own tensor rank's first) when it holds
+    them whole, else the slices ``u`` of ``k`` from the folders of tensor ranks ``0 .. k-1``
+    merged (slices are saved only at expert-TP = TP)."""
+    first = tensor_rank if tensor_rank in files else min(files)
+    rank, size = file_expert_slice(read(files[first]), first)
+    if size == 1:
+        return read(files[first])[key][name]
+    parts = []
+    for u in range(size):
+        if u not in files:
+            raise CheckpointError(
+                f"the legacy checkpoint's experts are split over --expert-tensor-parallel-size "
+                f"{size}, but slice {u} (the folder of tensor rank {u}) is missing: it holds "
+                f"only {sorted(files)}")
+        got = file_expert_slice(read(files[u]), u)
+        if got != (u, size):
+            raise CheckpointError(f"{files[u]} holds expert-TP slice {got[0]} of {got[1]}, "
+                                  f"expected {u} of {size}: the folders are mixed up")
+        parts.append(read(files[u])[key][name])
+    return merge(name, parts)
+
+
+def assemble_experts(state: dict, key: str, module: torch.nn.Module, plan_: LegacyExpertPlan,
+                     pg_collection, read) -> None:
     """Replace the expert tensors of ``state[key]`` (a model chunk's state dict) by this rank's
-    slice of the global tensors: the files' ``[E_saved_local, ...]`` tensors concatenated in
-    EP order, then rows ``ep.rank * E_local ...`` (E_local: the module's; ``ep``: this run's
-    expert-parallel group). ``read(path)`` returns a file's state (cached by the caller).
+    part of the global whole experts: the saved EP ranks' experts (whole, or their expert-TP
+    slices merged: :func:`_whole_experts`) concatenated in EP order, rows ``ep.rank * E_local
+    ...`` (E_local: the module's), cut to this run's expert-TP slice. ``read(path)`` returns a
+    file's state (cached by the caller).
 
     Raises:
-        CheckpointError: the files hold another number of experts than the model's
-            (an ``mp_rank_*_EEE`` folder missing, or another ``--num-experts``)."""
+        CheckpointError: the files hold another number of experts than the model's (an
+            ``mp_rank_*_EEE`` folder missing, or another ``--num-experts``), or a slice is
+            missing."""
+    ep, etp = pg_collection.ep, pg_collection.expt_tp
+    folders = plan_.expert_folders
+    saved = sorted(folders)
+
+    def whole_of(e, name):
+        return _whole_experts(key, name, folders[e], pg_collection.tp.rank, read)
+
     for name in expert_keys(module):
         local = module.get_parameter(name).shape[0]
-        parts = [read(path)[key][name] for path in expert_files]
-        whole = torch.cat(parts)
-        if whole.shape[0] != local * ep.size:
-            raise CheckpointError(
-                f"the legacy checkpoint's expert folders {[os.path.dirname(f) for f in expert_files]}"
-                f" hold {whole.shape[0]} experts of {key}.{name} ({[p.shape[0] for p in parts]} "
-                f"per EP rank), the model {local * ep.size}: an mp_rank_*_EEE folder is missing, "
-                "or --num-experts differs from the saving run's")
-        state[key][name] = whole[ep.rank * local:(ep.rank + 1) * local].clone()
+        total = local * ep.size
+        lo, hi = ep.rank * local, (ep.rank + 1) * local
+        per = total // plan_.saved_ep
+        if saved == list(range(plan_.saved_ep)) and per * plan_.saved_ep == total:
+            first, last = lo // per, -(-hi // per)  # the saved EP ranks holding rows lo .. hi
+            whole = torch.cat([whole_of(e, name) for e in range(first, last)])
+            if whole.shape[0] == (last - first) * per:
+                state[key][name] = cut(name, whole[lo - first * per:hi - first * per],
+                                       etp.rank, etp.size)
+                continue
+        counts = [whole_of(e, name).shape[0] for e in saved]
+        dirs = sorted({os.path.dirname(f) for e in saved for f in folders[e].values()})
+        raise CheckpointError(
+            f"the legacy checkpoint's expert folders {dirs} hold {sum(counts)} experts of "
+            f"{key}.{name} ({counts} per EP rank), the model {total}: an mp_rank_*_EEE folder "
+            "is missing, or --num-experts differs from the saving run's")
+
+
+def resliced_shard_files(shard_files: ShardFiles, model_chunks, pg_collection,
+                         saved_size: int) -> ShardFiles:
+    """``shard_files`` whose expert records (saved at expert-TP ``saved_size``, other than this
+    run's) are re-cut: for each expert parameter the records of every saved expert-TP rank ``u``
+    (files recording ``expert_tensor_rank`` u) are joined on the global expert axis into this
+    rank's experts' slice u, the slices merged into whole experts and cut to this rank's
+    expert-TP slice; one record covers the parameter whole (fp32 values and Adam moments)."""
+    from megatron.core.distributed.expert_params import is_expert_param as expert
+    from megatron.core.optimizer.distrib_optimizer_checkpoint import (STATE_KEYS, _localize,
+                                                                      param_names)
+
+    ep, etp = pg_collection.ep, pg_collection.expt_tp
+    params = {name: p for p, name in param_names(model_chunks).items() if expert(p)}
+    files = list(shard_files.expert)
+
+    def records() -> Dict[str, list]:
+        by_rank: Dict[int, list] = {}
+        for path in files:
+            sd = load_torch_file(path, what="distributed-optimizer shard")
+            if "expert_tensor_rank" not in sd:
+                raise ValueError(f"{path} records no expert_tensor_rank: its expert state "
+                                 "loads only at the expert-TP it was saved at")
+            by_rank.setdefault(int(sd["expert_tensor_rank"]), []).append(sd["params"])
+        out = {}
+        for name, p in params.items():
+            local = p.shape[0]
+            per_expert = p.numel() // local * etp.size // saved_size  # one saved slice
+            offset, numel = ep.rank * local * per_expert, local * per_expert
+            slices = {k: [] for k in STATE_KEYS}
+            for u in range(saved_size):
+                values = {k: torch.zeros(numel, dtype=torch.float32) for k in STATE_KEYS}
+                covered = 0
+                for saved in by_rank.get(u, []):
+                    rec = saved.get(name)
+                    part = _localize(rec, offset, numel) if rec is not None else None
+                    if part is not None:
+                        s, t = part["range"]
+                        covered += t - s
+                        for k in STATE_KEYS:
+                            values[k][s:t] = part[k]
+                if covered != numel:
+                    raise ValueError(
+                        f"distributed-optimizer shards {files[0]}...: expert-TP slice {u} of "
+                        f"{saved_size} of {name} has {covered} of its {numel} elements (a "
+                        "distrib_optim_dp_*.pt file is missing); load with --no-load-optim")
+                for k in STATE_KEYS:
+                    slices[k].append(values[k].view(local, *_slice_shape(name, p, etp.size,
+                                                                          saved_size)))
+            rec = {"range": [0, p.numel()]}
+            for k in STATE_KEYS:
+                rec[k] = cut(name, merge(name, slices[k]), etp.rank, etp.size).reshape(-1)
+            out[name] = [rec]
+        return out
+
+    return ShardFiles(shard_files.dense, [], shard_files.expert_ranges, None,
+                      expert_records=records)
+
+
+def _slice_shape(name: str, p: torch.Tensor, run_size: int, saved_size: int) -> Tuple[int, int]:
+    """One expert's ``[rows, cols]`` in a slice of ``saved_size`` of the parameter ``p`` (this
+    run's slice of ``run_size``)."""
+    a, b = p.shape[1:]
+    if name.endswith("weight2"):
+        return a, b * run_size // saved_size
+    return a * run_size // saved_size, b

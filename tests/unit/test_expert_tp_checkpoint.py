@@ -1,11 +1,12 @@
 """Checkpoints of experts split over expert-TP: torch_dist boxes, and what is refused in one line.
 
-The legacy format saves them (each tensor rank's ``mp_rank_TT[_EEE]`` file holds its expert-TP
-slice, expert-TP = TP; resumed end to end in tests/e2e/test_moe_etp_ckpt_e2e.py). torch_dist
+The legacy format saves them (at expert-TP = TP each tensor rank's ``mp_rank_TT[_EEE]`` file holds
+its expert-TP slice, else whole experts; loaded at any other expert-TP by merging and cutting the
+slices, checked here against expert-TP 1 and k modules; end to end in
+tests/e2e/test_moe_etp_ckpt_e2e.py). torch_dist
 boxes each slice into the global expert tensors of an expert-TP 1 model (``weight1``'s
 ``[gate_t; up_t]`` as two boxes per expert): checked here element for element against an
-expert-TP 1 module's weights, for whole slices and distributed-optimizer pieces. A legacy shard saved at another expert-TP
-than the run's holds slices of another width: refused naming both sizes."""
+expert-TP 1 module's weights, for whole slices and distributed-optimizer pieces."""
 
 from types import SimpleNamespace
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from megatron.checkpointing import CheckpointError
-from megatron.checkpointing.legacy import check_saved_expert_tp
+from megatron.checkpointing.expert_slices import cut, merge
+from megatron.checkpointing.legacy_experts import file_expert_slice
 from megatron.core.distributed.expert_params import mark_expert
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.model.sharded_state import param_shardings
@@ -110,27 +112,36 @@ def _state(**args):
     return {"args": dict(num_experts=4, tensor_model_parallel_size=2, **args)}
 
 
-@pytest.mark.parametrize("saved, run, refused", [
-    (dict(expert_tensor_parallel_size=2), 2, False),
-    (dict(expert_tensor_parallel_size=None), 2, False),  # None: expert-TP = TP (2)
-    (dict(expert_tensor_parallel_size=1), 1, False),
-    (dict(expert_tensor_parallel_size=2), 1, True),
-    (dict(expert_tensor_parallel_size=None), 1, True),
-    (dict(expert_tensor_parallel_size=1), 2, True),
+@pytest.mark.parametrize("expert_tp", [2, 3])
+def test_legacy_expert_slices_merge_to_and_cut_from_whole_experts(expert_tp):
+    """What a legacy checkpoint at another expert-TP rests on: the slices of every expert-TP
+    rank merge, bitwise, into an expert-TP 1 module's weights, and cutting those gives each
+    rank's slice (the modules draw whole experts and slice them: the independent oracle)."""
+    whole = dict(_experts(0, 1).named_parameters())
+    modules = [dict(_experts(r, expert_tp).named_parameters()) for r in range(expert_tp)]
+    for name in whole:
+        merged = merge(f"decoder.layers.0.mlp.experts.{name}", [m[name].data for m in modules])
+        assert torch.equal(merged, whole[name].data), name
+        for r, m in enumerate(modules):
+            assert torch.equal(cut(name, whole[name].data, r, expert_tp), m[name].data), name
+
+
+@pytest.mark.parametrize("state, tensor_rank, want", [
+    ({"expert_tensor_slice": [1, 2], **_state(expert_tensor_parallel_size=2)}, 0, (1, 2)),
+    ({"expert_tensor_slice": [0, 1], **_state(expert_tensor_parallel_size=4)}, 1, (0, 1)),
+    (_state(expert_tensor_parallel_size=None), 1, (1, 2)),  # None: expert-TP = TP
+    (_state(expert_tensor_parallel_size=2), 0, (0, 2)),
+    (_state(expert_tensor_parallel_size=1), 1, (0, 1)),
 ])
-def test_legacy_shard_at_another_expert_tp_is_refused_in_one_line(saved, run, refused):
-    state = _state(**saved)
-    if not refused:
-        check_saved_expert_tp(state, "shard.pt", "ckpt", 2, run)
-        return
+def test_which_expert_tp_slice_a_legacy_file_holds(state, tensor_rank, want):
+    assert file_expert_slice(state, tensor_rank) == want
+
+
+def test_legacy_file_of_unrecorded_slices_at_expert_tp_other_than_tp_is_one_line():
+    """Megatron-LM's torch format at expert-TP != TP writes one file per tensor rank, so the
+    slices are not all there: refused, naming both sizes and the fix."""
     with pytest.raises(CheckpointError) as e:
-        check_saved_expert_tp(state, "shard.pt", "ckpt", 2, run)
+        file_expert_slice(_state(expert_tensor_parallel_size=4), 0)
     message = str(e.value)
-    want = saved["expert_tensor_parallel_size"] or 2
-    assert "\n" not in message and "shard.pt" in message
-    assert f"split at --expert-tensor-parallel-size {want}, but this run has " \
-        f"--expert-tensor-parallel-size {run}" in message
-
-
-def test_dense_shards_have_no_expert_tp_to_check():
-    check_saved_expert_tp({"args": {"tensor_model_parallel_size": 2}}, "shard.pt", "ckpt", 2, 1)
+    assert "\n" not in message and "--expert-tensor-parallel-size 4 with " \
+        "--tensor-model-parallel-size 2" in message and "torch_dist" in message

@@ -30,7 +30,7 @@ def saved_expert_parallel_size(load_dir: str) -> Tuple[int, dict]:
     first = first_shard(get_checkpoint_dir(load_dir, *read_metadata(tracker)))
     if first is None or identify(first) is not None:
         return 1, {}
-    saved = load_torch_file(first).get("args")
+    saved = moe_layout.shard_args(load_torch_file(first))
     if not isinstance(saved, dict):
         return 1, {}
     return int(saved.get("expert_model_parallel_size") or 1), saved

@@ -178,7 +178,7 @@ def load_checkpoint(args):
         return load_megatron_lm(foreign, shards, tp, pp, args)
     _refuse_overrides(args)
     first = load_torch_file(shards[(0, 0)])
-    saved = first.get("args")
+    saved = moe_layout.shard_args(first)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{shards[(0, 0)]} stores no args dict; it is not a checkpoint of "
                               "ours, Megatron-LM's or Megatron-LLaMA's")

@@ -219,6 +219,18 @@ def saved_expert_tp(saved: dict) -> int:
     return int(value if value is not None else saved.get("tensor_model_parallel_size") or 1)
 
 
+def shard_args(state: dict) -> dict:
+    """The recorded ``args`` of a legacy shard, as the converter reads its experts: a file whose
+    ``expert_tensor_slice`` record says it holds whole experts (the training code gathers them
+    at an expert-TP > 1 other than TP, megatron/checkpointing/legacy_experts.py) reads as
+    expert-TP 1, whatever expert-TP its run trained at."""
+    saved = state.get("args")
+    if isinstance(saved, dict) and saved.get("num_experts") and \
+            [int(x) for x in state.get("expert_tensor_slice") or ()] == [0, 1]:
+        saved = {**saved, "expert_tensor_parallel_size": 1}
+    return saved
+
+
 def check_saved_expert_tp(saved: dict, where: str = "") -> int:
     """:func:`saved_expert_tp`, refused unless 1 or the tensor-parallel size (the splits the
     training code writes in the legacy format).
@@ -236,25 +248,21 @@ def split_experts(moe: Dict[str, torch.Tensor], expert_tp: int) -> List[Dict[str
     """The ``mlp.experts.weight1/2`` of each expert-tensor-parallel rank 0..expert_tp-1 from
     :func:`to_ours`' whole ones: rank r's ``weight1 [E, 2f/etp, h]`` = ``[gate_r; up_r]`` and
     ``weight2 [E, h, f/etp]`` = ``down[..., f_r]`` (``f_r``: the r-th of etp equal slices of the
-    width); cloned, so each shard saves alone."""
-    w1, w2 = moe["mlp.experts.weight1"], moe["mlp.experts.weight2"]
-    f = w2.shape[2]
-    gate, up = w1[:, :f], w1[:, f:]
-    width = f // expert_tp
-    return [{"mlp.experts.weight1": torch.cat([gate[:, r * width:(r + 1) * width],
-                                               up[:, r * width:(r + 1) * width]], 1),
-             "mlp.experts.weight2": w2[..., r * width:(r + 1) * width].clone()}
-            for r in range(expert_tp)]
+    width; the training code's split, megatron/checkpointing/expert_slices.py); copies, so each
+    shard saves alone."""
+    from megatron.checkpointing.expert_slices import cut
+
+    return [{k: cut(k, moe[k], r, expert_tp) if expert_tp > 1 else moe[k].clone()
+             for k in ("mlp.experts.weight1", "mlp.experts.weight2")} for r in range(expert_tp)]
 
 
 def join_split_experts(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """Inverse of :func:`split_experts`: the whole ``weight1 [E, 2f, h]`` and ``weight2
     [E, h, f]`` from the shards of expert-tensor-parallel ranks 0..etp-1 (``parts``: their state
     dicts of one layer, keys relative to it)."""
-    w1s = [p["mlp.experts.weight1"] for p in parts]
-    half = w1s[0].shape[1] // 2
-    return {"mlp.experts.weight1": torch.cat([w[:, :half] for w in w1s] + [w[:, half:] for w in w1s], 1),
-            "mlp.experts.weight2": torch.cat([p["mlp.experts.weight2"] for p in parts], 2)}
+    from megatron.checkpointing.expert_slices import merge
+
+    return {k: merge(k, [p[k] for p in parts]) for k in ("mlp.experts.weight1", "mlp.experts.weight2")}
 
 
 EXPERT_SUFFIXES = ("mlp.experts.weight1", "mlp.experts.weight2")

@@ -25,7 +25,7 @@ layout: TP and PP sizes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -85,12 +85,16 @@ class ShardFiles:
             file are read only when the file's ``expert_tensor_rank`` is the same (another
             expert-TP rank holds other slices under the same names); a file without it (saved
             before it was recorded) only when it is in ``dense``. None: no check.
+        expert_records: when given, ``() -> {name: [record]}``, the expert records with local
+            ranges, built elsewhere (a legacy checkpoint saved at another expert-TP:
+            :func:`megatron.checkpointing.legacy_experts.resliced_shard_files`).
     """
 
     dense: List[str]
     expert: List[str]
     expert_ranges: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     expert_tensor_rank: int | None = None
+    expert_records: Callable[[], Dict[str, list]] | None = None
 
     def takes_experts_of(self, path: str, saved: dict) -> bool:
         if path not in self.expert:
@@ -141,6 +145,9 @@ def read_shards(paths) -> Tuple[Dict[str, list], int]:
                 rec = None
             if rec is not None:
                 pieces.setdefault(name, []).append(rec)
+    if paths.expert_records is not None:
+        for name, recs in paths.expert_records().items():
+            pieces.setdefault(name, []).extend(recs)
     return pieces, step
 
 

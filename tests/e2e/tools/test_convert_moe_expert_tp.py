@@ -168,3 +168,31 @@ def test_loader_refuses_a_recorded_expert_tp_other_than_1_and_tp(mixtral, tmp_pa
                     "--save-dir", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--expert-tensor-parallel-size 4" in err[0], err
+
+
+def test_a_training_checkpoint_of_whole_experts_at_another_expert_tp_exports(
+        mixtral, tmp_path, capsys):
+    """A run at expert-TP 2 with TP 1 (two data-parallel ranks, each half of every expert) saves
+    whole experts in the legacy format (gathered over expert-TP, recorded as
+    ``expert_tensor_slice [0, 1]``); the converter reads them as expert-TP 1 and exports them
+    bitwise (lr 0). Before: refused as "expert-TP 2 at TP 1"."""
+    folder = mixtral[0]
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", folder, "--save-dir",
+            tmp_path / "ours")
+    capsys.readouterr()
+    prefix = str(tmp_path / "data")
+    one_document_dataset(prefix, SEQ, VOCAB)
+    argv = TRAIN_FLAGS + ["--load", str(tmp_path / "ours"), "--data-path", prefix,
+                          "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "run"),
+                          "--global-batch-size", "2", "--expert-tensor-parallel-size", "2",
+                          "--use-distributed-optimizer"]
+    run_distributed(2, _train, argv, timeout=600)
+    saved = load_torch_file(str(tmp_path / "run" / "iter_0000001" / "mp_rank_00" /
+                                "model_optim_rng.pt"), what="shard")
+    assert saved["args"]["expert_tensor_parallel_size"] == 2 and saved["expert_tensor_slice"] == [0, 1]
+    assert saved["model"]["layers.0.mlp.experts.weight2"].shape == (E, 64, F)
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "run",
+            "--save-dir", tmp_path / "back")
+    original, exported = safetensors_tensors(folder), safetensors_tensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)

@@ -102,8 +102,6 @@ def test_ranges(files, flag, value):
     ("--context-parallel-size 2 --moe-expert-capacity-factor 1 --moe-token-drop-policy position",
      "--moe-token-drop-policy position at --context-parallel-size 2"),
     ("--calculate-per-token-loss", "--calculate-per-token-loss"),
-    ("--expert-tensor-parallel-size 2 --use-megatron-fsdp",
-     "--use-megatron-fsdp at --expert-tensor-parallel-size 2"),
 ])
 def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, flag):
     with pytest.raises(UsageError, match=f"--num-experts with {flag} is not supported yet") as e:
@@ -120,8 +118,8 @@ def test_what_training_does_not_run_with_experts_yet_is_one_line(files, extra, f
      r"--expert-tensor-parallel-size \(2, default TP\)"),
     ("--expert-tensor-parallel-size 2 --save ckpt",
      "--expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1, --save and "
-     "--ckpt-format torch: .*need expert-TP = TP; use --ckpt-format torch_dist or set "
-     "--expert-tensor-parallel-size 1$"),
+     "--ckpt-format torch saves the experts' optimizer state only with the distributed "
+     "optimizer: add --use-distributed-optimizer, or use --ckpt-format torch_dist$"),
     ("--moe-token-dispatcher-type flex", "flex is not supported"),
     ("--moe-router-bias-update-rate 0.1", "needs --moe-router-enable-expert-bias"),
     ("--moe-layer-freq [0,0,0,0]", "no layer is MoE"),
@@ -153,6 +151,9 @@ def test_expert_parallelism_without_experts_is_one_line(files):
     ("--tensor-model-parallel-size 2 --sequence-parallel --save ckpt --ckpt-format torch_dist",
      2),
     ("--expert-tensor-parallel-size 2 --save ckpt --load ckpt --ckpt-format torch_dist", 2),
+    # legacy at expert-TP != TP: whole experts, the distributed optimizer's state (docs/moe.md)
+    ("--expert-tensor-parallel-size 2 --save ckpt --use-distributed-optimizer", 2),
+    ("--expert-tensor-parallel-size 2 --use-megatron-fsdp", 2),  # ZeRO-3 at expert-TP 2
     ("--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
      "--attention-dropout 0", 2),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 1),

@@ -192,11 +192,12 @@ def main(argv=None):
             :func:`megatron.training.dpo.check_dpo_flags`' or
             :func:`megatron.training.reward_model.check_reward_flags`' refusals.
     """
-    from megatron.training.dpo import DPO, DPO_SECTION, check_dpo_flags
+    from megatron.training.dpo import DPO, DPO_SECTION, check_dpo_flags, check_stage_flags
     from megatron.training.reward_model import (REWARD_SECTION, RewardModel, check_reward_flags,
                                                 with_reward_head)
 
     config, tokenizer = configure(argv, sections=[SFT, DPO_SECTION, REWARD_SECTION])
+    check_stage_flags(config, SFT.given(argv), DPO_SECTION.given(argv))
     check = partial(check_token_ids, vocab_size=tokenizer.vocab_size, data=config.data)
     if config.extra["reward"].reward_model:
         check_reward_flags(config)

@@ -48,17 +48,20 @@ def refuse_custom_code(folder: str, flag: str) -> None:
 
     Raises:
         ValueError: a ``*config*.json`` of the folder has an ``auto_map`` entry, is not valid JSON,
-            or the folder holds ``*.py`` files, or a file of the folder is a link leaving it
+            is no regular file (never opened: a named pipe would block), or the folder holds ``*.py`` files, or a file of the folder is a link leaving it
             (:func:`refuse_links_leaving`); the message names the folder, the file and the key.
     """
     fix = ("custom code is never run here (trust_remote_code=False); use a folder with the "
            "standard files only (tokenizer.json or tokenizer.model, config.json without auto_map, "
            "no .py files)")
     for path in _config_files(folder):
+        _refuse_special(path, f"{flag} {folder}: ")
         try:
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            if isinstance(exc, RecursionError):
+                exc = "nested deeper than a JSON parser goes"
             raise ValueError(f"{flag} {folder}: {path} is not readable JSON ({exc})") from None
         for key in CUSTOM_CODE_KEYS:
             if isinstance(config, dict) and key in config:
@@ -69,6 +72,20 @@ def refuse_custom_code(folder: str, flag: str) -> None:
     if code:
         raise ValueError(f"{flag} {folder}: the folder ships Python code ({', '.join(code[:3])}"
                          f"{', ...' if len(code) > 3 else ''}); {fix}")
+
+
+def _refuse_special(path: str, prefix: str = "") -> None:
+    """Refuse ``path`` when it exists and is no regular file (a named pipe, a folder, a device:
+    opening a pipe for reading waits for a writer forever), looking with ``stat`` only.
+
+    Raises:
+        ValueError: ``{prefix}{path} is a named pipe, not a regular file; ...``.
+    """
+    if os.path.lexists(path) and not os.path.isfile(path):
+        from megatron.checkpointing.save_folder import file_kind
+
+        raise ValueError(f"{prefix}{path} is a {file_kind(path)}, not a regular file; replace it "
+                         "with the file it stands for")
 
 
 def _roots(folder: str) -> list:
@@ -131,6 +148,7 @@ def open_safetensors(path: str):
     """
     from safetensors import safe_open
 
+    _refuse_special(path)  # safetensors would block on a named pipe, holding the GIL
     try:
         return safe_open(path, framework="pt")
     except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError, from Rust
@@ -144,7 +162,8 @@ def weight_map(index_path: str, folder: str) -> dict:
     Raises:
         ValueError: the index is not a regular file, not valid JSON or has no ``weight_map``, or an entry is not a
             plain file name inside the folder (absolute, ``..``, or a symlink resolving
-            outside); the message names the index file and the entry.
+            outside) or names no regular file (a named pipe); the message names the index file
+            and the entry.
     """
     if os.path.exists(index_path) and not os.path.isfile(index_path):  # a FIFO would block open()
         raise ValueError(f"{index_path}: not a regular file (a pipe, device or folder); replace it "
@@ -168,6 +187,13 @@ def weight_map(index_path: str, folder: str) -> dict:
             real = _outside(folder, os.path.join(folder, file))
             if real is not None:
                 bad = f"a link resolving outside the model folder, to {real}"
+            else:
+                try:
+                    _refuse_special(os.path.join(folder, file))
+                except ValueError:
+                    from megatron.checkpointing.save_folder import file_kind
+
+                    bad = f"a {file_kind(os.path.join(folder, file))}, not a regular file"
         if bad:
             raise ValueError(f"{index_path}: weight_map entry {name!r}: {file!r} is {bad}; shard "
                              "files must lie in the folder of the index. Fix or replace the index")

@@ -56,6 +56,7 @@ from megatron.data.chat_templates import (  # noqa: E402
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError, MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path)
 from megatron.data.worker_pool import WorkerDied, WorkerPool  # noqa: E402
+from megatron.text_checks import lone_surrogate  # noqa: E402
 from megatron.tokenizer import add_tokenizer_args  # noqa: E402
 from megatron.usage_error import run_command  # noqa: E402
 
@@ -160,6 +161,11 @@ def _check_mask(mask: np.ndarray) -> Optional[str]:
 def encode_line(line: str):
     """``("ok", [(ids, mask) per output side])`` or ``(reason, message)``."""
     obj = json.loads(line)
+    bad = lone_surrogate(obj)
+    if bad is not None:  # the tokenizer would fail on it with a raw library error
+        raise ConversationError(f"{bad[0] or 'the line'} holds a lone surrogate (U+{bad[1]:04X}: "
+                                "a \\u escape of half a UTF-16 pair), which is no text; fix the "
+                                "line or pass --skip-invalid")
     sides = []
     if _W["pairs"]:
         for side in ("chosen", "rejected"):

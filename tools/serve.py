@@ -124,9 +124,10 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     from megatron.inference.engine.openai_protocol import (CHAT_STOP, RequestError,
+                                                            chat_logprobs, completion_logprobs,
                                                             completion_prompt, error_body,
-                                                            request_body,
-                                                            held_back, render_chat,
+                                                            held_back, logprobs_asked,
+                                                            render_chat, request_body,
                                                             sampling_params)
 
     app = FastAPI(title="megatron-llama-3d", docs_url=None, redoc_url=None)
@@ -171,12 +172,12 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
         try:
             body = await read_body(request)
             if chat:
+                params = sampling_params(body, limits, extra_stop=(CHAT_STOP,), chat=True)
                 prompt = render_chat(body.get("messages"))
-                params = sampling_params(body, limits, extra_stop=(CHAT_STOP,))
             else:
-                prompt = completion_prompt(body)
                 params = sampling_params(body, limits)
-            want_logprobs = body.get("logprobs") not in (None, False, 0) if not chat else False
+                prompt = completion_prompt(body)
+            top = logprobs_asked(body, chat)  # None: no log-probabilities asked for
             ids = tokens_of(prompt)
             deliveries = await submit(ids, params)
             first = await deliveries.get()
@@ -185,7 +186,15 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
         except RequestError as e:
             return refuse(e)
         stream = bool(body.get("stream", False))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         obj = "chat.completion" if chat else "text_completion"
+
+        def logprobs_of(deliveries):
+            if top is None:
+                return None
+            entries = [(d.token, d.logprob, d.top) for d in deliveries]
+            return (chat_logprobs if chat else completion_logprobs)(
+                entries, lambda t: tokenizer.detokenize([t]), top)
 
         def choice(text, reason, logprobs=None, delta=False):
             c = {"index": 0, "finish_reason": reason}
@@ -193,8 +202,13 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
                 c["delta" if delta else "message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
-                c["logprobs"] = logprobs
+            c["logprobs"] = logprobs
             return c
+
+        def usage(last):
+            return {"prompt_tokens": last.prompt_tokens,
+                    "completion_tokens": last.completion_tokens,
+                    "total_tokens": last.prompt_tokens + last.completion_tokens}
 
         async def deliveries_from(first):
             d = first
@@ -205,25 +219,21 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
                 d = await deliveries.get()
 
         if not stream:
-            tokens, logprobs, last = [], [], None
-            async for d in deliveries_from(first):
-                tokens.append(d.token)
-                logprobs.append(d.logprob)
-                last = d
-            lp = ({"tokens": [tokenizer.detokenize([t]) for t in tokens], "token_logprobs": logprobs,
-                   "top_logprobs": None, "text_offset": None} if want_logprobs else None)
+            delivered = [d async for d in deliveries_from(first)]
+            last = delivered[-1]
             return JSONResponse({
                 "id": rid, "object": obj, "created": created, "model": model_name,
-                "choices": [choice(last.text, last.finish_reason, lp)],
-                "usage": {"prompt_tokens": last.prompt_tokens,
-                          "completion_tokens": last.completion_tokens,
-                          "total_tokens": last.prompt_tokens + last.completion_tokens}})
+                "choices": [choice(last.text, last.finish_reason, logprobs_of(delivered))],
+                "usage": usage(last)})
 
         eod = loop.engine.eod
 
         async def events():
-            ids_so_far, sent = [], ""
+            ids_so_far, sent, unsent = [], "", []
+            head = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                    "model": model_name}
             async for d in deliveries_from(first):
+                unsent.append(d)  # a token whose text is held back goes with the next chunk
                 if d.finish_reason is not None:
                     delta, reason = d.text[len(sent):] if d.text.startswith(sent) else "", d.finish_reason
                 else:
@@ -234,11 +244,13 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
                     if not text.startswith(sent) or end <= len(sent):
                         continue
                     delta, reason, sent = text[len(sent):end], None, text[:end]
-                lp = ({"tokens": [tokenizer.detokenize([d.token])], "token_logprobs": [d.logprob],
-                       "top_logprobs": None, "text_offset": None} if want_logprobs else None)
-                chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                         "model": model_name, "choices": [choice(delta, reason, lp, delta=True)]}
+                chunk = dict(head, choices=[choice(delta, reason, logprobs_of(unsent), delta=True)])
+                unsent = []
+                if include_usage:
+                    chunk["usage"] = None
                 yield f"data: {json.dumps(chunk)}\n\n"
+            if include_usage:  # OpenAI's stream_options: a last chunk with the usage, no choice
+                yield f"data: {json.dumps(dict(head, choices=[], usage=usage(d)))}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import stat
 
 import torch
 import torch.distributed as dist
@@ -56,15 +57,7 @@ def read_metadata(tracker_filename: str) -> tuple[int, bool]:
     return int(text), False
 
 
-def _file_kind(path: str) -> str:
-    """What ``path`` is, from ``lstat`` only (a named pipe is never opened)."""
-    import stat
-
-    mode = os.lstat(path).st_mode
-    if stat.S_ISLNK(mode):
-        return "symbolic link to nothing" if not os.path.exists(path) else "symbolic link to no regular file"
-    # the lock file's kinds, the same words
-    return next((name for test, name in save_folder._KINDS if test(mode)), "special file")
+_file_kind = save_folder.file_kind  # the lock file's kinds, the same words
 
 
 def find_checkpoint(load_dir: str) -> tuple[int, bool] | None:
@@ -245,7 +238,14 @@ def publish(save_dir, staging, final_dir, iteration, keep_last, protect=()) -> N
     shutil.rmtree(old, ignore_errors=True)
     tracker = get_checkpoint_tracker_filename(save_dir)
     tmp = tracker + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    # Non-blocking, not through a link: a named pipe put there since the start-up check
+    # (save_folder.check_tracker_files) is an error (ENXIO), not a wait for a reader forever.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointSaveError(f"{tmp} is a {save_folder.file_kind(tmp)}, not the tracker's "
+                                      "temporary file: remove it")
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())

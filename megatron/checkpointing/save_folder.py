@@ -139,7 +139,10 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
         return holder
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than the parser goes (60000 '[' fit in the cap).
+        if isinstance(exc, RecursionError):
+            exc = "JSON nested too deep"
         raise UsageError(f"--save ({save_dir}): the lock file {path} names no job ({exc}); if no "
                          f"job uses {save_dir}, delete {path} and start again") from None
 
@@ -147,6 +150,34 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
 _KINDS = ((stat.S_ISFIFO, "named pipe"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"),
           (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
           (stat.S_ISBLK, "block device"))
+
+
+def file_kind(path: str) -> str:
+    """What ``path`` (which exists or is a link) is, from ``lstat`` / ``stat`` only (a named pipe
+    is never opened): ``named pipe``, ``folder``, ``symbolic link to nothing``, ..."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return ("symbolic link to nothing" if not os.path.exists(path)
+                else "symbolic link to no regular file")
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def check_tracker_files(save_dir: str) -> None:
+    """Refuse a ``--save`` whose tracker (``latest_checkpointed_iteration.txt``) or the tracker's
+    temporary (``.tmp``) exists and is no regular file, before anything is trained: the first
+    save would die in ``os.replace`` on a folder, or wait forever opening a named pipe.
+
+    Raises:
+        UsageError: naming the file, what it is and the fix.
+    """
+    from megatron.checkpointing.checkpoint_folder import get_checkpoint_tracker_filename
+
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    for path in (tracker, tracker + ".tmp"):
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise UsageError(f"--save ({save_dir}): {path} is a {file_kind(path)}, not the "
+                             "tracker file checkpoints are published with; remove it (or give "
+                             "another --save) and start again")
 
 
 def _check_regular(save_dir: str, path: str) -> None:
@@ -289,7 +320,7 @@ def _remove_if_still(path: str, holder: LockHolder, me: LockHolder) -> bool:
     try:
         with open(aside, encoding="utf-8") as f:
             token = json.load(f).get("token")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         token = None
     if token != holder.token:  # a new holder's lock: give it back
         try:
@@ -368,7 +399,8 @@ def check_save_folder(save_dir: str, needed_bytes: int) -> bool:
 
     Raises:
         UsageError: ``save_dir`` is a file or a symbolic link to nothing, cannot be created, is
-            not writable, or has less free space than ``needed_bytes`` (one checkpoint).
+            not writable, has less free space than ``needed_bytes`` (one checkpoint), or holds a
+            tracker (or its temporary) that is no regular file (:func:`check_tracker_files`).
     """
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise UsageError(f"--save ({save_dir}) is a file, not a folder: give a folder for the "
@@ -383,6 +415,7 @@ def check_save_folder(save_dir: str, needed_bytes: int) -> bool:
     except OSError as exc:
         raise UsageError(f"--save ({save_dir}) cannot be created ({exc.strerror or exc}): give a "
                          "folder this job can write") from None
+    check_tracker_files(save_dir)  # it existed: nothing to remove
     error = None
     if not os.access(save_dir, os.W_OK | os.X_OK):
         error = (f"--save ({save_dir}) is not writable by this job: give a folder it can write, "

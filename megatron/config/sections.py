@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -53,6 +54,32 @@ class ConfigSection:
         parser = argparse.ArgumentParser(add_help=False)
         self.add_arguments(parser)
         return {a.dest for a in parser._actions} - _RESERVED
+
+    def given(self, argv) -> dict:
+        """``{dest: the option as typed}`` of the section's flags that ``argv`` (a list;
+        ``sys.argv[1:]`` when None) gives, whatever their value: a flag given at its default
+        value is given. ``argv`` must already have parsed with the whole parser."""
+        parser = _Given(add_help=False, allow_abbrev=False)
+        self.add_arguments(parser)
+        parser._defaults.clear()  # set_defaults of other flags (e.g. a changed built-in default)
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+        found, _ = parser.parse_known_args(argv)
+        tokens = [t.split("=", 1)[0] for t in (sys.argv[1:] if argv is None else argv)]
+        out = {}
+        for action in parser._actions:
+            if action.dest in vars(found) and action.dest not in _RESERVED:
+                typed = [o for o in action.option_strings if o in tokens]
+                out[action.dest] = typed[-1] if typed else action.option_strings[0]
+        return out
+
+
+class _Given(argparse.ArgumentParser):
+    """The parser of :meth:`ConfigSection.given`: an error (never expected on an argv the whole
+    parser took) is an exception, not an exit."""
+
+    def error(self, message):
+        raise ValueError(message)
 
 
 def check_section(section: ConfigSection, builtin_dests: Iterable[str]) -> None:

@@ -50,6 +50,10 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 NAME = "megatron_llama3d"
 MODULE = "megatron.inference.lm_eval_harness"
+# What ``--model_args`` may name (the harness adds batch_size, max_batch_size and device itself).
+MODEL_ARGS = ("load", "tokenizer_type", "tokenizer_model", "tokenizer_name_or_path", "max_length",
+              "max_gen_toks", "batch_size", "kv_cache_blocks", "block_size", "prefill_chunk",
+              "distributed_backend", "exit_followers")
 
 
 def encode_plain(tokenizer, text: str) -> List[int]:
@@ -80,9 +84,11 @@ class MegatronLlama3dLM(TemplateLM):
             True; a test that runs the ranks in its own workers passes False).
 
     Raises:
+        UsageError: a model argument this backend does not take (naming it and the accepted
+            ones; the harness's own ``batch_size``, ``max_batch_size`` and ``device`` are
+            taken), before anything is read; ``max_length`` beyond the model's context.
         UsageError / CheckpointError / ValueError: as ``tools/generate.py``: a wrong process
-            count, checkpoint or tokenizer, before any process group exists; ``max_length``
-            beyond the model's context.
+            count, checkpoint or tokenizer, before any process group exists.
     """
 
     def __init__(self, load: str, tokenizer_type: Optional[str] = None,
@@ -91,7 +97,13 @@ class MegatronLlama3dLM(TemplateLM):
                  max_gen_toks: int = 256, batch_size=1, max_batch_size=None,
                  kv_cache_blocks: Optional[int] = None, block_size: int = 16,
                  prefill_chunk: int = 256, distributed_backend: Optional[str] = None,
-                 exit_followers: bool = True, device=None, **unused):
+                 exit_followers: bool = True, device=None, **unknown):
+        from megatron.usage_error import UsageError
+
+        if unknown:  # a misspelt argument would otherwise run with its default
+            name = sorted(unknown)[0]
+            raise UsageError(f"--model_args {name}={unknown[name]}: {NAME} takes no argument "
+                             f"'{name}'; it takes {', '.join(MODEL_ARGS)}")
         super().__init__()
         import argparse
 
@@ -100,7 +112,7 @@ class MegatronLlama3dLM(TemplateLM):
         from megatron.inference.engine import Engine
         from megatron.inference.launch import eod_of, open_checkpoint
 
-        del max_batch_size, device, unused  # the harness's; the device follows the backend
+        del max_batch_size, device  # the harness's; the device follows the backend
         flags = argparse.Namespace(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
                                    tokenizer_name_or_path=tokenizer_name_or_path)
         self._opened = open_checkpoint(str(load), flags, distributed_backend=distributed_backend,
@@ -113,8 +125,8 @@ class MegatronLlama3dLM(TemplateLM):
         self._max_length = int(max_length or context)
         if not 1 < self._max_length <= context:
             opened.close()
-            raise ValueError(f"max_length must be in [2, {context}] (the model's context; got "
-                             f"{max_length})")
+            raise UsageError(f"--model_args max_length={max_length}: must be in [2, {context}] "
+                             "(the model's context)")
         self._max_gen_toks = int(max_gen_toks)
         self.tokenizer_ = opened.tokenizer
         self._eod = eod_of(opened.tokenizer)
@@ -230,14 +242,22 @@ class MegatronLlama3dLM(TemplateLM):
         return out
 
 
-def main(argv=None) -> None:
-    """``lm_eval``'s command line with ``megatron_llama3d`` registered."""
-    from lm_eval.__main__ import cli_evaluate
+def main(argv=None) -> int:
+    """``lm_eval``'s command line with ``megatron_llama3d`` registered; a usage error of the
+    model (an unknown model argument, a wrong process count, checkpoint or tokenizer) is one
+    line ``lm_eval_harness: error: ...`` and status 2."""
+    from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+    from megatron.usage_error import UsageError, run_command
 
-    if argv is not None:
-        sys.argv = [sys.argv[0]] + list(argv)
-    cli_evaluate()
+    def run(argv):
+        import lm_eval.__main__
+
+        if argv is not None:
+            sys.argv = [sys.argv[0]] + list(argv)
+        lm_eval.__main__.cli_evaluate()
+
+    return run_command("lm_eval_harness", run, argv, usage_errors=(UsageError, CheckpointError))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -97,6 +97,35 @@ def add_dpo_args(parser):
 DPO_SECTION = ConfigSection("dpo", DPOConfig, add_dpo_args)
 
 
+def check_stage_flags(config, given_sft: dict, given_dpo: dict) -> None:
+    """Refuse a stage's flags given to another stage of ``finetune_llama.py``, where they would be
+    ignored: a ``--dpo-*`` flag without ``--dpo`` (SFT or ``--reward-model``), an SFT flag with
+    ``--dpo`` or ``--reward-model``. ``given_*``: :meth:`ConfigSection.given` of the SFT and DPO
+    sections (``{dest: option as typed}``).
+
+    Raises:
+        UsageError: naming the flag and the stage that ignores it.
+    """
+    reward = config.extra["reward"].reward_model
+    dpo = config.extra["dpo"].dpo
+    stage = "--reward-model" if reward else "--dpo" if dpo else "SFT (no --dpo or --reward-model)"
+    def named(options):
+        return " ".join(options), ("it" if len(options) == 1 else "them"), (
+            "is" if len(options) == 1 else "are")
+
+    ignored = sorted(o for d, o in given_dpo.items() if d != "dpo") if not dpo else []
+    if ignored:
+        flags, it, verb = named(ignored)
+        raise UsageError(f"{flags} {verb} {'a DPO flag' if len(ignored) == 1 else 'DPO flags'}: {stage} would "
+                         f"ignore {it}; add --dpo to train with DPO, or drop {it}")
+    ignored = sorted(given_sft.values()) if dpo or reward else []
+    if ignored:
+        flags, it, verb = named(ignored)
+        raise UsageError(f"{flags} {verb} {'an SFT flag' if len(ignored) == 1 else 'SFT flags'}: {stage} reads "
+                         f"preference pairs, one conversation per row, and would ignore {it}; "
+                         f"drop {it}")
+
+
 def resumes(config) -> bool:
     """A DPO run with ``--load`` and no ``--finetune`` resumes its own save (reads its table)."""
     return bool(config.checkpoint.load) and not config.checkpoint.finetune

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Optional
 
 import numpy as np
@@ -70,17 +71,31 @@ def read_reference(folder: str, expected: dict) -> tuple[np.ndarray, np.ndarray,
     after checking it fits ``expected`` (:func:`run_meta`; keys that are None are not checked).
 
     Raises:
-        UsageError: the file is missing or unreadable, or a :data:`CHECKED` value differs.
+        UsageError: the file is missing, no regular file (a named pipe, a folder, a device, a
+            broken link: never read, a pipe would wait for a writer forever) or unreadable, or a
+            :data:`CHECKED` value differs.
     """
+    from megatron.checkpointing.save_folder import file_kind
+
     path = reference_file(folder)
     fix = ("resume from the --save folder of the DPO run that wrote it with that run's flags, or "
            "start afresh with --load REFERENCE_CHECKPOINT --finetune")
-    if not os.path.isfile(path):
-        raise UsageError(f"--load {folder} without --finetune resumes a DPO run, but its reference "
-                         f"table {path} is missing; {fix}")
+    resumes = f"--load {folder} without --finetune resumes a DPO run, but its reference table"
+    if not os.path.lexists(path):
+        raise UsageError(f"{resumes} {path} is missing; {fix}")
+    if not os.path.isfile(path):  # stat only: nothing is opened
+        raise UsageError(f"{resumes} {path} is a {file_kind(path)}, not a regular file; "
+                         f"remove it, then {fix}")
     try:
-        with np.load(path, allow_pickle=False) as f:
-            table, pairs, meta = f["table"], f["pairs"], json.loads(str(f["meta"]))
+        # Non-blocking, then checked again on the open file: one swapped for a pipe after the
+        # check above is refused, not waited on.
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as raw:
+            if not stat.S_ISREG(os.fstat(raw.fileno()).st_mode):
+                raise UsageError(f"{resumes} {path} is not a regular file; remove it, then {fix}")
+            with np.load(raw, allow_pickle=False) as f:
+                table, pairs, meta = f["table"], f["pairs"], json.loads(str(f["meta"]))
+    except UsageError:
+        raise
     except (OSError, ValueError, KeyError) as exc:
         raise UsageError(f"{path}: not a DPO reference table ({exc}); {fix}") from None
     for key in CHECKED:

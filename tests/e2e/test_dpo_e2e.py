@@ -140,6 +140,32 @@ def test_flags(dpo_prefix, tmp_path):
         check(prefix=other)
 
 
+@pytest.mark.parametrize("drop, extra, words", [
+    ("--dpo", ("--dpo-length-normalization",), "--dpo-beta --dpo-length-normalization are DPO "
+                                                "flags: SFT (no --dpo or --reward-model) would "
+                                                "ignore them; add --dpo"),
+    ("--dpo", ("--dpo-sft-weight=0.5",), "--dpo-beta --dpo-sft-weight are DPO flags"),
+    ("--dpo", (), "--dpo-beta is a DPO flag: SFT"),  # DPO_BASE's --dpo-beta, at any value
+    ("--dpo", ("--reward-model",), "--dpo-beta is a DPO flag: --reward-model would ignore it"),
+    (None, ("--sft-packing-window", "5"), "--sft-packing-window is an SFT flag: --dpo reads"),
+    (None, ("--no-sft-packing",), "--no-sft-packing is an SFT flag"),
+    (None, ("--no-calculate-per-token-loss",), "--no-calculate-per-token-loss is an SFT flag"),
+])
+def test_a_stage_flag_given_to_another_stage_is_refused(dpo_prefix, drop, extra, words, capsys):
+    """``--dpo-beta`` and friends without ``--dpo`` (and SFT flags with ``--dpo``) were ignored:
+    the run trained as SFT (or DPO) as if they were not given. One line, exit 2, before any
+    process group exists."""
+    import torch.distributed as dist
+
+    import finetune_llama
+
+    argv = [a for a in _argv(dpo_prefix, *extra) if a != drop]
+    assert finetune_llama.command(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"finetune_llama.py: error: {words}"), lines
+    assert not dist.is_initialized()
+
+
 def test_layouts_match_one_process(single, dpo_prefix):
     runs = [("tp2 sp", _argv(dpo_prefix, *layout_args(2, 1), "--sequence-parallel")),
             ("pp2", _argv(dpo_prefix, *layout_args(1, 2))),

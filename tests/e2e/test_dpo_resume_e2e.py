@@ -156,3 +156,36 @@ def test_resume_refusals(dpo_prefix, tmp_path, capsys):
     with pytest.raises(UsageError, match=r"reads 2 preference pairs .* \(first: document 7\)"):
         check_pairs(str(folder), np.arange(7), np.arange(9))
     shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("kind", ["named pipe", "folder", "symbolic link to nothing"])
+def test_a_reference_table_that_is_no_regular_file_is_named_and_never_read(dpo_prefix, tmp_path,
+                                                                         capsys, kind):
+    """A ``dpo_reference.npz`` that is a FIFO, a folder or a broken link was called "missing"
+    (and a FIFO was one open away from waiting forever): the line says what it is."""
+    import threading
+
+    import finetune_llama
+
+    folder = tmp_path / "save"
+    folder.mkdir()
+    path = folder / "dpo_reference.npz"
+    if kind == "named pipe":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        os.symlink(tmp_path / "gone.npz", path)
+    argv = DPO_BASE + ["--data-path", dpo_prefix, "--load", str(folder)]
+    status = []
+    worker = threading.Thread(target=lambda: status.append(finetune_llama.command(argv)))
+    worker.start()
+    worker.join(timeout=300)
+    if worker.is_alive():  # it opened the pipe for reading: release it, then fail
+        with open(path, "wb"):
+            pass
+        worker.join()
+        pytest.fail("the named pipe was opened for reading")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == [2] and len(err) == 1, err
+    assert f"{path} is a {kind}, not a regular file; remove it" in err[0] and "missing" not in err[0]

@@ -312,7 +312,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
         experts.finish()
     writer.finish()
     source = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
-    _copy_tokenizer(source, folder)
+    _copy_tokenizer(source, folder, named_by_checkpoint=not args.tokenizer_dir)
     config = hf_config(meta, dtype, folder)
     if reward:  # a reward model: one score per sequence, read at its last non-padding token
         config.update(architectures=["LlamaForSequenceClassification"], num_labels=1,
@@ -322,11 +322,37 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     return folder
 
 
-def _copy_tokenizer(source, folder: str) -> None:
+# The largest SentencePiece model copied from a path the checkpoint names (LLaMA's: 0.5 MB).
+_SP_MODEL_MAX_BYTES = 64 * 2 ** 20
+
+
+def _is_sentencepiece_model(path: str) -> bool:
+    """Whether ``path`` is a regular file SentencePiece loads as a model (size-capped first)."""
+    import sentencepiece
+
+    if not os.path.isfile(path) or os.path.getsize(path) > _SP_MODEL_MAX_BYTES:
+        return False
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError, ValueError):
+        return False
+    return True
+
+
+def _copy_tokenizer(source, folder: str, named_by_checkpoint: bool = False) -> None:
+    """Copy the tokenizer files of ``source`` (a folder, or a SentencePiece model file) into the
+    export. A model file the checkpoint names (its recorded ``--tokenizer-model``, not
+    ``--tokenizer-dir``) is copied only if SentencePiece loads it: a path recorded in a
+    downloaded checkpoint must not put any file of this machine into the folder one publishes."""
     if not source:
         print(" no tokenizer files copied (the source names none; pass --tokenizer-dir)")
         return
     if os.path.isfile(source):  # a SentencePiece model file
+        if named_by_checkpoint and not _is_sentencepiece_model(source):
+            print(f" tokenizer.model not copied: {source}, the checkpoint's recorded "
+                  "--tokenizer-model, is not a SentencePiece model; pass --tokenizer-dir with "
+                  "the tokenizer's files")
+            return
         shutil.copy2(source, os.path.join(folder, "tokenizer.model"))
         return
     for name in TOKENIZER_FILES:

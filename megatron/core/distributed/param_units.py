@@ -72,7 +72,10 @@ _METADATA = frozenset((
     "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__len__",
     "__hash__", "_is_view"))
-_READING_ATTRIBUTES = frozenset(("data",))  # an alias of the freed storage
+# Attributes that return a view of the freed storage (``data`` an alias, ``T`` / ``mT`` / ``H`` /
+# ``mH`` transposes, ``real`` / ``imag``): the view is a plain tensor, so its later reads would
+# escape the check and fail in torch ("setStorage: ... out of bounds").
+_READING_ATTRIBUTES = frozenset(("data", "T", "mT", "H", "mH", "real", "imag"))
 
 
 class ShardedParameter(torch.nn.Parameter):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,9 @@ class TokenEvent:
     token: int
     logprob: float
     finish_reason: Optional[str]
+    top: Tuple[Tuple[int, float], ...] = ()
+    """``(id, log-probability)`` of the request's ``top_logprobs`` most likely tokens at this
+    position, most likely first (empty when it asked for none)."""
 
 
 class Engine:
@@ -142,20 +145,23 @@ class Engine:
         self._broadcast(plan)
         sampled = self._execute(plan)
         events = []
-        for entry, (token, logprob) in zip([e for e in entries if e.sample is not None], sampled):
+        for entry, (token, logprob, top) in zip([e for e in entries if e.sample is not None],
+                                                sampled):
             request = self.requests[entry.rid]
             request.computed += len(entry.tokens)
-            events.append(self._accept(request, token, logprob))
+            events.append(self._accept(request, token, logprob, top))
         for entry in entries:
             if entry.sample is None:
                 self.requests[entry.rid].computed += len(entry.tokens)
         return events
 
-    def _accept(self, request: Request, token: int, logprob: float) -> TokenEvent:
+    def _accept(self, request: Request, token: int, logprob: float, top=()) -> TokenEvent:
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         request.output.append(token)
         request.logprobs.append(logprob)
+        if request.params.top_logprobs:
+            request.top_logprobs.append(top)
         params = request.params
         reason = None
         if params.stop_at_eod and self.eod is not None and token == self.eod:
@@ -171,7 +177,7 @@ class Engine:
             request.finish_reason = reason
             self.scheduler.finish(request)
             self._to_free.append(request.rid)
-        return TokenEvent(request.rid, token, logprob, reason)
+        return TokenEvent(request.rid, token, logprob, reason, top)
 
     def shutdown(self) -> None:
         """Tell the following ranks to return from :meth:`follow`."""
@@ -252,7 +258,8 @@ class Engine:
         return box[0]
 
     def _execute(self, plan) -> List[tuple]:
-        """Run the plan's forwards; returns ``[(token, logprob)]`` of its sampling entries."""
+        """Run the plan's forwards; returns ``[(token, logprob, top)]`` of its sampling entries
+        (``top``: ``((id, logprob), ...)``, the entry's ``top_logprobs`` most likely tokens)."""
         for rid in plan["free"]:
             self._generators.pop(rid, None)
         if "score" in plan:
@@ -270,7 +277,10 @@ class Engine:
                 if entry.sample is not None and logits is not None:
                     rows.append(logits[0, offset - 1])
         samplers = [e for e in entries if e.sample is not None]
-        out = torch.zeros(len(samplers), 2, dtype=torch.float64, device=self.device)
+        # Every rank knows the plan, so the shared tensor's width agrees without a message:
+        # token, its log-probability, then (id, log-probability) pairs of the widest request.
+        width = max((e.sample.top_logprobs for e in samplers), default=0)
+        out = torch.zeros(len(samplers), 2 + 2 * width, dtype=torch.float64, device=self.device)
         for i, (entry, row) in enumerate(zip(samplers, rows)):
             p = entry.sample
             if entry.rid not in self._generators:
@@ -278,10 +288,19 @@ class Engine:
             token = sample(row[None], greedy=p.greedy, temperature=p.temperature, top_k=p.top_k,
                            top_p=p.top_p, vocab_size=self.vocab_size,
                            generator=self._generators[entry.rid])
-            logprob = torch.log_softmax(row[:self.vocab_size].float(), dim=-1)[token]
-            out[i, 0], out[i, 1] = token.double(), logprob.double()
+            logprobs = torch.log_softmax(row[:self.vocab_size].float(), dim=-1)
+            out[i, 0], out[i, 1] = token.double(), logprobs[token].double()
+            if p.top_logprobs:
+                values, ids = logprobs.topk(min(p.top_logprobs, self.vocab_size))
+                n = ids.numel()
+                out[i, 2:2 + 2 * n:2], out[i, 3:3 + 2 * n:2] = ids.double(), values.double()
         out = _share_from_last_stage(out, self.groups)
-        return [(int(t), float(lp)) for t, lp in out.tolist()]
+        result = []
+        for entry, values in zip(samplers, out.tolist()):
+            n = min(entry.sample.top_logprobs, self.vocab_size)
+            top = tuple((int(values[2 + 2 * j]), float(values[3 + 2 * j])) for j in range(n))
+            result.append((int(values[0]), float(values[1]), top))
+        return result
 
     def _forward(self, group: List[PlanEntry]):
         segments, offset = [], 0

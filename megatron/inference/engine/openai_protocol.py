@@ -4,7 +4,15 @@ bodies for what is refused (https://platform.openai.com/docs/api-reference/compl
 Defaults differing from OpenAI's: ``seed`` 0 when absent (so an answer is reproducible),
 ``top_k`` accepted as an extension (vLLM's; 0 or -1: off). ``temperature`` 0 is arg-max
 decoding. Refused with a 400: ``n`` or ``best_of`` other than 1, ``echo``, ``suffix``,
-``logit_bias``, non-zero penalties, more than one prompt per request.
+``logit_bias``, non-zero penalties, more than one prompt per request, and a field the endpoint
+does not know (OpenAI's "Unrecognized request argument supplied: X", :func:`check_fields`).
+Chat fields OpenAI documents for what is not built here (tools, structured output, audio, ...)
+are accepted only at the value that asks for nothing (:data:`NOT_BUILT`); a few that change
+nothing in the answer are read and ignored (:data:`IGNORED`).
+
+Log-probabilities (:func:`logprobs_asked`): completions' ``logprobs: N`` (0 to
+:data:`MAX_COMPLETION_LOGPROBS`, OpenAI's bound) and chat's ``logprobs: true`` with
+``top_logprobs: N`` (0 to :data:`~megatron.inference.engine.sampling_params.MAX_TOP_LOGPROBS`).
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from megatron.inference.engine.sampling_params import SamplingParams
+from megatron.inference.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from megatron.text_checks import lone_surrogate
 
 # The built-in chat template: one line per message ``{role}: {content}``, then ``assistant:``
 # for the answer; the answer stops at the next ``\nuser:`` line.
@@ -39,6 +48,104 @@ def error_body(message: str, param: Optional[str] = None, code: Optional[str] = 
     """OpenAI's error object ``{"error": {message, type, param, code}}``."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# OpenAI's bound on completions' ``logprobs`` (chat's ``top_logprobs`` goes to 20).
+MAX_COMPLETION_LOGPROBS = 5
+
+# The request fields each endpoint reads (OpenAI's, plus ``top_k``, vLLM's extension, and
+# ``max_completion_tokens`` on both). Anything else is refused, as OpenAI refuses it.
+_COMMON_FIELDS = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                  "seed", "stop", "stream", "stream_options", "n", "logit_bias",
+                  "presence_penalty", "frequency_penalty", "logprobs", "user")
+COMPLETION_FIELDS = frozenset(_COMMON_FIELDS + ("prompt", "best_of", "echo", "suffix"))
+
+# Fields that change nothing in an answer here, read and ignored (value: the JSON types taken):
+# ``user`` / ``safety_identifier`` (an end-user id for abuse monitoring), ``metadata`` (tags for
+# stored completions), ``service_tier`` (a processing tier), ``prompt_cache_key`` (a cache
+# routing hint), ``parallel_tool_calls`` (meaningful with ``tools`` only), ``model`` (one model
+# is served, whatever the name).
+IGNORED = {"model": (str,), "user": (str,), "safety_identifier": (str,), "metadata": (dict,),
+           "service_tier": (str,), "prompt_cache_key": (str,), "parallel_tool_calls": (bool,)}
+
+# Chat fields for what is not built: accepted at null or at a value that asks for nothing.
+NOT_BUILT = {"tools": ([[]], "tool calling"), "tool_choice": (["none"], "tool calling"),
+             "functions": ([[]], "function calling"), "function_call": (["none"], "function calling"),
+             "response_format": ([{"type": "text"}], "structured output (a response_format other "
+                                 "than text)"),
+             "modalities": ([["text"]], "output other than text"), "audio": ([], "audio output"),
+             "prediction": ([], "predicted outputs"), "reasoning_effort": ([], "reasoning effort"),
+             "web_search_options": ([], "web search"), "verbosity": ([], "verbosity"),
+             "store": ([False], "storing completions")}
+CHAT_FIELDS = frozenset(_COMMON_FIELDS + ("messages", "top_logprobs") + tuple(IGNORED)
+                        + tuple(NOT_BUILT))
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+
+
+def check_fields(body: Dict[str, Any], chat: bool) -> None:
+    """Refuse a field the endpoint does not read (naming it, as OpenAI does), an ignored field of
+    the wrong type, a :data:`NOT_BUILT` field asking for something, and a bad ``stream_options``.
+
+    Raises:
+        RequestError: 400, ``param`` the field.
+    """
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        s = "s" if len(unknown) > 1 else ""
+        raise RequestError(f"Unrecognized request argument{s} supplied: {', '.join(unknown)}",
+                           unknown[0])
+    for name, types in IGNORED.items():
+        value = body.get(name)
+        if name in known and value is not None and not isinstance(value, types):
+            raise RequestError(f"'{name}' must be a {types[0].__name__.replace('str', 'string')}"
+                               f" (got {value!r})", name)
+    if chat:
+        for name, (neutral, what) in NOT_BUILT.items():
+            value = body.get(name)
+            if value is not None and not any(value == n and type(value) is type(n)
+                                             for n in neutral):
+                raise RequestError(f"'{name}': {what} is not supported by this server (got "
+                                   f"{value!r}); see docs/serving.md", name)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError(f"'stream_options' must be an object (got {options!r})",
+                               "stream_options")
+        extra = sorted(k for k in options if k not in STREAM_OPTIONS)
+        if extra:
+            raise RequestError(f"Unrecognized request argument supplied: stream_options."
+                               f"{extra[0]}", "stream_options")
+        if any(v is not None and not isinstance(v, bool) for v in options.values()):
+            raise RequestError(f"'stream_options' values must be true or false (got {options!r})",
+                               "stream_options")
+        if body.get("stream") is not True:
+            raise RequestError("'stream_options' is only allowed when 'stream' is true",
+                               "stream_options")
+
+
+def logprobs_asked(body: Dict[str, Any], chat: bool) -> Optional[int]:
+    """How many most likely tokens per position the request asks for with the log-probabilities
+    of its tokens, or None when it asks for no log-probabilities.
+
+    Completions: ``logprobs`` null, or an integer in [0, :data:`MAX_COMPLETION_LOGPROBS`].
+    Chat: ``logprobs`` true or false (null: false), ``top_logprobs`` null or an integer in
+    [0, ``MAX_TOP_LOGPROBS``]; a positive ``top_logprobs`` needs ``logprobs: true``.
+
+    Raises:
+        RequestError: 400 naming the field.
+    """
+    if not chat:
+        if body.get("logprobs") is None:
+            return None
+        return _number(body, "logprobs", 0, int, 0, MAX_COMPLETION_LOGPROBS)
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise RequestError(f"'logprobs' must be true or false (got {on!r})", "logprobs")
+    top = _number(body, "top_logprobs", 0, int, 0, MAX_TOP_LOGPROBS)
+    if top and not on:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return top if on else None
 
 
 @dataclass(frozen=True)
@@ -68,6 +175,11 @@ def request_body(raw: bytes) -> Dict[str, Any]:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    where = lone_surrogate(body)
+    if where is not None:
+        raise RequestError(f"'{where[0]}' is not Unicode text: a \\u escape in it is a lone "
+                           f"surrogate (U+{where[1]:04X}), which no text holds; send UTF-8 text",
+                           where[0].split(".")[0].split("[")[0])
     return body
 
 
@@ -102,12 +214,15 @@ def _refuse_unsupported(body: Dict[str, Any]) -> None:
             raise RequestError(f"'{name}' is not supported (0 only)", name)
 
 
-def sampling_params(body: Dict[str, Any], limits: Limits, extra_stop: Tuple[str, ...] = ()
-                    ) -> SamplingParams:
-    """The request's :class:`SamplingParams`; raises :class:`RequestError` for a bad value."""
+def sampling_params(body: Dict[str, Any], limits: Limits, extra_stop: Tuple[str, ...] = (),
+                    chat: bool = False) -> SamplingParams:
+    """The request's :class:`SamplingParams` (``chat``: a chat-completion request); raises
+    :class:`RequestError` for an unknown field (:func:`check_fields`) or a bad value."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    check_fields(body, chat)
     _refuse_unsupported(body)
+    top_logprobs = logprobs_asked(body, chat) or 0
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:  # a null newer field must not hide the older one
         max_tokens = body.get("max_tokens")
@@ -131,7 +246,7 @@ def sampling_params(body: Dict[str, Any], limits: Limits, extra_stop: Tuple[str,
     return SamplingParams(max_tokens=max_tokens, greedy=temperature == 0.0,
                           temperature=temperature if temperature > 0 else 1.0,
                           top_k=max(top_k, 0), top_p=top_p if top_p < 1.0 else 0.0, seed=seed,
-                          stop=tuple(stop) + tuple(extra_stop))
+                          stop=tuple(stop) + tuple(extra_stop), top_logprobs=top_logprobs)
 
 
 def completion_prompt(body: Dict[str, Any]) -> Union[str, List[int]]:
@@ -148,17 +263,44 @@ def completion_prompt(body: Dict[str, Any]) -> Union[str, List[int]]:
                        "(one prompt per request)", "prompt")
 
 
+# A message's keys: ``name`` (a participant's name) is read and ignored.
+MESSAGE_KEYS = ("role", "content", "name")
+
+
+def _content_text(content: Any) -> Optional[str]:
+    """A message's text: a string, or OpenAI's list of text parts ``[{"type": "text", "text":
+    ...}]`` joined; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+            and isinstance(p["text"], str) for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
 def render_chat(messages: Any) -> str:
-    """The built-in template: ``{role}: {content}\\n`` per message, then ``assistant:``."""
+    """The built-in template: ``{role}: {content}\\n`` per message, then ``assistant:``.
+
+    Raises:
+        RequestError: not a non-empty list of messages of a known role with text content, or a
+            message key other than :data:`MESSAGE_KEYS` (named, e.g. ``messages[1].tool_calls``).
+    """
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     lines = []
     for i, m in enumerate(messages):
-        if (not isinstance(m, dict) or m.get("role") not in CHAT_ROLES
-                or not isinstance(m.get("content"), str)):
+        text = _content_text(m.get("content")) if isinstance(m, dict) else None
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or text is None:
             raise RequestError(f"messages[{i}] must be {{'role': one of {list(CHAT_ROLES)}, "
-                               "'content': a string}", "messages")
-        lines.append(f"{m['role']}: {m['content']}\n")
+                               "'content': a string or a list of text parts}", "messages")
+        unknown = sorted(k for k in m if k not in MESSAGE_KEYS)
+        if unknown:
+            raise RequestError(f"Unrecognized request argument supplied: messages[{i}]."
+                               f"{unknown[0]}", "messages")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise RequestError(f"messages[{i}].name must be a string", "messages")
+        lines.append(f"{m['role']}: {text}\n")
     return "".join(lines) + "assistant:"
 
 
@@ -174,3 +316,42 @@ def held_back(text: str, stops: Tuple[str, ...]) -> int:
     if text.endswith("\ufffd"):
         hold = max(hold, 1)
     return hold
+
+
+def completion_logprobs(entries, token_text, top: int) -> Dict[str, Any]:
+    """OpenAI's completions ``logprobs`` object of generated tokens.
+
+    Args:
+        entries: per token ``(id, log-probability, ((id, log-probability), ...))``, the last
+            being the ``top`` most likely tokens there.
+        token_text: id -> its text.
+        top: the request's ``logprobs`` N.
+
+    Returns:
+        ``{"tokens", "token_logprobs", "top_logprobs", "text_offset": None}``; ``top_logprobs``
+        holds per position a ``{text: log-probability}`` of the N most likely tokens and the
+        chosen one (so up to N + 1 entries, as OpenAI's; ids of the same text keep the most
+        likely).
+    """
+    tops = []
+    for token, logprob, alternatives in entries:
+        d: Dict[str, float] = {}
+        for alt, value in alternatives[:top]:
+            d.setdefault(token_text(alt), value)
+        d.setdefault(token_text(token), logprob)
+        tops.append(d)
+    return {"tokens": [token_text(t) for t, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
+            "text_offset": None}
+
+
+def chat_logprobs(entries, token_text, top: int) -> Dict[str, Any]:
+    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs:
+    [{token, logprob, bytes}] (the ``top`` most likely, most likely first)}], "refusal": None}``
+    (``entries`` and ``token_text`` as :func:`completion_logprobs`)."""
+    def item(token, logprob):
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(item(t, lp), top_logprobs=[item(a, v) for a, v in alts[:top]])
+                        for t, lp, alts in entries], "refusal": None}

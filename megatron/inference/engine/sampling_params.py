@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Tuple
 
+# The most alternatives per position a request may ask for (OpenAI's bound for chat's
+# ``top_logprobs``; each costs 16 bytes per token in the step's broadcast).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +24,9 @@ class SamplingParams:
             requests of the batch.
         stop: strings that end the generation; the text is cut before the first one.
         stop_at_eod: end at the tokenizer's end-of-document id.
+        top_logprobs: also return, per generated token, the ids and log-probabilities of the
+            ``top_logprobs`` most likely tokens at that position (fp32 log-softmax over the true
+            vocabulary, most likely first; 0: none). At most :data:`MAX_TOP_LOGPROBS`.
     """
 
     max_tokens: int = 16
@@ -30,6 +37,7 @@ class SamplingParams:
     seed: int = 1234
     stop: Tuple[str, ...] = field(default_factory=tuple)
     stop_at_eod: bool = True
+    top_logprobs: int = 0
 
     def __post_init__(self):
         errors = []
@@ -45,5 +53,9 @@ class SamplingParams:
             errors.append(f"seed must be an integer (got {self.seed!r})")
         if not all(isinstance(s, str) and s for s in self.stop):
             errors.append(f"stop must be non-empty strings (got {self.stop!r})")
+        if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            errors.append(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] "
+                          f"(got {self.top_logprobs!r})")
         if errors:
             raise ValueError("; ".join(errors))

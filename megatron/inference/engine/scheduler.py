@@ -40,6 +40,7 @@ class Request:
     computed: int = 0
     output: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    top_logprobs: List[tuple] = field(default_factory=list)  # per token: ((id, logprob), ...)
     text: Optional[str] = None
     finish_reason: Optional[str] = None
     arrival_time: float = field(default_factory=time.perf_counter)

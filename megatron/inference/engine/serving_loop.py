@@ -16,8 +16,9 @@ from megatron.inference.engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class Delivery:
     """What a sink receives: ``kind`` ``"error"`` (``message``: the request was refused),
-    ``"token"`` (one new token; on the last, ``finish_reason`` and the final ``text``: cut
-    before a stop string, without the end-of-document token)."""
+    ``"token"`` (one new token, its log-probability and ``top``, the most likely tokens when the
+    request asked for them; on the last, ``finish_reason`` and the final ``text``: cut before a
+    stop string, without the end-of-document token)."""
 
     kind: str
     message: str = ""
@@ -27,6 +28,7 @@ class Delivery:
     text: Optional[str] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    top: tuple = ()  # ((id, logprob), ...): the request's top_logprobs most likely tokens
 
 
 class ServingLoop:
@@ -102,4 +104,5 @@ class ServingLoop:
         sink = self._sinks[event.rid] if event.finish_reason is None else self._sinks.pop(event.rid)
         sink(Delivery("token", token=event.token, logprob=event.logprob,
                       finish_reason=event.finish_reason, text=text,
-                      prompt_tokens=len(request.prompt), completion_tokens=len(request.output)))
+                      prompt_tokens=len(request.prompt), completion_tokens=len(request.output),
+                      top=event.top))

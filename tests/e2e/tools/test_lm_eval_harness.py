@@ -158,3 +158,38 @@ def test_a_wrong_process_count_is_one_line_before_any_group(model):
     assert (f"torchrun --nproc-per-node 4 -m megatron.inference.lm_eval_harness --model "
             f"megatron_llama3d --model_args load={model['ckpt']}") in message
     assert not dist.is_initialized()
+
+
+def test_an_unknown_model_argument_is_one_line_naming_the_accepted_ones(tmp_path, monkeypatch,
+                                                                        capsys):
+    """``--model_args`` the backend does not take were dropped silently (a misspelt
+    ``max_lenght=64`` ran at the full context); now one line, before anything is read."""
+    import inspect
+
+    import torch.distributed as dist
+
+    from megatron.inference import lm_eval_harness
+    from megatron.inference.lm_eval_harness import MODEL_ARGS, MegatronLlama3dLM
+    from megatron.usage_error import UsageError
+
+    taken = set(inspect.signature(MegatronLlama3dLM.__init__).parameters) - {"self", "unknown"}
+    assert set(MODEL_ARGS) | {"max_batch_size", "device"} == taken
+    missing = str(tmp_path / "none")
+    with pytest.raises(UsageError) as caught:  # the harness's own path from --model_args
+        MegatronLlama3dLM.create_from_arg_string(f"load={missing},max_lenght=64",
+                                                 {"batch_size": 4, "device": None})
+    message = str(caught.value)
+    assert message == ("--model_args max_lenght=64: megatron_llama3d takes no argument "
+                       f"'max_lenght'; it takes {', '.join(MODEL_ARGS)}")
+    assert not dist.is_initialized()
+
+    def cli_evaluate():  # the harness's command line up to the model's construction
+        MegatronLlama3dLM.create_from_arg_string(f"load={missing},foo=1", {"batch_size": 1})
+
+    import lm_eval.__main__
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", cli_evaluate)
+    assert lm_eval_harness.main(["--model", "megatron_llama3d"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"lm_eval_harness: error: --model_args foo=1: megatron_llama3d takes no "
+                     f"argument 'foo'; it takes {', '.join(MODEL_ARGS)}"]

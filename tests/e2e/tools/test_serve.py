@@ -217,12 +217,94 @@ def test_stop_string_cuts_the_text(server):
     (json.dumps({"prompt": ["a", "b"]}).encode(), 400, "one prompt per request"),
     (json.dumps({"prompt": [1, 99999]}).encode(), 400, "prompt token ids must be in"),
     (json.dumps({"prompt": "x" * 5000}).encode(), 413, "--max-body-bytes"),
+    (json.dumps({"prompt": "hi", "temprature": 0}).encode(), 400,
+     "Unrecognized request argument supplied: temprature"),
+    (json.dumps({"prompt": "hi", "logprobs": 6}).encode(), 400, "'logprobs' must be an integer in [0, 5]"),
 ])
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, body, status, words):
     got, answer = server.raw("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     assert got == status and words in answer["error"]["message"], answer
     ok = server.client.completions.create(model="m", prompt="hi", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2
+
+
+def test_unknown_fields_get_openais_error_object(server):
+    """A field the endpoint does not know used to be ignored silently; OpenAI's 400 names it."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2, "foo": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "foo": 1})):
+        got, answer = server.raw("POST", path, json.dumps(body))
+        assert got == 400 and answer == {"error": {
+            "message": "Unrecognized request argument supplied: foo",
+            "type": "invalid_request_error", "param": "foo", "code": None}}, answer
+    got, answer = server.raw("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}))
+    assert got == 400 and answer["error"]["param"] == "top_logprobs", answer
+    # the fields documented as accepted and ignored are
+    ok = server.client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0,
+        user="someone", metadata={"k": "v"}, store=False, service_tier="auto",
+        response_format={"type": "text"}, tools=None)
+    assert ok.usage.completion_tokens == 2
+
+
+def _top_rank(load, prompt, new, n):
+    """The oracle: greedy ids, then a plain forward over prompt + ids without cache; per
+    position the n largest values of its fp32 log_softmax over the true vocabulary."""
+    import torch
+
+    from megatron.inference import generate
+    from megatron.inference.forward import forward_logits
+    from megatron.inference.model_loader import load_model_for_inference
+
+    groups = ps.initialize_model_parallel(1, 1)
+    model, saved = load_model_for_inference(load, groups)
+    ids = generate(model, [prompt], new, greedy=True, vocab_size=saved["true_vocab_size"],
+                   pg_collection=groups)[0][len(prompt):]
+    with torch.no_grad():
+        logits = forward_logits(model, torch.tensor([prompt + ids[:-1]]),
+                                pg_collection=groups)[0, len(prompt) - 1:]
+    logp = torch.log_softmax(logits[:, :saved["true_vocab_size"]].float(), dim=-1)
+    return ids, logp.topk(n).values.tolist()
+
+
+def test_top_logprobs_equal_the_forwards_log_softmax(checkpoint, server):
+    """Completions' ``logprobs: N`` and chat's ``top_logprobs: N`` give each position's N most
+    likely tokens with the log-probabilities of a plain log_softmax of the forward's logits
+    (they were always null); streamed, the same entries arrive."""
+    root, tokenizer_model = checkpoint
+    tok = _tokenizer(tokenizer_model)
+    messages = [{"role": "user", "content": "Hello"}]
+    rendered = "user: Hello\nassistant:"
+    ids, top = run_distributed(1, _top_rank, str(root / "tp1"), tok.tokenize(rendered), 6, 3)[0]
+    chat = server.client.chat.completions.create(model="m", messages=messages, max_tokens=6,
+                                                 temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    n = len(content)  # fewer than 6 when the answer stopped at the template's stop string
+    assert 1 <= n and [c.token for c in content] == [tok.detokenize([i]) for i in ids[:n]]
+    for c, values in zip(content, top):
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(values, abs=2e-5)
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+        assert bytes(c.bytes).decode("utf-8") == c.token
+    streamed = server.client.chat.completions.create(
+        model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    got = [c.model_dump() for k in chunks[:-1] if k.choices[0].logprobs
+           for c in k.choices[0].logprobs.content]
+    assert got == [c.model_dump() for c in content]
+
+    r = server.client.completions.create(model="m", prompt=rendered, max_tokens=6, temperature=0,
+                                         logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == 6 and lp.token_logprobs == pytest.approx(
+        [values[0] for values in top], abs=2e-5)
+    for alternatives, values, token, chosen in zip(lp.top_logprobs, top, lp.tokens,
+                                                   lp.token_logprobs):
+        # up to N + 1 entries: the N most likely (ids of one text merge) and the chosen one
+        assert alternatives[token] == chosen and 1 <= len(alternatives) <= 4
+        assert all(min(abs(v - w) for w in values) < 2e-5 for v in alternatives.values())
 
 
 def test_bad_chat_and_unknown_route(server):

@@ -68,8 +68,17 @@ def _rank(tp, pp, load_dir, with_oracles):
     groups = ps.initialize_model_parallel(tp, pp)
     model, saved = load_model_for_inference(load_dir, groups)
     out = _scenarios(model, groups)
+    out["top"] = _top_logprobs(model, groups)
     if not with_oracles:
         return out
+    # The plain computation of the most likely tokens: log_softmax of one full forward.
+    out["top_full"] = []
+    for prompt, (tokens, _, _) in zip(PROMPTS[:3], out["top"]):
+        seq = torch.tensor([prompt + tokens[:-1]])
+        logits = forward_logits(model, seq, pg_collection=groups)[0, len(prompt) - 1:]
+        logp = torch.log_softmax(logits[:, :saved["true_vocab_size"]].float(), dim=-1)
+        values, ids = logp.sort(dim=-1, descending=True)
+        out["top_full"].append((ids[:, :TOP_N].tolist(), values[:, :TOP_N].tolist()))
     out["packed"] = _scenarios(model, groups, packed=True)["mixed"]
     out["generate"] = [generate(model, [p], s.max_tokens, greedy=True, pg_collection=groups)[0][len(p):]
                        if s.greedy else None for p, s in zip(PROMPTS, PARAMS)]
@@ -82,6 +91,25 @@ def _rank(tp, pp, load_dir, with_oracles):
         out["full"].append(logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist())
     out["features"] = _features(model, groups)
     return out
+
+
+TOP_N = 4  # top_logprobs of the first request; the second asks for 2, the third for none
+
+
+def _top_logprobs(model, groups):
+    """Three requests in one batch asking for 4, 2 and no most likely tokens: per request
+    (tokens, log-probabilities, top ((id, logprob), ...) per token)."""
+    params = [SamplingParams(max_tokens=6, greedy=True, top_logprobs=TOP_N),
+              SamplingParams(max_tokens=5, temperature=0.9, seed=2, top_logprobs=2),
+              SamplingParams(max_tokens=4, greedy=True)]
+    engine = Engine(model, groups, **ENGINE)
+    if not engine.is_leader:
+        while engine.follow():
+            pass
+        return None
+    requests = engine.generate(PROMPTS[:3], params)
+    engine.shutdown()
+    return [(r.output, r.logprobs, r.top_logprobs) for r in requests]
 
 
 def _features(model, groups):
@@ -169,6 +197,32 @@ def test_stop_strings_end_of_document_admission_and_refusals(tp1):
     assert "exceeds the model's context of 256 positions" in errors[3]
 
 
+def test_top_logprobs_equal_a_log_softmax_of_the_full_forward(tp1):
+    """Each position's most likely tokens and their log-probabilities: those of a plain
+    log_softmax of the forward's logits (sorted), for a greedy and a sampled request batched
+    with one that asks for none."""
+    (tokens, logprobs, top), (stokens, slogprobs, stop), (_, _, none) = tp1["top"]
+    assert none == [] and len(top) == len(tokens) == 6 and len(stop) == len(stokens) == 5
+    for got, (ids, values) in zip((top, stop), tp1["top_full"][:2]):
+        n = len(got[0])
+        for position, alternatives in enumerate(got):
+            assert len(alternatives) == n and n in (TOP_N, 2)
+            got_ids = [i for i, _ in alternatives]
+            got_values = [v for _, v in alternatives]
+            torch.testing.assert_close(torch.tensor(got_values),
+                                       torch.tensor(values[position][:n]), rtol=0, atol=2e-5)
+            gaps = [a - b for a, b in zip(values[position][:n], values[position][1:n + 1])]
+            # ids agree wherever the oracle's order is not a near-tie
+            for k in range(n):
+                if min(gaps[max(k - 1, 0):k + 1]) > 1e-4:
+                    assert got_ids[k] == ids[position][k]
+    # greedy: the chosen token is the most likely one, with the same log-probability
+    assert [a[0][0] for a in top] == tokens
+    assert [a[0][1] for a in top] == logprobs
+    # sampled: the chosen token's log-probability is at most the most likely one's
+    assert all(lp <= a[0][1] for lp, a in zip(slogprobs, stop))
+
+
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_batch_invariance_at_tp2_and_pp2(checkpoints, tp1, layout):
     tp, pp = (2, 1) if layout == "tp2" else (1, 2)
@@ -178,4 +232,9 @@ def test_batch_invariance_at_tp2_and_pp2(checkpoints, tp1, layout):
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(leader["alone"], tp1["alone"]):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), rtol=0,
+                                   atol=2e-5)
+    for (tokens, _, top), (ref_tokens, _, ref_top) in zip(leader["top"], tp1["top"]):
+        assert tokens == ref_tokens and [len(a) for a in top] == [len(a) for a in ref_top]
+        torch.testing.assert_close(torch.tensor([[v for _, v in a] for a in top]),
+                                   torch.tensor([[v for _, v in a] for a in ref_top]), rtol=0,
                                    atol=2e-5)

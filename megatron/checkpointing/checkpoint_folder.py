@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.checkpoint_io import (CheckpointError, Che
 from megatron.core.optimizer.lr_scheduler import ScheduleMismatchError
 from megatron.usage_error import UsageError
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+TRACKER_FILENAME = save_folder.TRACKER_FILENAME
 
 
 def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:

@@ -41,6 +41,8 @@ from typing import Optional
 from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 from megatron.usage_error import UsageError
 
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron's name of the tracker file
+
 LOCK_FILENAME = "megatron_save.lock"
 # A lock this program writes is ~200 bytes of JSON; a larger file is refused unread, so that a
 # multi-gigabyte file in its place (sparse, or a log written there) is never read into memory.
@@ -170,9 +172,7 @@ def check_tracker_files(save_dir: str) -> None:
     Raises:
         UsageError: naming the file, what it is and the fix.
     """
-    from megatron.checkpointing.checkpoint_folder import get_checkpoint_tracker_filename
-
-    tracker = get_checkpoint_tracker_filename(save_dir)
+    tracker = os.path.join(save_dir, TRACKER_FILENAME)
     for path in (tracker, tracker + ".tmp"):
         if os.path.lexists(path) and not os.path.isfile(path):
             raise UsageError(f"--save ({save_dir}): {path} is a {file_kind(path)}, not the "

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 STOPPED_LIMIT_S = 60.0  # a worker stopped longer than this ends the run
 _POLL_S = 2.0           # how often a waiting main process looks at its workers
+EXIT_GRACE_S = 10.0     # a worker asked to exit that is still alive this much later is SIGKILLed
 
 
 class WorkerDied(RuntimeError):
@@ -117,22 +118,34 @@ class WorkerPool:
             yield self.result(pending.popleft())
 
     def close(self) -> None:
-        """Let the workers finish and exit (their CPU time then shows in rusage)."""
-        self.executor.shutdown(wait=True)
+        """Let the workers finish and exit (their CPU time then shows in rusage); one that has not
+        exited ``EXIT_GRACE_S`` after the last result is SIGKILLed."""
+        self.executor.shutdown(wait=False)
+        self._end_workers(signal_first=False)
 
     def terminate(self) -> None:
         """Stop now: SIGKILL stopped workers (a stopped one ignores SIGTERM until continued),
         SIGTERM the others, drop the pending chunks."""
-        self._kill_stopped()
-        for process in self.processes:
-            if process.exitcode is None:
-                process.terminate()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self._end_workers(signal_first=True)
 
-    def _kill_stopped(self) -> None:
+    def _end_workers(self, signal_first: bool) -> None:
+        """SIGTERM the workers (``signal_first``), SIGKILL any still alive ``EXIT_GRACE_S`` later,
+        then shut the executor down. A stopped worker ignores SIGTERM until continued, and a
+        worker forked while another thread of this process held a lock can hang before it runs
+        a line of Python (its inherited Python SIGTERM handler then never runs): without the
+        SIGKILL the executor's shutdown would wait for them forever."""
+        if signal_first:
+            for process in self.processes:
+                if process.exitcode is None:
+                    process.terminate()
+        deadline = time.monotonic() + EXIT_GRACE_S
         for process in self.processes:
-            if process.exitcode is None and process_state(process.pid) in ("T", "t"):
+            while process.exitcode is None and time.monotonic() < deadline \
+                    and process_state(process.pid) not in ("T", "t"):
+                time.sleep(0.02)
+            if process.exitcode is None:
                 process.kill()
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     def _named(self, call, *args):
         from concurrent.futures.process import BrokenProcessPool
@@ -159,8 +172,7 @@ class WorkerPool:
 
     def _died(self) -> WorkerDied:
         """Name the worker that broke the pool (the first that did not end by our SIGTERM)."""
-        self._kill_stopped()  # the executor's SIGTERM would not end them: shutdown would wait
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self._end_workers(signal_first=True)
         codes = [(p.pid, p.exitcode) for p in self.processes]
         pid, code = next(((pid, c) for pid, c in codes if c not in (None, 0, -signal.SIGTERM)),
                          next(((pid, c) for pid, c in codes if c), (None, None)))

@@ -186,13 +186,14 @@ def test_missing_input_is_an_error(tmp_path, capsys):
 
 
 def test_cli_starts_fast_without_torch(shared_data, tmp_path):
-    """The tool as users run it: imports stay light (no torch) and it starts well under 2 s."""
-    code = ("import sys, time; t = time.perf_counter(); sys.argv[0] = 'tools/preprocess_data.py'; "
+    """The tool as users run it: imports stay light (no torch, transformers or sympy: what made its
+    start slow). Asserted on the imports, not on a time, which a loaded machine stretches (2 s
+    became 6.9 s under a load of 200)."""
+    code = ("import sys; sys.argv[0] = 'tools/preprocess_data.py'; "
             "import runpy; mod = runpy.run_path('tools/preprocess_data.py', run_name='preprocess'); "
-            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+            "print(*[m in sys.modules for m in ('torch', 'transformers', 'sympy')])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    seconds, torch_loaded = out.stdout.split()
-    assert torch_loaded == "False" and float(seconds) < 2.0
+    assert out.stdout.split() == ["False", "False", "False"], out.stdout
     ref = os.path.join(shared_data, "megatron-lm-reference")
     start = time.perf_counter()
     subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", os.path.join(ref, "sample.jsonl"),

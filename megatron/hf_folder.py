@@ -173,7 +173,7 @@ def weight_map(index_path: str, folder: str) -> dict:
             entries = json.load(f)["weight_map"]
         items = entries.items()
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-            AttributeError) as exc:
+            AttributeError, RecursionError) as exc:
         raise ValueError(f"{index_path}: not a checkpoint index with a weight_map "
                          f"({type(exc).__name__}: {exc})") from None
     where = {}

@@ -209,8 +209,28 @@ def prepare_staging(save_dir: str, staging: str) -> None:
         OSError: ``staging`` cannot be created.
     """
     save_folder.check_not_held_by_another_job(save_dir)
-    shutil.rmtree(staging, ignore_errors=True)
+    remove_path(staging)
     os.makedirs(staging, exist_ok=True)
+
+
+def remove_path(path: str) -> None:
+    """Remove what is at ``path``, looking at it with ``lstat`` first: a folder (not a link to one)
+    with its contents, anything else (a link, a file, a named pipe) by unlinking it. Errors are
+    ignored, as ``shutil.rmtree(ignore_errors=True)`` ignores them. ``shutil.rmtree`` alone opens
+    its argument for reading before it knows what it is, so a named pipe under a name a save
+    removes (``iter_N``, ``iter_N.tmp``, ``iter_N.old``) waited for a writer forever, and a link
+    to a folder outside was left behind."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def fsync_dir(path: str) -> None:
@@ -231,11 +251,11 @@ def publish(save_dir, staging, final_dir, iteration, keep_last, protect=()) -> N
     leftovers of killed saves and, with ``keep_last``, older checkpoints
     (:func:`checkpoints_to_remove`; ``protect`` is kept)."""
     old = final_dir + ".old"
-    if os.path.exists(final_dir):  # re-saving an iteration (after a restart)
-        shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(final_dir):  # re-saving an iteration (after a restart), or a link there
+        remove_path(old)
         os.rename(final_dir, old)
     os.rename(staging, final_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_path(old)
     tracker = get_checkpoint_tracker_filename(save_dir)
     tmp = tracker + ".tmp"
     # Non-blocking, not through a link: a named pipe put there since the start-up check
@@ -255,6 +275,6 @@ def publish(save_dir, staging, final_dir, iteration, keep_last, protect=()) -> N
     # writes here (this one holds the folder's lock, checked at the start of the save).
     for stale in glob.glob(os.path.join(save_dir, "iter_*.tmp")) + glob.glob(
             os.path.join(save_dir, "iter_*.old")):
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_path(stale)
     for d in checkpoints_to_remove(save_dir, keep_last, final_dir, protect):
-        shutil.rmtree(d, ignore_errors=True)
+        remove_path(d)

@@ -173,8 +173,11 @@ def check_tracker_files(save_dir: str) -> None:
         UsageError: naming the file, what it is and the fix.
     """
     tracker = os.path.join(save_dir, TRACKER_FILENAME)
-    for path in (tracker, tracker + ".tmp"):
-        if os.path.lexists(path) and not os.path.isfile(path):
+    for path, follow in ((tracker, True), (tracker + ".tmp", False)):
+        # The tracker may be a link to a file (publish replaces the link); its temporary is
+        # opened without following links, so a link there is refused too.
+        if os.path.lexists(path) and not (os.path.isfile(path) if follow else
+                                          stat.S_ISREG(os.lstat(path).st_mode)):
             raise UsageError(f"--save ({save_dir}): {path} is a {file_kind(path)}, not the "
                              "tracker file checkpoints are published with; remove it (or give "
                              "another --save) and start again")

@@ -31,8 +31,6 @@ def _release_readers(fifo):
 
 # --- the --save folder: the tracker's temporary as a link --------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="check_tracker_files uses os.path.isfile, which follows the "
-                   "link; publish then opens it O_NOFOLLOW: ELOOP traceback after training")
 @pytest.mark.parametrize("where", ["outside", "inside"])
 def test_a_tracker_temporary_that_is_a_link_is_refused_at_start(tmp_path, where):
     save = tmp_path / "save"
@@ -70,15 +68,12 @@ def _publish_over(tmp_path, name):
     return how, value
 
 
-@pytest.mark.xfail(strict=True, reason="publish: shutil.rmtree of a FIFO opens it for reading "
-                   "and waits for a writer forever (the first save of a run hangs)")
 @pytest.mark.parametrize("name", ["iter_0000002", "iter_0000002.old", "iter_0000099.tmp"])
 def test_a_pipe_under_a_name_the_save_removes_does_not_hang_it(tmp_path, name):
     how, value = _publish_over(tmp_path, name)
     assert how != "hung", f"publish hung on {name}, a named pipe"
 
 
-@pytest.mark.xfail(strict=True, reason="prepare_staging: shutil.rmtree of a FIFO blocks")
 def test_a_staging_name_that_is_a_pipe_does_not_hang_the_save(tmp_path):
     save = tmp_path / "save"
     save.mkdir()
@@ -89,8 +84,6 @@ def test_a_staging_name_that_is_a_pipe_does_not_hang_the_save(tmp_path):
     assert how != "hung", "prepare_staging hung on a named pipe"
 
 
-@pytest.mark.xfail(strict=True, reason="publish renames the staging folder onto a dangling link: "
-                   "NotADirectoryError traceback after training")
 def test_a_dangling_link_at_the_saved_iteration_is_named(tmp_path):
     save = tmp_path / "save"
     (save / "iter_0000002.tmp").mkdir(parents=True)
@@ -111,7 +104,6 @@ def test_a_regular_file_at_the_saved_iteration_is_moved_aside(tmp_path):
 
 # --- HuggingFace index files -----------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="weight_map does not catch json's RecursionError")
 def test_a_deeply_nested_index_is_refused_in_one_line(tmp_path):
     from megatron.hf_folder import weight_map
 

@@ -334,7 +334,8 @@ def main(argv=None) -> int:
     for recompute in RECOMPUTE_CHOICES:
         row = []
         for sp in (False, True):
-            if sp and L.tp == 1:
+            # SP needs TP > 1; a MoE layer at TP > 1 needs SP (each tensor rank routes its share)
+            if (sp and L.tp == 1) or (not sp and L.tp > 1 and moe is not None):
                 row.append("      -")
                 continue
             row.append(_gib(estimate_memory(tp_config, tp=L.tp, pp=L.pp, dp=L.dp, seq_length=args.seq_length,

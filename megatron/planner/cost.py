@@ -297,7 +297,9 @@ def rank_layouts(config: ModelConfig, hw: Hardware, global_batch_size: int, seq_
     layouts = [l for l in enumerate_layouts(config, hw, global_batch_size,
                                             seq_length if allow_context_parallel else None,
                                             moe, expert_tensor_parallel_size)
-               if allow_sequence_parallel or not l.sequence_parallel]
+               if (allow_sequence_parallel or not l.sequence_parallel)
+               # a MoE layer at TP > 1 needs SP, as training does (each tensor rank routes its share)
+               and (moe is None or l.tp == 1 or l.sequence_parallel)]
     if not layouts:
         raise ValueError(f"no TP x PP x DP layout of {hw.num_gpus} GPUs divides --num-layers "
                          f"({config.num_layers}) and --global-batch-size ({global_batch_size}); "

@@ -79,8 +79,10 @@ def build_meta_stage(config: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0
     from megatron.model import get_layer_numbers
     from megatron.model.llama import LlamaModel
 
-    config = config.replace(tensor_model_parallel_size=tp, context_parallel_size=1)
     moe = moe if moe is not None and moe.num_experts else None
+    # Parameters do not depend on SP; a MoE layer at TP > 1 is only built with it (as trained).
+    config = config.replace(tensor_model_parallel_size=tp, context_parallel_size=1,
+                            sequence_parallel=config.sequence_parallel or (moe is not None and tp > 1))
     if moe is not None and moe.moe_ffn_hidden_size is None:  # validation's default, as the run's
         moe = dataclasses.replace(moe, moe_ffn_hidden_size=config.ffn_hidden_size)
     return LlamaModel(config, pg_collection=planned_groups(tp, pp, pp_rank, ep),

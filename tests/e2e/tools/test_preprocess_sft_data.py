@@ -147,7 +147,7 @@ def test_usage_errors_one_line(tmp_path, flags, match, subprocess_run):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(not os.path.isfile(SP_MODEL), reason="the 32k SentencePiece model is not beside the repository")
+@pytest.mark.skipif(not os.path.isfile(SP_MODEL), reason=f"{SP_MODEL} is not present on this machine")
 def test_sentencepiece_llama2(tmp_path):
     src = _write_jsonl(tmp_path / "in.jsonl", LINES[:3])
     out = _run("--input", src, "--output-prefix", str(tmp_path / "s"), "--tokenizer-type", "Llama2Tokenizer",

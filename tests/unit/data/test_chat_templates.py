@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from megatron.data import chat_templates as ct
+from tests.helpers.paths import SHARED_DATA
 
-SP_MODEL = os.path.join(os.path.dirname(__file__), *[os.pardir] * 4, os.pardir, "shared", "data",
-                        "sentencepiece-llama-32k.model")
+SP_MODEL = os.path.join(SHARED_DATA, "sentencepiece-llama-32k.model")
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"},
         {"role": "assistant", "content": "hello friend"}, {"role": "user", "content": "bye now"},
@@ -180,7 +180,7 @@ def test_builtin_llama2_and_chatml_equal_hf_templates():
             assert ct.render_chatml(messages, gen) == hf(CHATML, messages, gen)
 
 
-@pytest.mark.skipif(not os.path.isfile(SP_MODEL), reason="the 32k SentencePiece model is not beside the repository")
+@pytest.mark.skipif(not os.path.isfile(SP_MODEL), reason=f"{SP_MODEL} is not present on this machine")
 @pytest.mark.parametrize("template", sorted(ct.BUILTIN_TEMPLATES))
 def test_sentencepiece_mask_is_exactly_the_assistant_text(template):
     import sentencepiece
@@ -217,7 +217,7 @@ def test_mask_from_offsets():
     assert got.tolist() == [0, 1, 1, 0] and got.dtype == np.uint8
 
 
-@pytest.mark.skipif(not os.path.isfile(SP_MODEL), reason="the 32k SentencePiece model is not beside the repository")
+@pytest.mark.skipif(not os.path.isfile(SP_MODEL), reason=f"{SP_MODEL} is not present on this machine")
 @pytest.mark.parametrize("template", sorted(ct.BUILTIN_TEMPLATES))
 def test_sentencepiece_mask_with_non_ascii_text(template):
     """UTF-8 byte offsets mapped back to characters: the masked ids decode to the reply."""

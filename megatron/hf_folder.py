@@ -82,7 +82,7 @@ def _refuse_special(path: str, prefix: str = "") -> None:
         ValueError: ``{prefix}{path} is a named pipe, not a regular file; ...``.
     """
     if os.path.lexists(path) and not os.path.isfile(path):
-        from megatron.checkpointing.save_folder import file_kind
+        from megatron.file_kinds import file_kind
 
         raise ValueError(f"{prefix}{path} is a {file_kind(path)}, not a regular file; replace it "
                          "with the file it stands for")
@@ -191,7 +191,7 @@ def weight_map(index_path: str, folder: str) -> dict:
                 try:
                     _refuse_special(os.path.join(folder, file))
                 except ValueError:
-                    from megatron.checkpointing.save_folder import file_kind
+                    from megatron.file_kinds import file_kind
 
                     bad = f"a {file_kind(os.path.join(folder, file))}, not a regular file"
         if bad:

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
+from megatron.file_kinds import KINDS, file_kind  # noqa: F401 - file_kind: used by callers too
 from megatron.usage_error import UsageError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron's name of the tracker file
@@ -149,21 +150,6 @@ def read_holder(save_dir: str) -> Optional[LockHolder]:
                          f"job uses {save_dir}, delete {path} and start again") from None
 
 
-_KINDS = ((stat.S_ISFIFO, "named pipe"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"),
-          (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-          (stat.S_ISBLK, "block device"))
-
-
-def file_kind(path: str) -> str:
-    """What ``path`` (which exists or is a link) is, from ``lstat`` / ``stat`` only (a named pipe
-    is never opened): ``named pipe``, ``folder``, ``symbolic link to nothing``, ..."""
-    mode = os.lstat(path).st_mode
-    if stat.S_ISLNK(mode):
-        return ("symbolic link to nothing" if not os.path.exists(path)
-                else "symbolic link to no regular file")
-    return next((name for test, name in _KINDS if test(mode)), "special file")
-
-
 def check_tracker_files(save_dir: str) -> None:
     """Refuse a ``--save`` whose tracker (``latest_checkpointed_iteration.txt``) or the tracker's
     temporary (``.tmp``) exists and is no regular file, before anything is trained: the first
@@ -196,7 +182,7 @@ def _check_regular(save_dir: str, path: str) -> None:
         return
     if stat.S_ISREG(mode):
         return
-    kind = next((name for test, name in _KINDS if test(mode)), "special file")
+    kind = next((name for test, name in KINDS if test(mode)), "special file")
     raise UsageError(f"--save ({save_dir}): the lock file {path} is a {kind}, not a lock file "
                      f"this program wrote; if no job uses {save_dir}, remove {path} and start "
                      "again")

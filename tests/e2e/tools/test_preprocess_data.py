@@ -423,39 +423,24 @@ def _start_with_faulty_worker(src, out, mode):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
-def test_a_worker_killed_stops_the_run_in_one_line_with_no_output_and_no_orphan(old_and_new, tmp_path):
-    """Before: multiprocessing.Pool replaced the dead worker and waited for its chunk forever."""
-    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, "die")
+@pytest.mark.parametrize("mode, what", [
+    ("die", r"was killed by SIGKILL .*no output written.*--workers.*"),
+    ("stop", r"has been stopped \(SIGSTOP or a debugger\) for \d+ s .*no output written.*")])
+def test_a_worker_killed_or_stopped_stops_the_run_in_one_line_with_no_output_and_no_orphan(
+        old_and_new, tmp_path, mode, what):
+    """Before: multiprocessing.Pool replaced a dead worker and waited for its chunk forever, and a
+    SIGSTOPped worker held its chunk while the run waited forever."""
+    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, mode)
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("preprocess_data.py hung after a worker died")
+        pytest.fail(f"preprocess_data.py hung on a worker ({mode})")
     assert proc.returncode == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and re.fullmatch(
-        r"preprocess_data.py: error: tokenizer worker \(pid \d+\) was killed by SIGKILL .*no output "
-        r"written.*--workers.*", lines[0]), err
+        r"preprocess_data.py: error: tokenizer worker \(pid \d+\) " + what, lines[0]), err
     assert os.listdir(tmp_path) == []  # neither a .bin/.idx pair nor a temporary
-    assert not _processes_naming(str(tmp_path)), "a tokenizer worker outlived the run"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
-def test_a_stopped_worker_stops_the_run_in_one_line_with_no_output_and_no_orphan(old_and_new, tmp_path):
-    """Before: a SIGSTOPped worker held its chunk and the run waited forever."""
-    proc = _start_with_faulty_worker(old_and_new[1], tmp_path, "stop")
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("preprocess_data.py hung on a stopped worker")
-    assert proc.returncode == 1, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and re.fullmatch(
-        r"preprocess_data.py: error: tokenizer worker \(pid \d+\) has been stopped \(SIGSTOP or a "
-        r"debugger\) for \d+ s .*no output written.*", lines[0]), err
-    assert os.listdir(tmp_path) == []
     assert not _processes_naming(str(tmp_path)), "a tokenizer worker outlived the run"
 
 

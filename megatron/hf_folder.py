@@ -156,6 +156,15 @@ def open_safetensors(path: str):
                          "describe its content; re-download or re-convert it") from None
 
 
+def _encodable(name: str) -> bool:
+    """Whether ``name`` encodes to a path of this file system (JSON's ``\\ud800`` does not)."""
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def weight_map(index_path: str, folder: str) -> dict:
     """``{tensor name: shard path}`` of a ``*.index.json`` of ``folder``.
 
@@ -181,6 +190,8 @@ def weight_map(index_path: str, folder: str) -> dict:
         bad = None
         if not isinstance(file, str) or not file:
             bad = "not a file name"
+        elif not _encodable(file):
+            bad = "not a file name this system can encode (a lone surrogate or similar)"
         elif os.path.isabs(file) or ".." in file.replace("\\", "/").split("/"):
             bad = "a path outside the model folder"
         else:

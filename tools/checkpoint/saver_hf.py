@@ -339,11 +339,37 @@ def _is_sentencepiece_model(path: str) -> bool:
     return True
 
 
+# The largest tokenizer.json read from a folder the checkpoint names (Llama 4's: 27 MB).
+_TOKENIZER_JSON_MAX_BYTES = 256 * 2 ** 20
+
+
+def _is_tokenizers_json(path: str) -> bool:
+    """Whether ``path`` is a regular file the ``tokenizers`` library loads (size-capped first)."""
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(path) or os.path.getsize(path) > _TOKENIZER_JSON_MAX_BYTES:
+        return False
+    try:
+        Tokenizer.from_file(path)
+    except Exception:  # tokenizers raises its own Exception subclass for any malformed file
+        return False
+    return True
+
+
+def _holds_a_tokenizer(source: str) -> bool:
+    """Whether the folder ``source`` holds a tokenizer that loads: a SentencePiece
+    ``tokenizer.model`` or a ``tokenizers`` ``tokenizer.json``."""
+    return (_is_sentencepiece_model(os.path.join(source, "tokenizer.model"))
+            or _is_tokenizers_json(os.path.join(source, "tokenizer.json")))
+
+
 def _copy_tokenizer(source, folder: str, named_by_checkpoint: bool = False) -> None:
     """Copy the tokenizer files of ``source`` (a folder, or a SentencePiece model file) into the
-    export. A model file the checkpoint names (its recorded ``--tokenizer-model``, not
-    ``--tokenizer-dir``) is copied only if SentencePiece loads it: a path recorded in a
-    downloaded checkpoint must not put any file of this machine into the folder one publishes."""
+    export. What the checkpoint names (its recorded ``--tokenizer-model`` or HF folder, not
+    ``--tokenizer-dir``) is copied only if it is a tokenizer: a model file SentencePiece loads,
+    or a folder holding a ``tokenizer.model`` or ``tokenizer.json`` that loads. A path recorded
+    in a downloaded checkpoint must not put any file of this machine into the folder one
+    publishes."""
     if not source:
         print(" no tokenizer files copied (the source names none; pass --tokenizer-dir)")
         return
@@ -354,6 +380,11 @@ def _copy_tokenizer(source, folder: str, named_by_checkpoint: bool = False) -> N
                   "the tokenizer's files")
             return
         shutil.copy2(source, os.path.join(folder, "tokenizer.model"))
+        return
+    if named_by_checkpoint and not _holds_a_tokenizer(source):
+        print(f" no tokenizer files copied: {source}, the folder the checkpoint records, holds "
+              "no tokenizer.model or tokenizer.json that loads; pass --tokenizer-dir with the "
+              "tokenizer's files")
         return
     for name in TOKENIZER_FILES:
         path = os.path.join(source, name)

@@ -273,3 +273,39 @@ def test_a_killed_or_stopped_worker_stops_the_run_in_one_line(tmp_path, hf_folde
     from tests.e2e.tools.test_preprocess_data import _processes_naming
 
     assert not _processes_naming(str(out)), "a tokenizer worker outlived the run"
+
+
+_SIGNALLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from megatron.data import indexed_dataset as ix
+import tools.preprocess_sft_data as sft
+sig, calls, add = getattr(signal, sys.argv[2]), [0], ix.MMapIndexedDatasetBuilder.add_document
+def trapped(*a, **k):
+    calls[0] += 1
+    if calls[0] == 3:  # the text and mask builders of the first conversation have written
+        os.kill(os.getpid(), sig)
+    return add(*a, **k)
+ix.MMapIndexedDatasetBuilder.add_document = trapped
+sys.exit(sft.cli(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_leaves_one_line_and_no_temporaries(tmp_path, hf_folder, sig):
+    """Before: SIGTERM killed the tool where it stood (``.bin.tmp-PID`` files left), Ctrl-C printed
+    a KeyboardInterrupt traceback. Now both unwind through the builders' abort, with workers."""
+    import signal
+
+    src = _write_jsonl(tmp_path / "in.jsonl", LINES[:3] * 8)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_RUN, ROOT, sig, "--input", src, "--output-prefix",
+         str(out / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path",
+         hf_folder, "--workers", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"preprocess_sft_data.py: stopped by {sig}: no partial output is left (earlier outputs "
+        "under the same names are as they were); run it again to write the output"], proc.stderr
+    assert os.listdir(out) == []

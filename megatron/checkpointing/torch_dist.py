@@ -119,7 +119,8 @@ def is_torch_dist_checkpoint(folder: str) -> bool:
 
     Raises:
         CheckpointError: its ``metadata.json`` exists but is no regular file (a named pipe, a
-            folder, a device): never opened, ``open`` of a pipe blocks until a writer comes; or
+            folder, a device): never opened, ``open`` of a pipe blocks until a writer comes; it
+            is no JSON (deep nesting, bytes that are not UTF-8) or names another backend; or
             the folder holds files of both formats (:func:`_refuse_mixed_formats`).
     """
     _refuse_mixed_formats(folder)
@@ -132,9 +133,16 @@ def is_torch_dist_checkpoint(folder: str) -> bool:
         return False
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
-        return False
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{path} cannot be read as JSON ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}): replace it with the checkpoint's metadata.json") from None
+    backend = data.get("sharded_backend") if isinstance(data, dict) else None
+    if backend != "torch_dist":
+        raise CheckpointError(f"{path} names sharded_backend {backend!r}: only torch_dist "
+                              "distributed checkpoints are read (Megatron-Core's zarr backend is "
+                              "not); replace it with the checkpoint's metadata.json")
+    return True
 
 
 def _refuse_mixed_formats(folder: str) -> None:

@@ -196,8 +196,11 @@ def _create(path: str, holder: LockHolder) -> None:
         FileExistsError: it exists.
         OSError: the folder cannot be written (permissions, full disk).
     """
-    tmp = f"{path}.new.{holder.host}.{holder.pid}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    # A name no one can plant beforehand (pids repeat across containers), created exclusively
+    # and never through a link: a pipe there would block open(), a link would be written through.
+    tmp = f"{path}.new.{holder.host}.{holder.pid}.{uuid.uuid4().hex[:12]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(asdict(holder), f)
         f.flush()
         os.fsync(f.fileno())

@@ -342,3 +342,22 @@ def test_the_save_folder_without_a_checkpoint_starts_from_scratch(tmp_path):
     assert _refusal(tmp_path, str(tmp_path) + "/") is None
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
     assert _refusal(tmp_path, tmp_path / "other") is None  # the tracker's content: checked later
+
+
+@pytest.mark.parametrize("planted", ["named pipe", "link to an outside file"])
+def test_a_planted_lock_temporary_is_neither_opened_nor_written_through(tmp_path, planted):
+    """The lock's creation temporary had a predictable name (host and pid, which repeat across
+    containers): a pipe there hung start-up, a link there had an outside file overwritten."""
+    save = tmp_path / "save"
+    save.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    name = save / f"{sf.LOCK_FILENAME}.new.{socket.gethostname()}.{os.getpid()}"
+    os.mkfifo(name) if planted == "named pipe" else os.symlink(outside, name)
+    lock = sf.SaveFolderLock(str(save))
+    lock.acquire()  # a hang here is the failure (pytest's timeout ends it)
+    try:
+        assert json.loads((save / sf.LOCK_FILENAME).read_text())["pid"] == os.getpid()
+        assert outside.read_text() == "keep me" and os.path.lexists(name)
+    finally:
+        lock.release()

@@ -361,10 +361,14 @@ def checkpoint_bytes(config) -> int:
     return size
 
 
-def check_load_folder(load_dir: str, save_dir: Optional[str]) -> None:
+def check_load_folder(load_dir: str, save_dir: Optional[str], dpo_resume: bool = False) -> None:
     """Refuse a ``--load`` that names no folder (missing, or a file) unless it is the ``--save``
     folder: "resume if there is something" (``--load`` = ``--save``) starts from scratch on a
     first run, but a mistyped path would silently train from scratch too.
+
+    ``dpo_resume``: a DPO run resuming (``--dpo`` without ``--finetune``), whose own check names
+    the missing reference table or checkpoint more precisely (:mod:`megatron.training.dpo`): a
+    folder without a tracker that is not the ``--save`` folder is left to it.
 
     Raises:
         UsageError: naming the path, what it is and the fix.
@@ -372,7 +376,7 @@ def check_load_folder(load_dir: str, save_dir: Optional[str]) -> None:
     same = save_dir is not None and os.path.realpath(load_dir) == os.path.realpath(save_dir)
     if os.path.isdir(load_dir):
         if not os.path.lexists(os.path.join(load_dir, TRACKER_FILENAME)):
-            _check_folder_without_tracker(load_dir, same)
+            _check_folder_without_tracker(load_dir, same or dpo_resume)
         return
     if os.path.lexists(load_dir):
         what = ("a symbolic link to nothing" if not os.path.exists(load_dir) else

@@ -269,6 +269,9 @@ def _parse(line: str, where: str, keys: List[str]) -> List[str]:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise InputError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply to read; fix the line or pass "
+                         "--skip-invalid") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     texts = []

@@ -200,10 +200,12 @@ def encode_chunk(path: str, first_line: int, lines: List[bytes]) -> List[Tuple[i
             continue
         try:
             status, value = encode_line(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, ConversationError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, ConversationError, RecursionError) as e:
             what = ("not UTF-8" if isinstance(e, UnicodeDecodeError) else
-                    "malformed JSON" if isinstance(e, json.JSONDecodeError) else "not a conversation")
-            message = f"{path}:{n}: {what} ({e})"
+                    "malformed JSON" if isinstance(e, json.JSONDecodeError) else
+                    "JSON nested too deeply" if isinstance(e, RecursionError) else
+                    "not a conversation")
+            message = f"{path}:{n}: {what} ({str(e)[:300]})"
             if not _W["skip"]:
                 raise InputError(message) from None
             status, value = "invalid", message

@@ -135,6 +135,8 @@ def test_int32_for_large_vocabulary(tmp_path):
     ('[1, 2]', "expected a JSON object"),
     # issue 31: reached the tokenizer ("TypeError: List elements must be str or bytes")
     ('{"text": "1 \\ud800 2"}', "'text' holds a lone surrogate ('\\ud800' at character 2"),
+    # the fourth hostile pass: a RecursionError traceback
+    ('{"text": ' + "[" * 100000, "JSON nested too deeply"),
 ])
 def test_bad_line_names_file_and_line_and_leaves_nothing(tmp_path, capsys, workers, bad_line, message):
     rows = [{"text": "1"}] * 30 + [bad_line] + [{"text": "2"}] * 5

@@ -309,3 +309,43 @@ def test_sigterm_or_ctrl_c_leaves_one_line_and_no_temporaries(tmp_path, hf_folde
         f"preprocess_sft_data.py: stopped by {sig}: no partial output is left (earlier outputs "
         "under the same names are as they were); run it again to write the output"], proc.stderr
     assert os.listdir(out) == []
+
+
+_LIMITED_RUN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from megatron.data import chat_templates
+chat_templates.RENDER_LIMIT_S = 1.0  # the workers fork after this: they keep it
+import tools.preprocess_sft_data as sft
+sys.exit(sft.cli(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("template, why", [
+    ("{{ '\\ud800' }}" + CHATML, "the chat template renders a lone surrogate ('\\ud800')"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CHATML,
+     "the chat template ran over 1 s on one conversation"),
+])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_template_that_renders_no_text_or_never_ends_is_named(tmp_path, template, why, workers):
+    """The fourth hostile pass: a template emitting a lone surrogate gave a 32-line TypeError
+    traceback from the tokenizer; nested loops of 10^10 steps ran without end."""
+    folder = _tiny_hf_folder(tmp_path / "tok", template)
+    src = _write_jsonl(tmp_path / "in.jsonl", LINES[:3])
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIMITED_RUN, ROOT, "--input", src, "--output-prefix",
+         str(tmp_path / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path",
+         folder, "--workers", str(workers)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"preprocess_sft_data.py: error: --tokenizer-name-or-path {folder}: ")
+    assert why in lines[0], lines[0]
+    assert not list(tmp_path.glob("o_*"))
+
+
+def test_a_line_nested_too_deeply_is_named(tmp_path, hf_folder):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(LINES[0]) + "\n" + '{"messages": ' + "[" * 100000 + "\n")
+    out = _run("--input", str(src), "--output-prefix", str(tmp_path / "o"),
+               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path", hf_folder)
+    assert out.returncode == 2 and f"{src}:2: JSON nested too deeply" in out.stderr, out.stderr

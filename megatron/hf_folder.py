@@ -68,10 +68,27 @@ def refuse_custom_code(folder: str, flag: str) -> None:
                 raise ValueError(f"{flag} {folder}: {path} asks to run code from the folder "
                                  f"({key}: {json.dumps(config[key])[:200]}); {fix}")
     refuse_links_leaving(folder, flag)
+    for path in _template_files(folder):  # transformers' error would name no file
+        _refuse_special(path, f"{flag} {folder}: ")
+        try:
+            with open(path, "rb") as f:
+                f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{flag} {folder}: {path} is not UTF-8 text ({exc}); replace the chat "
+                             "template with the tokenizer's own") from None
     code = _python_files(folder)
     if code:
         raise ValueError(f"{flag} {folder}: the folder ships Python code ({', '.join(code[:3])}"
                          f"{', ...' if len(code) > 3 else ''}); {fix}")
+
+
+def _template_files(folder: str) -> list:
+    """The chat templates transformers reads as text: ``*.jinja`` in the folder and in its
+    ``additional_chat_templates`` subfolder."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "*.jinja"))
+                  + glob.glob(os.path.join(glob.escape(folder), "additional_chat_templates", "*.jinja")))
 
 
 def _refuse_special(path: str, prefix: str = "") -> None:

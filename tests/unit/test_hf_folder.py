@@ -51,6 +51,20 @@ def test_unreadable_config_is_named(tmp_path):
         refuse_custom_code(folder, "--load-dir")
 
 
+@pytest.mark.parametrize("name", ["chat_template.jinja",
+                                  os.path.join("additional_chat_templates", "tool_use.jinja")])
+def test_a_chat_template_that_is_not_utf8_is_named(tmp_path, name):
+    """The fourth hostile pass: transformers' "'utf-8' codec can't decode byte 0xff" named
+    neither the file nor the folder."""
+    folder = _folder(tmp_path / "m", {"tokenizer_config.json": {}})
+    os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(b"{{ messages }}\xff")
+    with pytest.raises(ValueError, match=rf"^--tokenizer-name-or-path {folder}: "
+                                         rf"{os.path.join(folder, name)} is not UTF-8 text"):
+        refuse_custom_code(folder, "--tokenizer-name-or-path")
+
+
 def _index(folder, entry):
     path = os.path.join(folder, "model.safetensors.index.json")
     with open(path, "w") as f:

@@ -550,7 +550,7 @@ def _validate_resume(args, check_files):
 
     # A mistyped --load must not train from scratch.
     check_load_folder(args.load, args.save,
-                      dpo_resume=bool(getattr(args, "dpo", False)) and not args.finetune)
+                      checked_later=bool(args.finetune or getattr(args, "dpo", False)))
     from megatron.core.num_microbatches_calculator import train_iterations
 
     found = resume_point(args.load)

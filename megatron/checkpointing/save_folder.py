@@ -361,14 +361,15 @@ def checkpoint_bytes(config) -> int:
     return size
 
 
-def check_load_folder(load_dir: str, save_dir: Optional[str], dpo_resume: bool = False) -> None:
+def check_load_folder(load_dir: str, save_dir: Optional[str], checked_later: bool = False) -> None:
     """Refuse a ``--load`` that names no folder (missing, or a file) unless it is the ``--save``
     folder: "resume if there is something" (``--load`` = ``--save``) starts from scratch on a
     first run, but a mistyped path would silently train from scratch too.
 
-    ``dpo_resume``: a DPO run resuming (``--dpo`` without ``--finetune``), whose own check names
-    the missing reference table or checkpoint more precisely (:mod:`megatron.training.dpo`): a
-    folder without a tracker that is not the ``--save`` folder is left to it.
+    ``checked_later``: the run needs a checkpoint and says so itself, naming the fix more
+    precisely (``--finetune``: "--finetune needs a checkpoint"; a resuming DPO run: its
+    reference table, :mod:`megatron.training.dpo`): a folder without a tracker that is not the
+    ``--save`` folder is left to that check.
 
     Raises:
         UsageError: naming the path, what it is and the fix.
@@ -376,7 +377,7 @@ def check_load_folder(load_dir: str, save_dir: Optional[str], dpo_resume: bool =
     same = save_dir is not None and os.path.realpath(load_dir) == os.path.realpath(save_dir)
     if os.path.isdir(load_dir):
         if not os.path.lexists(os.path.join(load_dir, TRACKER_FILENAME)):
-            _check_folder_without_tracker(load_dir, same or dpo_resume)
+            _check_folder_without_tracker(load_dir, same or checked_later)
         return
     if os.path.lexists(load_dir):
         what = ("a symbolic link to nothing" if not os.path.exists(load_dir) else

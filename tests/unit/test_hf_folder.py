@@ -209,3 +209,23 @@ def test_an_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
     os.mkfifo(index)
     with pytest.raises(ValueError, match="not a regular file"):
         weight_map(str(index), str(tmp_path))
+
+
+def test_a_tensor_named_twice_in_a_safetensors_header_or_an_index_is_refused(tmp_path):
+    """The fourth hostile pass: safetensors keeps the last of two equal names silently."""
+    import struct
+
+    from megatron.hf_folder import open_safetensors
+
+    path = str(tmp_path / "model.safetensors")
+    text = ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+            '"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}').encode()
+    text = text.ljust((len(text) + 7) // 8 * 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + bytes(8))
+    with pytest.raises(ValueError, match=r"model.safetensors names the tensor 'a' twice"):
+        open_safetensors(path)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"a": "model.safetensors", "a": "other.safetensors"}}')
+    with pytest.raises(ValueError, match=r"index.json: 'a' appears twice"):
+        weight_map(str(index), str(tmp_path))

@@ -422,3 +422,23 @@ def test_sigterm_during_startup_saves_after_the_first_iteration(tmp_path):
     assert iterations == [1] and default_again
     assert (save / ckpt.TRACKER_FILENAME).read_text() == "1"
     assert ckpt.looks_complete(str(save / "iter_0000001"))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_checkpoint_copied_over_another_iterations_name_is_refused(tmp_path, fmt):
+    """The fourth hostile pass: iter_0000001 copied over iter_0000002 (tracker 2) loaded and
+    trained from iteration 1, replaying its data, without a word."""
+    import shutil
+
+    prefix = write_dataset(str(tmp_path / "data"))
+    save = tmp_path / "save"
+    first = tiny_argv(prefix, str(tmp_path / "cache"), 4, "--save", str(save), "--save-interval",
+                      "1", "--ckpt-format", fmt, "--exit-interval", "2")
+    resumed = tiny_argv(prefix, str(tmp_path / "cache"), 4, "--load", str(save), "--ckpt-format", fmt)
+    out = run_distributed(1, _runs, [("first", first)])[0]
+    assert out["first"]["iteration"] == [1, 2], out["first"].get("error")
+    shutil.rmtree(save / "iter_0000002")
+    shutil.copytree(save / "iter_0000001", save / "iter_0000002")
+    error = run_distributed(1, _runs, [("resumed", resumed)])[0]["resumed"].get("error", "")
+    assert f"{save / 'iter_0000002'} holds the checkpoint of iteration 1 (its files say so), " \
+           "not of iteration 2" in error, error

@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from typing import Optional
 
 # Keys of a HuggingFace config that make transformers import code (``auto_map``: Auto* class ->
 # "module.Class" in a file of the folder or of another hub repository).
@@ -68,10 +69,27 @@ def refuse_custom_code(folder: str, flag: str) -> None:
                 raise ValueError(f"{flag} {folder}: {path} asks to run code from the folder "
                                  f"({key}: {json.dumps(config[key])[:200]}); {fix}")
     refuse_links_leaving(folder, flag)
+    for path in _template_files(folder):  # transformers' error would name no file
+        _refuse_special(path, f"{flag} {folder}: ")
+        try:
+            with open(path, "rb") as f:
+                f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{flag} {folder}: {path} is not UTF-8 text ({exc}); replace the chat "
+                             "template with the tokenizer's own") from None
     code = _python_files(folder)
     if code:
         raise ValueError(f"{flag} {folder}: the folder ships Python code ({', '.join(code[:3])}"
                          f"{', ...' if len(code) > 3 else ''}); {fix}")
+
+
+def _template_files(folder: str) -> list:
+    """The chat templates transformers reads as text: ``*.jinja`` in the folder and in its
+    ``additional_chat_templates`` subfolder."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "*.jinja"))
+                  + glob.glob(os.path.join(glob.escape(folder), "additional_chat_templates", "*.jinja")))
 
 
 def _refuse_special(path: str, prefix: str = "") -> None:
@@ -150,10 +168,32 @@ def open_safetensors(path: str):
 
     _refuse_special(path)  # safetensors would block on a named pipe, holding the GIL
     try:
-        return safe_open(path, framework="pt")
+        handle = safe_open(path, framework="pt")
     except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError, from Rust
         raise ValueError(f"{path} is not a valid safetensors file ({exc}): its header does not "
                          "describe its content; re-download or re-convert it") from None
+    with open(path, "rb") as f:  # safetensors keeps the last of two equal names: ambiguous
+        size = int.from_bytes(f.read(8), "little")
+        twice = _first_duplicate_key(f.read(size))
+    if twice is not None:
+        raise ValueError(f"{path} names the tensor {twice!r} twice in its header, so which "
+                         "one is meant is unknown; re-download or re-convert it")
+    return handle
+
+
+def _first_duplicate_key(text) -> Optional[str]:
+    """The first key that a JSON object of ``text`` (str or UTF-8 bytes, already known to be
+    valid JSON) holds twice, or None."""
+    found = []
+
+    def pairs(items):
+        names = [k for k, _ in items]
+        if not found and len(set(names)) != len(names):
+            found.append(next(k for i, k in enumerate(names) if k in names[:i]))
+        return dict(items)
+
+    json.loads(text, object_pairs_hook=pairs)
+    return found[0] if found else None
 
 
 def _encodable(name: str) -> bool:
@@ -179,12 +219,17 @@ def weight_map(index_path: str, folder: str) -> dict:
                          "with the checkpoint's index file")
     try:
         with open(index_path, encoding="utf-8") as f:
-            entries = json.load(f)["weight_map"]
+            text = f.read()
+        entries = json.loads(text)["weight_map"]
         items = entries.items()
+        twice = _first_duplicate_key(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
             AttributeError, RecursionError) as exc:
         raise ValueError(f"{index_path}: not a checkpoint index with a weight_map "
                          f"({type(exc).__name__}: {exc})") from None
+    if twice is not None:
+        raise ValueError(f"{index_path}: {twice!r} appears twice in one of its objects, so which "
+                         "entry is meant is unknown; fix or replace the index")
     where = {}
     for name, file in items:
         bad = None

@@ -50,7 +50,6 @@ import gzip
 import itertools
 import json
 import os
-import signal
 import sys
 import time
 from itertools import repeat
@@ -63,6 +62,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError, MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path)
+from megatron.data.stop_signals import stop_in_one_line  # noqa: E402
 from megatron.data.worker_pool import WorkerDied, WorkerPool  # noqa: E402
 from megatron.tokenizer import add_tokenizer_args, build_tokenizer  # noqa: E402
 
@@ -269,6 +269,9 @@ def _parse(line: str, where: str, keys: List[str]) -> List[str]:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise InputError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply to read; fix the line or pass "
+                         "--skip-invalid") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     texts = []
@@ -551,23 +554,17 @@ def _print_summary(stats: dict, args: argparse.Namespace, n_files: int) -> None:
           f"worker(s): {docs / dt:,.0f} docs/s, {stats['bytes'] / dt / 1e6:.2f} MB/s, {tokens / dt:,.0f} tokens/s")
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through run(), which removes the temporaries
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        run(args)
+        with stop_in_one_line("preprocess_data.py"):  # unwinds through run(): temporaries removed
+            run(args)
     except (InputError, FileNotFoundError, FileExistsError, IndexedDatasetError, ValueError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 2  # argparse's status for a usage error: the input is the user's to fix
     except WorkerDied as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

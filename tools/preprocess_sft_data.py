@@ -55,6 +55,7 @@ from megatron.data.chat_templates import (  # noqa: E402
     BUILTIN_TEMPLATES, CONVERSATION_FORMATS, ConversationError, build_chat_tokenizer, to_messages)
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError, MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path)
+from megatron.data.stop_signals import stop_in_one_line  # noqa: E402
 from megatron.data.worker_pool import WorkerDied, WorkerPool  # noqa: E402
 from megatron.text_checks import lone_surrogate  # noqa: E402
 from megatron.tokenizer import add_tokenizer_args  # noqa: E402
@@ -199,10 +200,12 @@ def encode_chunk(path: str, first_line: int, lines: List[bytes]) -> List[Tuple[i
             continue
         try:
             status, value = encode_line(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, ConversationError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, ConversationError, RecursionError) as e:
             what = ("not UTF-8" if isinstance(e, UnicodeDecodeError) else
-                    "malformed JSON" if isinstance(e, json.JSONDecodeError) else "not a conversation")
-            message = f"{path}:{n}: {what} ({e})"
+                    "malformed JSON" if isinstance(e, json.JSONDecodeError) else
+                    "JSON nested too deeply" if isinstance(e, RecursionError) else
+                    "not a conversation")
+            message = f"{path}:{n}: {what} ({str(e)[:300]})"
             if not _W["skip"]:
                 raise InputError(message) from None
             status, value = "invalid", message
@@ -299,7 +302,9 @@ def _print_summary(report: dict, args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    run(get_args(argv))
+    args = get_args(argv)
+    with stop_in_one_line("preprocess_sft_data.py"):  # unwinds through run(): temporaries removed
+        run(args)
 
 
 USAGE_ERRORS = (InputError, FileNotFoundError, FileExistsError, IndexedDatasetError, ValueError)

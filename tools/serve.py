@@ -147,7 +147,13 @@ def build_app(loop, tokenizer, limits, model_name: str, max_body_bytes: int):
         return request_body(raw)
 
     def tokens_of(prompt):
-        ids = tokenizer.tokenize(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            try:
+                ids = tokenizer.tokenize(prompt)
+            except ValueError as exc:  # text this tokenizer cannot take (NullTokenizer: ids only)
+                raise RequestError(f"the prompt cannot be tokenized: {exc}", "prompt") from None
+        else:
+            ids = prompt
         if len(ids) > limits.max_prompt_tokens:
             raise RequestError(f"the prompt has {len(ids)} tokens; this server takes at most "
                                f"{limits.max_prompt_tokens} (--max-prompt-tokens)", "prompt",

@@ -548,7 +548,9 @@ def _validate_resume(args, check_files):
                                         last_complete_hint, resume_point)
     from megatron.checkpointing.save_folder import check_load_folder
 
-    check_load_folder(args.load, args.save)  # a mistyped --load must not train from scratch
+    # A mistyped --load must not train from scratch.
+    check_load_folder(args.load, args.save,
+                      checked_later=bool(args.finetune or getattr(args, "dpo", False)))
     from megatron.core.num_microbatches_calculator import train_iterations
 
     found = resume_point(args.load)

@@ -198,11 +198,21 @@ def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_co
         if megatron_lm_dist.is_megatron_lm(folder):  # Megatron-LM's own: weights, any layout
             return megatron_lm_dist.load_into(folder, model_chunks, optimizer, config,
                                               pg_collection, run_flags)
-        return _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
-                                pg_collection, group, run_flags, explain)
-    return legacy.load_checkpoint(load_dir, iteration, release, model_chunks, optimizer,
-                                  opt_param_scheduler, config, pg_collection,
-                                  run_flags=run_flags, explain=explain)
+        loaded = _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config,
+                                  pg_collection, group, run_flags, explain)
+    else:
+        loaded = legacy.load_checkpoint(load_dir, iteration, release, model_chunks, optimizer,
+                                        opt_param_scheduler, config, pg_collection,
+                                        run_flags=run_flags, explain=explain)
+    if not (release or config.finetune) and loaded["iteration"] != iteration:
+        # A folder copied over another's name: resuming would replay or skip data and the
+        # learning-rate schedule, silently (every rank read the same record: all raise alike).
+        raise CheckpointError(explain(
+            f"{folder} holds the checkpoint of iteration {loaded['iteration']} (its files say "
+            f"so), not of iteration {iteration} as its name and {TRACKER_FILENAME} do: a folder "
+            "copied over another's name? Rename it to match the iteration its files hold, or "
+            "restore that iteration's files"))
+    return loaded
 
 
 def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config, pg_collection,

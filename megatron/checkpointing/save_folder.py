@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import stat
 import shutil
 import socket
@@ -195,8 +196,11 @@ def _create(path: str, holder: LockHolder) -> None:
         FileExistsError: it exists.
         OSError: the folder cannot be written (permissions, full disk).
     """
-    tmp = f"{path}.new.{holder.host}.{holder.pid}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    # A name no one can plant beforehand (pids repeat across containers), created exclusively
+    # and never through a link: a pipe there would block open(), a link would be written through.
+    tmp = f"{path}.new.{holder.host}.{holder.pid}.{uuid.uuid4().hex[:12]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(asdict(holder), f)
         f.flush()
         os.fsync(f.fileno())
@@ -357,17 +361,24 @@ def checkpoint_bytes(config) -> int:
     return size
 
 
-def check_load_folder(load_dir: str, save_dir: Optional[str]) -> None:
+def check_load_folder(load_dir: str, save_dir: Optional[str], checked_later: bool = False) -> None:
     """Refuse a ``--load`` that names no folder (missing, or a file) unless it is the ``--save``
     folder: "resume if there is something" (``--load`` = ``--save``) starts from scratch on a
     first run, but a mistyped path would silently train from scratch too.
 
+    ``checked_later``: the run needs a checkpoint and says so itself, naming the fix more
+    precisely (``--finetune``: "--finetune needs a checkpoint"; a resuming DPO run: its
+    reference table, :mod:`megatron.training.dpo`): a folder without a tracker that is not the
+    ``--save`` folder is left to that check.
+
     Raises:
         UsageError: naming the path, what it is and the fix.
     """
-    if os.path.isdir(load_dir):
-        return
     same = save_dir is not None and os.path.realpath(load_dir) == os.path.realpath(save_dir)
+    if os.path.isdir(load_dir):
+        if not os.path.lexists(os.path.join(load_dir, TRACKER_FILENAME)):
+            _check_folder_without_tracker(load_dir, same or checked_later)
+        return
     if os.path.lexists(load_dir):
         what = ("a symbolic link to nothing" if not os.path.exists(load_dir) else
                 "a file, not a checkpoint folder")
@@ -378,6 +389,53 @@ def check_load_folder(load_dir: str, save_dir: Optional[str]) -> None:
         raise UsageError(f"--load ({load_dir}) does not exist: check the path (the --save folder "
                          "of the run to resume), drop --load to start from scratch, or give "
                          "--load the --save folder to resume whenever it holds a checkpoint")
+
+
+_ITERATION_FOLDER = re.compile(r"iter_\d{7}")
+# What only one checkpoint's own folder holds (legacy shards, torch_dist's files).
+_CHECKPOINT_MARKS = re.compile(r"mp_rank_\d\d.*|common\.pt|\.metadata|__\d+_\d+\.distcp")
+
+
+def _check_folder_without_tracker(load_dir: str, same: bool) -> None:
+    """A ``--load`` folder without the tracker starts from scratch only when it is the
+    ``--save`` folder and holds no checkpoint: else the path was mistyped (one iteration's
+    folder, another job's folder) or the tracker was lost, and a fresh run would overwrite the
+    checkpoints it holds.
+
+    Raises:
+        UsageError: naming the folder, what it holds and the fix.
+    """
+    try:
+        entries = sorted(os.listdir(load_dir))
+    except OSError as exc:
+        raise UsageError(f"--load ({load_dir}) cannot be read ({exc.strerror}): give a folder "
+                         "this job may read") from None
+    iterations = [e for e in entries if _ITERATION_FOLDER.fullmatch(e)]
+    if iterations:
+        last = int(iterations[-1][len("iter_"):])
+        listed = ", ".join(iterations[:3]) + (", ..." if len(iterations) > 3 else "")
+        raise UsageError(
+            f"--load ({load_dir}) holds {listed} but no {TRACKER_FILENAME}, so nothing says "
+            f"which to resume (and a fresh run would overwrite them): if {iterations[-1]} is "
+            f"complete, write its iteration into the tracker (echo {last} > "
+            f"{os.path.join(load_dir, TRACKER_FILENAME)}); or give --load and --save another folder")
+    base = os.path.basename(os.path.normpath(load_dir))
+    marks = [e for e in entries if _CHECKPOINT_MARKS.fullmatch(e)]
+    if _ITERATION_FOLDER.fullmatch(base) or base == "release" or marks:
+        parent = os.path.dirname(os.path.abspath(os.path.normpath(load_dir)))
+        holds = f" (it holds {marks[0]})" if marks else ""
+        raise UsageError(
+            f"--load ({load_dir}) is one checkpoint's own folder{holds}: give --load the folder "
+            f"above it, {parent}, the one that holds {TRACKER_FILENAME}")
+    if not same:
+        what = "is empty" if not entries else f"holds no checkpoint ({', '.join(entries[:3])}" + \
+            (", ...)" if len(entries) > 3 else ")")
+        hf = " (a HuggingFace model: convert it first with tools/checkpoint/convert.py " \
+             "--loader hf --saver megatron)" if "config.json" in entries else ""
+        raise UsageError(
+            f"--load ({load_dir}) {what}{hf}: it has no {TRACKER_FILENAME} and is not the --save "
+            "folder; give the --save folder of the run to resume, drop --load to start from "
+            "scratch, or give --load the --save folder to resume whenever it holds a checkpoint")
 
 
 def check_save_folder(save_dir: str, needed_bytes: int) -> bool:

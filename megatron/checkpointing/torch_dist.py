@@ -47,6 +47,7 @@ freshly seeded streams go on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -119,7 +120,8 @@ def is_torch_dist_checkpoint(folder: str) -> bool:
 
     Raises:
         CheckpointError: its ``metadata.json`` exists but is no regular file (a named pipe, a
-            folder, a device): never opened, ``open`` of a pipe blocks until a writer comes; or
+            folder, a device): never opened, ``open`` of a pipe blocks until a writer comes; it
+            is no JSON (deep nesting, bytes that are not UTF-8) or names another backend; or
             the folder holds files of both formats (:func:`_refuse_mixed_formats`).
     """
     _refuse_mixed_formats(folder)
@@ -132,9 +134,16 @@ def is_torch_dist_checkpoint(folder: str) -> bool:
         return False
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
-        return False
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{path} cannot be read as JSON ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}): replace it with the checkpoint's metadata.json") from None
+    backend = data.get("sharded_backend") if isinstance(data, dict) else None
+    if backend != "torch_dist":
+        raise CheckpointError(f"{path} names sharded_backend {backend!r}: only torch_dist "
+                              "distributed checkpoints are read (Megatron-Core's zarr backend is "
+                              "not); replace it with the checkpoint's metadata.json")
+    return True
 
 
 def _refuse_mixed_formats(folder: str) -> None:
@@ -466,6 +475,20 @@ _LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
 _RNG_KEYS = ("tp", "pp", "dp", "states")
 
 
+@contextlib.contextmanager
+def _damaged(folder: str, key: str, kind=CheckpointError):
+    """Turn what a damaged part ``key`` of ``common.pt`` raises while it is applied (a missing
+    inner key, a value of another type) into one ``kind`` naming the file and the key."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration) as exc:
+        if isinstance(exc, (CheckpointError, UsageError)):
+            raise
+        raise kind(f"{os.path.join(folder, COMMON_FILE)}: its {key} is damaged or was not written "
+                   f"by this code ({type(exc).__name__}: {str(exc)[:200]}); load the last "
+                   "complete checkpoint") from None
+
+
 def _check_common_keys(common: dict, path: str) -> None:
     """Refuse a ``common.pt`` that lacks what loading reads (or holds it as another type), naming
     the keys, instead of a bare KeyError later.
@@ -476,6 +499,9 @@ def _check_common_keys(common: dict, path: str) -> None:
     wrong = [f"{k} (missing)" if k not in common else f"{k} (a {type(common[k]).__name__})"
              for k, kind in _COMMON_KEYS.items()
              if k not in common or not isinstance(common[k], kind) or isinstance(common[k], bool)]
+    if not wrong:
+        wrong = [f"{k} ({common[k]}, negative)" for k, kind in _COMMON_KEYS.items()
+                 if kind is int and common[k] < 0]
     if not wrong:
         wrong = [f"layout.{k} (missing)" for k in _LAYOUT_KEYS if k not in common["layout"]]
     rng = common.get("rng_state")
@@ -616,8 +642,9 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
                                    common["iteration"])
         if not weights_only and scheduler is not None and not config.no_load_optim \
                 and common.get("opt_param_scheduler") is not None:
-            checkpoint_folder.load_scheduler_state(scheduler, common["opt_param_scheduler"],
-                                                   config.load)
+            with _damaged(folder, "opt_param_scheduler", UsageError):
+                checkpoint_folder.load_scheduler_state(scheduler, common["opt_param_scheduler"],
+                                                       config.load)
     except UsageError as exc:
         usage = exc
     agree_on_usage_error(usage, device)
@@ -627,12 +654,14 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, config, lay
         raise CheckpointError(str(exc)) from None
     for chunk in model_chunks:  # ZeRO-3: the loaded weights into the shards, the rest freed
         as_model_chunk(chunk).reshard_params()
-    if finish is not None:
-        finish(common["optimizer"])
+    if finish is not None:  # every rank reads the same common.pt: all raise alike
+        with _damaged(folder, "optimizer"):
+            finish(common["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()
     if not weights_only and not config.no_load_rng:
-        _restore_rng(common, layout, folder, notes)
+        with _damaged(folder, "rng_state"):
+            _restore_rng(common, layout, folder, notes)
     if dist.get_rank() == 0:
         saved = common["layout"]
         then = Layout(tp_size=saved["tensor_model_parallel_size"],

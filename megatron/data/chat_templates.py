@@ -40,7 +40,10 @@ learns to write it and generation can stop on that string.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -222,6 +225,35 @@ def mask_from_offsets(offsets: Sequence[Tuple[int, int]], spans: Sequence[Tuple[
     return mask
 
 
+RENDER_LIMIT_S = 10.0  # one conversation renders in milliseconds with any real template
+
+
+class _RenderTooLong(BaseException):
+    """Raised by the alarm inside a template's rendering; a BaseException, so that no
+    ``except Exception`` of Jinja or transformers takes it for the template's own error."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """End the block with :class:`_RenderTooLong` after ``seconds`` (SIGALRM, on the main thread
+    of a process: the tool's own or a preprocessing worker's; elsewhere no limit is set)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getitimer(signal.ITIMER_REAL)[0] > 0:  # another timer runs: left alone
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _RenderTooLong()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class HFChatTokenizer:
     """Renders with the chat template of a local HuggingFace tokenizer folder.
 
@@ -253,13 +285,36 @@ class HFChatTokenizer:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        """The template's text of ``messages``.
+
+        Raises:
+            ConversationError: the template refused the conversation (its ``raise_exception``,
+                any Jinja error).
+            ValueError: the template's fault, the same for every conversation: it ran longer
+                than :data:`RENDER_LIMIT_S` or rendered text that is not text (a lone surrogate).
+        """
         if not messages:  # a conversation opening with the assistant: its prompt is empty
             return ""
         try:
-            return self.tok.apply_chat_template(list(messages), tokenize=False,
-                                                add_generation_prompt=add_generation_prompt)
+            with _time_limit(RENDER_LIMIT_S):
+                text = self.tok.apply_chat_template(list(messages), tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt)
+        except _RenderTooLong:
+            raise ValueError(f"--tokenizer-name-or-path {self.folder}: the chat template ran over "
+                             f"{RENDER_LIMIT_S:g} s on one conversation (a template that loops "
+                             "without end?); fix or replace the template (--chat-template)") from None
         except Exception as e:  # noqa: BLE001 - the template's raise_exception, or any Jinja error
             raise ConversationError(f"the chat template refused it ({type(e).__name__}: {e})") from None
+        if not isinstance(text, str):
+            raise ValueError(f"--tokenizer-name-or-path {self.folder}: the chat template rendered "
+                             f"a {type(text).__name__}, not text")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"--tokenizer-name-or-path {self.folder}: the chat template renders "
+                             f"a lone surrogate ({ascii(text[e.start])}), which is no text; fix "
+                             "or replace the template (--chat-template)") from None
+        return text
 
     def encode(self, messages: Sequence[dict], first: int = 0) -> Tuple[np.ndarray, np.ndarray]:
         """``(int64 ids, uint8 mask)`` of one conversation; the mask covers the assistant messages

@@ -180,8 +180,13 @@ class MMapIndexedDataset:
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
+                what = "file not found"
+                if os.path.lexists(path):  # named from stat alone: a pipe is never opened
+                    from megatron.file_kinds import file_kind
+
+                    what = f"a {file_kind(path)}, not a regular file (it was not opened)"
                 raise IndexedDatasetError(
-                    f"{path}: file not found; expected the pair {bin_path} / {idx_path} written by "
+                    f"{path}: {what}; expected the pair {bin_path} / {idx_path} written by "
                     "tools/preprocess_data.py (pass the prefix without .bin/.idx)")
         self._index = _read_index(idx_path)
         self.dtype, self.sizes, self.pointers, self.document_indices = self._index

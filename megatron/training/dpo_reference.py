@@ -66,6 +66,26 @@ def save_reference(folder: str, table: np.ndarray, pairs: np.ndarray, meta: dict
     return path
 
 
+_META_MAX_BYTES = 2 ** 20  # the meta JSON string, in bytes of numpy's UTF-32 storage
+
+
+def _header(npz, key: str) -> tuple:
+    """``(shape, dtype)`` of the array ``key`` of an open ``.npz``, read from its ``.npy`` header
+    alone (numpy's format: magic, version, header dict).
+
+    Raises:
+        KeyError: no such array; ValueError: a header numpy cannot read.
+    """
+    with npz.zip.open(f"{key}.npy") as member:
+        version = np.lib.format.read_magic(member)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"{key}.npy is of .npy format version {version}, not 1.0 or 2.0")
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, _fortran, dtype = read(member)
+    return shape, dtype
+
+
 def read_reference(folder: str, expected: dict) -> tuple[np.ndarray, np.ndarray, dict]:
     """``(table [documents, 2] float32, pairs [n] int64, meta)`` of ``{folder}/dpo_reference.npz``
     after checking it fits ``expected`` (:func:`run_meta`; keys that are None are not checked).
@@ -93,11 +113,27 @@ def read_reference(folder: str, expected: dict) -> tuple[np.ndarray, np.ndarray,
             if not stat.S_ISREG(os.fstat(raw.fileno()).st_mode):
                 raise UsageError(f"{resumes} {path} is not a regular file; remove it, then {fix}")
             with np.load(raw, allow_pickle=False) as f:
-                table, pairs, meta = f["table"], f["pairs"], json.loads(str(f["meta"]))
+                # Every array's header is checked before it is read: a crafted header would
+                # otherwise have numpy allocate what it claims (terabytes).
+                if _header(f, "meta")[0] != () or _header(f, "meta")[1].kind != "U" or \
+                        _header(f, "meta")[1].itemsize > _META_MAX_BYTES:
+                    raise ValueError("its meta is not one short string")
+                meta = json.loads(str(f["meta"]))
+                documents = meta.get("documents") if isinstance(meta, dict) else None
+                if type(documents) is not int or documents < 0:
+                    raise ValueError("its meta is not a JSON object with a document count")
+                if _header(f, "table") != ((documents, 2), np.dtype(np.float32)):
+                    raise ValueError(f"table is {_header(f, 'table')}, expected ({documents}, 2) "
+                                     "float32")
+                shape, dtype = _header(f, "pairs")
+                if len(shape) != 1 or shape[0] > documents or dtype != np.int64:
+                    raise ValueError(f"pairs is {shape} {dtype}, expected at most {documents} int64")
+                table, pairs = f["table"], f["pairs"]
     except UsageError:
         raise
-    except (OSError, ValueError, KeyError) as exc:
-        raise UsageError(f"{path}: not a DPO reference table ({exc}); {fix}") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise UsageError(f"{path}: not a DPO reference table ({type(exc).__name__}: "
+                         f"{str(exc)[:300]}); {fix}") from None
     for key in CHECKED:
         if expected.get(key) is not None and meta.get(key) != expected[key]:
             flag = {"data_path": "--data-path", "seq_length": "--seq-length",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 
 import torch
@@ -24,6 +25,36 @@ import torch.distributed as dist
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective or point-to-point operation did not complete within the timeout."""
+
+
+class _EarlySignal:
+    """The flag-only handler installed at the program's start (:func:`catch_signal_early`)."""
+
+    def __init__(self):
+        self.received = False
+        self.previous = None
+
+    def __call__(self, signum, frame):
+        self.received = True
+
+
+def catch_signal_early(enabled: bool, sig=signal.SIGTERM) -> None:
+    """``--exit-signal-handler`` from the start of the run, as Megatron-LM installs its handler
+    at initialisation: a SIGTERM during start-up (process groups, the model build, a long
+    ``--load``) is remembered, and :class:`ExitConditions` acts on it after the first
+    iteration (every rank saves and exits 0). Before, it killed the ranks (status -15). Off
+    the main thread nothing is installed."""
+    if enabled and threading.current_thread() is threading.main_thread():
+        handler = _EarlySignal()
+        handler.previous = signal.signal(sig, handler)
+
+
+def release_signal_early(sig=signal.SIGTERM) -> None:
+    """Put back the handler :func:`catch_signal_early` replaced, if it is still installed (a run
+    that ended before its training loop took the signal over)."""
+    current = signal.getsignal(sig)
+    if isinstance(current, _EarlySignal):
+        signal.signal(sig, current.previous)
 
 
 class ExitConditions:
@@ -45,7 +76,10 @@ class ExitConditions:
         self.received = False
         self._previous = None
         if exit_signal_handler:
+            early = signal.getsignal(sig)
             self._previous = signal.signal(sig, self._on_signal)
+            if isinstance(early, _EarlySignal):  # a signal during start-up counts
+                self.received, self._previous = early.received, early.previous
 
     @property
     def enabled(self) -> bool:

@@ -33,7 +33,7 @@ from megatron.training.compile import compile_transformer_layers
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.training.moe_bias import update_expert_biases
 from megatron.training.moe_loss_scale import prepare_moe_iteration
-from megatron.training.resilience import collective_guard
+from megatron.training.resilience import catch_signal_early, collective_guard, release_signal_early
 from megatron.training.startup_report import StartupReport
 from megatron.training.training_logger import (  # noqa: F401  (re-exported)
     TrainingLogger, num_floating_point_operations)
@@ -269,9 +269,14 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider,
         ``final valid`` (dict or None).
     """
     start_time = time.time()  # --exit-duration-in-mins counts from here
+    catch_signal_early(config.training.exit_signal_handler)
     report = StartupReport()
-    with report.phase("initialization"):
-        device, created_group, groups = initialize_megatron(config)
+    try:
+        with report.phase("initialization"):
+            device, created_group, groups = initialize_megatron(config)
+    except BaseException:
+        release_signal_early()
+        raise
     trainer = ckpt_group = lock = None
     timeout = config.parallel.distributed_timeout_minutes
     try:
@@ -340,6 +345,7 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider,
     finally:
         if trainer is not None:
             trainer.policy.exit.restore()
+        release_signal_early()  # a run that ended before its training loop
         abandoned = trainer is not None and trainer.policy.abandoned
         if ckpt_group is not None and not abandoned:  # a writer left running keeps its group
             dist.destroy_process_group(ckpt_group)

@@ -510,7 +510,13 @@ def test_sigterm_twice_at_pp2_with_loader_workers_saves_and_resumes_bitwise(tmp_
 
 def test_export_copies_a_sentencepiece_model_named_by_the_checkpoint(tmp_path, shared_data):
     """The other side of the check above: a real SentencePiece model recorded as the
-    checkpoint's --tokenizer-model is still copied into the export."""
+    checkpoint's --tokenizer-model is copied into the export when it lies inside --load-dir;
+    outside it (since the fourth hostile pass) it is neither read nor copied, and the line
+    names the --tokenizer-dir to pass."""
+    import contextlib
+    import io
+    import shutil
+
     from tests.helpers.convert import convert, make_hf
 
     model = os.path.join(shared_data, "sentencepiece-llama-32k.model")
@@ -520,12 +526,22 @@ def test_export_copies_a_sentencepiece_model_named_by_the_checkpoint(tmp_path, s
     os.remove(tmp_path / "hf" / "tokenizer.model")
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", tmp_path / "hf",
             "--save-dir", tmp_path / "meg")
-    for path in glob.glob(str(tmp_path / "meg" / "**" / "model_optim_rng.pt"), recursive=True):
-        state = torch.load(path, weights_only=True)
-        state["args"]["tokenizer_model"] = model
-        state["args"].pop("tokenizer_dir", None)
-        torch.save(state, path)
-    convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "meg",
-            "--save-dir", tmp_path / "export")
-    with open(model, "rb") as f:
-        assert (tmp_path / "export" / "tokenizer.model").read_bytes() == f.read()
+    inside = str(tmp_path / "meg" / "tokenizer.model")
+    shutil.copy(model, inside)
+    for recorded, export in ((model, "outside"), (inside, "inside")):
+        for path in glob.glob(str(tmp_path / "meg" / "**" / "model_optim_rng.pt"), recursive=True):
+            state = torch.load(path, weights_only=True)
+            state["args"]["tokenizer_model"] = recorded
+            state["args"].pop("tokenizer_dir", None)
+            torch.save(state, path)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "meg",
+                    "--save-dir", tmp_path / export)
+        log = out.getvalue()
+        copied = tmp_path / export / "tokenizer.model"
+        if export == "outside":
+            assert not copied.exists() and f"pass --tokenizer-dir {model}" in log, log[-2000:]
+        else:
+            with open(model, "rb") as f:
+                assert copied.read_bytes() == f.read()

@@ -172,22 +172,39 @@ def _crafted_export(tmp_path, make_folder):
     return out
 
 
-def test_export_copies_nothing_from_a_folder_only_the_checkpoint_names(tmp_path):
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_export_copies_nothing_from_a_folder_only_the_checkpoint_names(tmp_path, with_tokenizer):
+    """Not even a folder holding a tokenizer that loads (someone's private one at a guessable
+    path, the fourth hostile pass): the recorded path lies outside --load-dir."""
     def private(folder):
         (folder / "tokenizer_config.json").write_text('{"secret": "PRIVATE"}')
         (folder / "chat_template.jinja").write_text("PRIVATE TEMPLATE")
+        if with_tokenizer:  # a SentencePiece model that loads
+            import io
+
+            import sentencepiece as spm
+
+            model = io.BytesIO()
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(["the quick brown fox jumps over the lazy dog"] * 50),
+                model_writer=model, vocab_size=30, model_type="bpe", minloglevel=2)
+            (folder / "tokenizer.model").write_bytes(model.getvalue())
 
     _crafted_export(tmp_path, private)
     copied = [p for p in glob.glob(str(tmp_path / "export" / "*"))
               if b"PRIVATE" in open(p, "rb").read()]
     assert not copied, f"{copied} copied from a folder named only by the checkpoint"
+    assert not (tmp_path / "export" / "tokenizer.model").exists()
 
 
-def test_export_refuses_a_named_folder_whose_tokenizer_links_outside(tmp_path):
+def test_export_reads_nothing_of_a_named_folder_whose_tokenizer_links_outside(tmp_path):
+    """A folder outside --load-dir that the checkpoint records is not read (its links are not
+    followed); the line says which flag copies it."""
     secret = tmp_path / "id_rsa"
     secret.write_text("PRIVATE KEY MATERIAL\n")
     out = _crafted_export(tmp_path, lambda folder: os.symlink(secret, folder / "tokenizer.json"))
-    assert out.returncode == 2 and "link resolving outside" in out.stderr, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"no tokenizer files copied: the checkpoint records {tmp_path / 'named'}, outside " \
+           f"--load-dir; pass --tokenizer-dir {tmp_path / 'named'}" in out.stdout, out.stdout[-2000:]
     assert not [p for p in glob.glob(str(tmp_path / "export" / "*"))
                 if b"PRIVATE KEY" in open(p, "rb").read()]

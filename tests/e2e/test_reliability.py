@@ -210,7 +210,8 @@ def runs(tmp_path_factory):
         ("seed 7 again", tiny_argv(good, cache)),
         ("seed 8", tiny_argv(good, cache, 4, "--seed", "8")),
         ("bad ids", tiny_argv(bad, cache, 4, "--save", folders["bad_save"])),
-        ("empty load", tiny_argv(good, cache, 2, "--load", folders["empty"])),
+        ("empty load", tiny_argv(good, cache, 2, "--load", folders["empty"], "--save",
+                                 folders["empty"])),
         ("empty load finetune", tiny_argv(good, cache, 2, "--load", folders["finetune"],
                                           "--finetune")),
         ("tiny data", tiny_argv(tiny, cache, 2)),
@@ -388,3 +389,56 @@ def test_reliability_flags_are_validated(extra, message):
     ok = arguments.parse_args(tiny_argv("prefix", "cache", 4, "--exit-duration-in-mins", "0.05",
                                         "--distributed-timeout-minutes", "0.1"))
     arguments.validate_args(ok, 1, check_files=False)
+
+
+def _sigterm_during_startup(argv):
+    """pretrain_llama.main with SIGTERM arriving while the model is built (start-up)."""
+    import signal
+
+    import pretrain_llama
+    from megatron.training import builders
+
+    build = builders.setup_model_and_optimizer
+
+    def build_then_signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*args, **kwargs)
+
+    builders.setup_model_and_optimizer = build_then_signalled  # put back after the task
+    history = pretrain_llama.main(argv)
+    return history["iteration"], signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_during_startup_saves_after_the_first_iteration(tmp_path):
+    """The fourth hostile pass: SIGTERM to torchrun's agent while the ranks started up killed
+    them (status -15; the handler was installed only when the training loop began). As in
+    Megatron-LM the handler is installed at the start: the run trains one iteration, saves it
+    and returns; the process's own SIGTERM handler is put back."""
+    prefix = write_dataset(str(tmp_path / "data"))
+    save = tmp_path / "save"
+    argv = tiny_argv(prefix, str(tmp_path / "cache"), 4, "--exit-signal-handler", "--save",
+                     str(save), "--save-interval", "100")
+    iterations, default_again = run_distributed(1, _sigterm_during_startup, argv)[0]
+    assert iterations == [1] and default_again
+    assert (save / ckpt.TRACKER_FILENAME).read_text() == "1"
+    assert ckpt.looks_complete(str(save / "iter_0000001"))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_checkpoint_copied_over_another_iterations_name_is_refused(tmp_path, fmt):
+    """The fourth hostile pass: iter_0000001 copied over iter_0000002 (tracker 2) loaded and
+    trained from iteration 1, replaying its data, without a word."""
+    import shutil
+
+    prefix = write_dataset(str(tmp_path / "data"))
+    save = tmp_path / "save"
+    first = tiny_argv(prefix, str(tmp_path / "cache"), 4, "--save", str(save), "--save-interval",
+                      "1", "--ckpt-format", fmt, "--exit-interval", "2")
+    resumed = tiny_argv(prefix, str(tmp_path / "cache"), 4, "--load", str(save), "--ckpt-format", fmt)
+    out = run_distributed(1, _runs, [("first", first)])[0]
+    assert out["first"]["iteration"] == [1, 2], out["first"].get("error")
+    shutil.rmtree(save / "iter_0000002")
+    shutil.copytree(save / "iter_0000001", save / "iter_0000002")
+    error = run_distributed(1, _runs, [("resumed", resumed)])[0]["resumed"].get("error", "")
+    assert f"{save / 'iter_0000002'} holds the checkpoint of iteration 1 (its files say so), " \
+           "not of iteration 2" in error, error

@@ -92,3 +92,24 @@ def test_a_metadata_json_naming_another_backend_version_is_refused_naming_it(tmp
             "names {'sharded_backend_version': 99}; this code reads "
             "{'sharded_backend_version': 1}: load it with the version that wrote it")):
         torch_dist.read_common(str(tmp_path))
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"[" * 100000, "RecursionError"),                       # was a 43-line traceback
+    (b'{"sharded_backend": "\xff"}', "UnicodeDecodeError"),  # was taken for a legacy checkpoint
+])
+def test_a_metadata_json_that_is_no_json_is_named(tmp_path, content, why):
+    (tmp_path / torch_dist.METADATA_JSON).write_bytes(content)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{tmp_path / torch_dist.METADATA_JSON} cannot be read as JSON ({why}")):
+        torch_dist.is_torch_dist_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("backend", ["\ud800", "zarr", None])
+def test_a_metadata_json_naming_another_backend_is_named(tmp_path, backend):
+    import json
+
+    (tmp_path / torch_dist.METADATA_JSON).write_text(json.dumps({"sharded_backend": backend}))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"names sharded_backend {backend!r}: only torch_dist")):
+        torch_dist.is_torch_dist_checkpoint(str(tmp_path))

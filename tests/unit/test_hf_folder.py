@@ -51,6 +51,20 @@ def test_unreadable_config_is_named(tmp_path):
         refuse_custom_code(folder, "--load-dir")
 
 
+@pytest.mark.parametrize("name", ["chat_template.jinja",
+                                  os.path.join("additional_chat_templates", "tool_use.jinja")])
+def test_a_chat_template_that_is_not_utf8_is_named(tmp_path, name):
+    """The fourth hostile pass: transformers' "'utf-8' codec can't decode byte 0xff" named
+    neither the file nor the folder."""
+    folder = _folder(tmp_path / "m", {"tokenizer_config.json": {}})
+    os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(b"{{ messages }}\xff")
+    with pytest.raises(ValueError, match=rf"^--tokenizer-name-or-path {folder}: "
+                                         rf"{os.path.join(folder, name)} is not UTF-8 text"):
+        refuse_custom_code(folder, "--tokenizer-name-or-path")
+
+
 def _index(folder, entry):
     path = os.path.join(folder, "model.safetensors.index.json")
     with open(path, "w") as f:
@@ -194,4 +208,24 @@ def test_an_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
     index = tmp_path / "model.safetensors.index.json"
     os.mkfifo(index)
     with pytest.raises(ValueError, match="not a regular file"):
+        weight_map(str(index), str(tmp_path))
+
+
+def test_a_tensor_named_twice_in_a_safetensors_header_or_an_index_is_refused(tmp_path):
+    """The fourth hostile pass: safetensors keeps the last of two equal names silently."""
+    import struct
+
+    from megatron.hf_folder import open_safetensors
+
+    path = str(tmp_path / "model.safetensors")
+    text = ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+            '"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}').encode()
+    text = text.ljust((len(text) + 7) // 8 * 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + bytes(8))
+    with pytest.raises(ValueError, match=r"model.safetensors names the tensor 'a' twice"):
+        open_safetensors(path)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"a": "model.safetensors", "a": "other.safetensors"}}')
+    with pytest.raises(ValueError, match=r"index.json: 'a' appears twice"):
         weight_map(str(index), str(tmp_path))

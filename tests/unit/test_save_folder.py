@@ -281,3 +281,83 @@ def test_a_huge_lock_file_is_refused_without_being_read_whole(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < sf.LOCK_MAX_BYTES * 8  # before: the whole file, twice (bytes, then text)
+
+
+# --- a --load folder without the tracker (the fourth hostile pass) ------------------------------
+
+def _refusal(load, save):
+    from megatron.checkpointing.save_folder import check_load_folder
+
+    try:
+        check_load_folder(str(load), str(save) if save is not None else None)
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_load_folder_with_checkpoints_but_no_tracker_is_refused_even_as_the_save_folder(tmp_path):
+    """Before: "starting from scratch", and the fresh run's save replaced iter_0000002."""
+    (tmp_path / "iter_0000001").mkdir()
+    (tmp_path / "iter_0000002").mkdir()
+    for save in (tmp_path, tmp_path / "elsewhere"):
+        message = _refusal(tmp_path, save)
+        assert message is not None and "holds iter_0000001, iter_0000002 but no " \
+            "latest_checkpointed_iteration.txt" in message and f"echo 2 > {tmp_path}" in message
+
+
+@pytest.mark.parametrize("mark", ["mp_rank_00", "mp_rank_01_001", "common.pt", ".metadata",
+                                  "__0_0.distcp"])
+def test_one_checkpoints_own_folder_given_as_load_is_refused_naming_its_parent(tmp_path, mark):
+    """``--load ck/iter_0000002 --save ck``: before, a fresh run whose save replaced it."""
+    iteration = tmp_path / "ck" / "iter_0000002"
+    iteration.mkdir(parents=True)
+    (iteration / mark).mkdir() if mark.startswith("mp_rank") else (iteration / mark).write_bytes(b"")
+    message = _refusal(iteration, tmp_path / "ck")
+    assert message is not None and "one checkpoint's own folder" in message
+    assert f"the folder above it, {tmp_path / 'ck'}" in message
+    other = tmp_path / "renamed"  # the folder's name alone does not decide it
+    iteration.rename(other)
+    assert "one checkpoint's own folder" in _refusal(other, tmp_path / "ck")
+
+
+def test_a_load_folder_that_is_not_the_save_folder_and_holds_no_checkpoint_is_refused(tmp_path):
+    empty, hf, save = tmp_path / "empty", tmp_path / "hf", tmp_path / "save"
+    empty.mkdir()
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert "is empty: it has no latest_checkpointed_iteration.txt and is not the --save" in \
+        _refusal(empty, save)
+    message = _refusal(hf, save)
+    assert "holds no checkpoint (config.json, model.safetensors)" in message
+    assert "tools/checkpoint/convert.py --loader hf" in message
+    assert "is empty" in _refusal(empty, None)
+
+
+def test_the_save_folder_without_a_checkpoint_starts_from_scratch(tmp_path):
+    """"Resume if there is something": --load = --save, empty or holding only logs or a lock."""
+    assert _refusal(tmp_path, tmp_path) is None
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "megatron_save.lock").write_text("{}")
+    assert _refusal(tmp_path, str(tmp_path) + "/") is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    assert _refusal(tmp_path, tmp_path / "other") is None  # the tracker's content: checked later
+
+
+@pytest.mark.parametrize("planted", ["named pipe", "link to an outside file"])
+def test_a_planted_lock_temporary_is_neither_opened_nor_written_through(tmp_path, planted):
+    """The lock's creation temporary had a predictable name (host and pid, which repeat across
+    containers): a pipe there hung start-up, a link there had an outside file overwritten."""
+    save = tmp_path / "save"
+    save.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    name = save / f"{sf.LOCK_FILENAME}.new.{socket.gethostname()}.{os.getpid()}"
+    os.mkfifo(name) if planted == "named pipe" else os.symlink(outside, name)
+    lock = sf.SaveFolderLock(str(save))
+    lock.acquire()  # a hang here is the failure (pytest's timeout ends it)
+    try:
+        assert json.loads((save / sf.LOCK_FILENAME).read_text())["pid"] == os.getpid()
+        assert outside.read_text() == "keep me" and os.path.lexists(name)
+    finally:
+        lock.release()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -82,6 +83,10 @@ def add_arguments(parser) -> None:
 def _rope(cfg: dict):
     """(theta, llama3 scaling dict or None) from old (rope_theta/rope_scaling) or new
     (rope_parameters) style configs."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ValueError(f"config.json: {key} is a {type(cfg[key]).__name__}, expected an "
+                             "object (or null)")
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = cfg.get("rope_scaling") or (params if params else None)
@@ -96,6 +101,12 @@ def _rope(cfg: dict):
     return theta, scaling
 
 
+# Sizes that must be positive integers where config.json gives them (the required ones are
+# looked up later, naming the missing key).
+_POSITIVE_INTS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+
+
 def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: bool = False) -> dict:
     """Model metadata (``ModelConfig`` field names) of a HuggingFace LLaMA ``config.json``.
 
@@ -103,6 +114,16 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
         ValueError: not a LLaMA, a field at a value we do not implement (``attention_bias``,
             ``mlp_bias``, another activation, another ``rope_scaling`` type), or unknown fields.
     """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a JSON {type(cfg).__name__}, not an object: not a model's "
+                         "config.json")
+    for key in _POSITIVE_INTS:
+        value = cfg.get(key, 1)
+        if key in cfg and value is None and key in ("num_key_value_heads", "head_dim"):
+            continue  # null: the default (one group per head, hidden / heads)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{path}: {key}={value!r} must be a positive integer; fix the "
+                             "config or use the model's own config.json")
     model_type = cfg.get("model_type", "llama")
     if model_type in REFUSED_MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
@@ -174,6 +195,14 @@ def meta_from_hf_config(cfg: dict, path: str = "config.json", allow_unknown: boo
     return meta
 
 
+class MissingTensorError(KeyError, ValueError):
+    """A tensor config.json needs is not in the folder's files: a KeyError for the code that
+    looks tensors up, a ValueError (one line, exit 2) for ``convert.py``."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
 class HFWeights:
     """Lazy access to the tensors of a HuggingFace folder by name."""
 
@@ -208,14 +237,17 @@ class HFWeights:
     def get(self, name: str) -> torch.Tensor:
         path = self.where.get(name) if self.where is not None else self.single
         if path is None:
-            raise KeyError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+            raise MissingTensorError(f"{self.folder}: tensor {name} is missing from the checkpoint "
+                                     "(config.json describes more than its files hold)")
         f = self._file(path)
         if path.endswith(".safetensors"):
             if name not in f.keys():
-                raise KeyError(f"{path}: tensor {name} is missing")
+                raise MissingTensorError(f"{path}: tensor {name} is missing (config.json "
+                                         "describes more than its files hold)")
             return f.get_tensor(name)
         if name not in f:
-            raise KeyError(f"{path}: tensor {name} is missing")
+            raise MissingTensorError(f"{path}: tensor {name} is missing (config.json describes "
+                                     "more than its files hold)")
         return f[name]
 
 
@@ -230,6 +262,7 @@ def load_checkpoint(args):
         meta = meta_from_hf_config(json.load(f), cfg_path, getattr(args, "allow_unknown_hf_fields", False))
     meta["tokenizer_dir"] = os.path.abspath(folder)  # recorded: valid from any directory
     weights = HFWeights(folder)
+    _refuse_layers_beyond(weights.keys(), meta["num_layers"], cfg_path)
     first = weights.get("model.embed_tokens.weight")
     meta["params_dtype"] = {v: k for k, v in DTYPES.items()}[first.dtype]
     if first.shape[0] != meta["true_vocab_size"]:
@@ -237,6 +270,20 @@ def load_checkpoint(args):
                          f"vocab_size={meta['true_vocab_size']}")
     return meta, _stream(weights, meta)
 
+
+
+def _refuse_layers_beyond(names, num_layers: int, cfg_path: str) -> None:
+    """Refuse tensors of layers config.json does not count (they would be dropped silently).
+
+    Raises:
+        ValueError: naming the first such tensor and ``num_hidden_layers``.
+    """
+    extra = sorted((int(m.group(1)), n) for n in names
+                   if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= num_layers)
+    if extra:
+        raise ValueError(f"{cfg_path}: num_hidden_layers={num_layers}, but the files hold "
+                         f"{extra[0][1]} (layer {extra[0][0]}) and more: the config and the "
+                         "weights disagree; use the model's own config.json")
 
 
 def _router_name(keys, i: int) -> str:

@@ -255,7 +255,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     if not meta.get("true_vocab_size"):
         raise ValueError("the checkpoint does not store its true vocabulary size, so padding rows "
                          "cannot be removed: pass --true-vocab-size N (the tokenizer's vocabulary)")
-    tokenizer = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
+    tokenizer = _tokenizer_source(args, meta)
     if tokenizer and os.path.isdir(tokenizer):  # its files go beside the model: checked first
         refuse_custom_code(tokenizer, "--tokenizer-dir" if args.tokenizer_dir else
                            "the source's tokenizer folder")
@@ -311,8 +311,7 @@ def save_checkpoint(meta: dict, stream, args) -> str:
     if moe_layout.is_moe(meta):
         experts.finish()
     writer.finish()
-    source = args.tokenizer_dir or meta.get("tokenizer_dir") or meta.get("tokenizer_model")
-    _copy_tokenizer(source, folder, named_by_checkpoint=not args.tokenizer_dir)
+    _copy_tokenizer(tokenizer, folder, named_by_checkpoint=not args.tokenizer_dir)
     config = hf_config(meta, dtype, folder)
     if reward:  # a reward model: one score per sequence, read at its last non-padding token
         config.update(architectures=["LlamaForSequenceClassification"], num_labels=1,
@@ -337,6 +336,31 @@ def _is_sentencepiece_model(path: str) -> bool:
     except (RuntimeError, OSError, ValueError):
         return False
     return True
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _tokenizer_source(args, meta: dict):
+    """Where the export's tokenizer files come from: ``--tokenizer-dir``, else the path the
+    checkpoint records (``tokenizer_dir`` / ``tokenizer_model``) when it lies inside
+    ``--load-dir``, else None after one line naming the recorded path and the flag. A path
+    recorded in a checkpoint someone else wrote may name any file of this machine (a private
+    tokenizer at a guessable path): it is neither read nor copied into a folder one publishes
+    unless the user names it."""
+    if args.tokenizer_dir:
+        return args.tokenizer_dir
+    recorded = meta.get("tokenizer_dir") or meta.get("tokenizer_model")
+    if not recorded:
+        return None
+    load_dir = getattr(args, "load_dir", None)
+    if load_dir and _inside(recorded, load_dir):
+        return recorded
+    print(f" no tokenizer files copied: the checkpoint records {recorded}, outside --load-dir; "
+          f"pass --tokenizer-dir {recorded} to copy its tokenizer files into the export")
+    return None
 
 
 # The largest tokenizer.json read from a folder the checkpoint names (Llama 4's: 27 MB).

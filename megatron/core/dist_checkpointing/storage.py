@@ -265,6 +265,7 @@ def read_metadata(directory: str) -> Metadata:
         CheckpointFormatError: missing, truncated or refused (names the file and the reason).
     """
     path = os.path.join(directory, METADATA_FILE)
+    _refuse_special(path)
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()
@@ -289,6 +290,17 @@ def read_metadata(directory: str) -> Metadata:
     return metadata
 
 
+def _refuse_special(path: str) -> None:
+    """Refuse a checkpoint file that exists but is no regular file (a named pipe would block
+    ``open`` forever), without opening it."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        from megatron.file_kinds import file_kind
+
+        raise CheckpointFormatError(f"{path} is a {file_kind(path)}, not a checkpoint file: it "
+                                    "was not opened; restore the file, or load the last complete "
+                                    "checkpoint")
+
+
 def _nonnegative_ints(values) -> bool:
     return all(type(v) is int and v >= 0 for v in values)
 
@@ -306,6 +318,7 @@ def _check_shapes(metadata: Metadata, directory: str, path: str) -> None:
     for index, info in metadata.storage_data.items():
         file = os.path.join(directory, str(info.relative_path))
         if file not in sizes:
+            _refuse_special(file)
             sizes[file] = os.path.getsize(file) if os.path.isfile(file) else None
         if not _nonnegative_ints((info.offset, info.length)) or (
                 sizes[file] is not None and info.offset + info.length > sizes[file]):

@@ -42,7 +42,8 @@ import torch.distributed as dist
 from megatron.core.distributed.expert_params import is_expert_param
 from megatron.core.distributed.param_and_grad_buffer import (GradStorageMeter, ParamAndGradBuffer,
                                                             allocated_bytes, default_bucket_size)
-from megatron.core.distributed.param_units import ParamUnits, order_by_unit, unit_assignment
+from megatron.core.distributed.param_units import (ParamUnits, give_sharded_grad_class, order_by_unit,
+                                                   unit_assignment)
 from megatron.core.process_groups import group_size
 
 
@@ -256,6 +257,8 @@ class DistributedDataParallel(torch.nn.Module):
         if self.shard_grads:
             for p, bucket in self._bucket_of.items():
                 p.allocate_main_grad = bucket.allocate_grads
+            # Reading main_grad while its storage is freed raises instead of crashing.
+            give_sharded_grad_class(self._bucket_of, {p: n for n, p in self.module.named_parameters()})
 
     def _sharded_grad_ready(self, param: torch.nn.Parameter) -> None:
         """ZeRO-2/3, every micro-batch: once every gradient of ``param``'s bucket is final, the

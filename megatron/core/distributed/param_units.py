@@ -78,16 +78,63 @@ _METADATA = frozenset((
 _READING_ATTRIBUTES = frozenset(("data", "T", "mT", "H", "mH", "real", "imag"))
 
 
-class ShardedParameter(torch.nn.Parameter):
+def _freed(t: torch.Tensor) -> bool:
+    """Whether ``t`` has elements but its storage was released (``resize_(0)``)."""
+    return bool(t.numel()) and t.untyped_storage().nbytes() == 0
+
+
+def _get_main_grad(self):
+    grad = self.__dict__.get("main_grad")
+    if grad is None:
+        raise AttributeError(f"{type(self).__name__} object has no attribute 'main_grad'")
+    if _freed(grad):
+        raise ShardedParameterAccessError(
+            f"parameter {self.zero3_name!r}: main_grad is not held now: with sharded gradients "
+            "(--data-parallel-sharding-strategy optim_grads or optim_grads_params) a bucket's full "
+            "gradient lives only from its first gradient to its reduce-scatter; after "
+            "finish_grad_sync() the rank's reduced part is DistributedDataParallel.reduced_grad(param)")
+    return grad
+
+
+def _set_main_grad(self, grad):
+    self.__dict__["main_grad"] = grad
+
+
+def _del_main_grad(self):
+    self.__dict__.pop("main_grad", None)
+
+
+class ShardedGradParameter(torch.nn.Parameter):
+    """The class a parameter with sharded gradients (ZeRO-2 and ZeRO-3) is given (``__class__``
+    swapped in place): its ``main_grad`` view's storage is freed between its bucket's
+    reduce-scatter and its next gradient, so reading ``main_grad`` then raises
+    :class:`ShardedParameterAccessError` naming the parameter instead of reading freed memory (a
+    segfault). Everything else is a plain parameter's."""
+
+    zero3_name = "?"
+    main_grad = property(_get_main_grad, _set_main_grad, _del_main_grad)
+
+
+def give_sharded_grad_class(params, names: Dict) -> None:
+    """Swap each plain parameter of ``params`` to :class:`ShardedGradParameter`, named by
+    ``names`` (``{param: name}``); a :class:`ShardedParameter` is one already."""
+    for p in params:
+        if type(p) is torch.nn.Parameter:
+            p.__class__ = ShardedGradParameter
+            p.zero3_name = names.get(p, "?")
+
+
+class ShardedParameter(ShardedGradParameter):
     """The class a ZeRO-3 parameter is given (``__class__`` swapped in place, as torch's
     ``UninitializedParameter`` does): between its unit's uses its storage is freed, and an
     operation that would read it raises :class:`ShardedParameterAccessError` naming the
     parameter and the call that gathers it, instead of reading freed memory (a segfault).
     Metadata (shape, dtype, device, ``numel``, ...) stays readable; inside the gathered window
     every operation runs as on a plain parameter, returning plain tensors. Cost: one Python
-    call and a storage-size check per operation on a parameter."""
-
-    zero3_name = "?"
+    call and a storage-size check per operation on a parameter. ``as_subclass`` (which torch
+    does not route through ``__torch_function__``) is checked too; torch's legacy
+    ``torch.utils.dlpack.to_dlpack`` is a C function no Python class sees: use
+    ``torch.from_dlpack`` / ``__dlpack__``, which are checked."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -102,14 +149,17 @@ class ShardedParameter(torch.nn.Parameter):
                 _check_gathered(args, kwargs, func)
             return func(*args, **(kwargs or {}))
 
+    def as_subclass(self, cls):
+        _check_gathered((self,), None, "as_subclass")
+        return super().as_subclass(cls)
+
 
 def _check_gathered(args, kwargs, func) -> None:
     items = list(args) + list((kwargs or {}).values())
     for a in items:
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, ShardedParameter) and t.numel() and \
-                    t.untyped_storage().nbytes() == 0:
-                what = getattr(func, "__name__", str(func))
+            if isinstance(t, ShardedParameter) and _freed(t):
+                what = func if isinstance(func, str) else getattr(func, "__name__", str(func))
                 if what == "__get__":
                     what = f"reading .{func.__self__.__name__}"
                 raise ShardedParameterAccessError(

@@ -136,3 +136,36 @@ def test_use_checkpoint_args_reproduces_the_flags_and_keeps_given_tokenizer_flag
     given = run_distributed(1, _configured, base + ["--tokenizer-type", "NullTokenizer",
                                                     "--vocab-size", str(VOCAB - 1)])[0]
     assert given == ("NullTokenizer", None, VOCAB)
+
+
+def _edited_hf(root, edit):
+    folder = root / "hf"
+    make_hf(str(folder))
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(edit(cfg)))
+    return folder
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: [c], "a JSON list, not an object"),
+    (lambda c: dict(c, rope_scaling=[1, 2]), "rope_scaling is a list, expected an object"),
+    (lambda c: dict(c, num_hidden_layers=-1), "num_hidden_layers=-1 must be a positive integer"),
+    (lambda c: dict(c, hidden_size="64"), "hidden_size='64' must be a positive integer"),
+    (lambda c: dict(c, num_attention_heads=0), "num_attention_heads=0 must be a positive"),
+    (lambda c: dict(c, num_hidden_layers=1), "num_hidden_layers=1, but the files hold "
+                                             "model.layers.1."),
+    (lambda c: dict(c, num_hidden_layers=3), "tensor model.layers.2."),
+])
+def test_a_config_that_contradicts_itself_or_its_weights_is_one_line(tmp_path, edit, message):
+    """The fourth hostile pass: AttributeError / KeyError tracebacks, and a config counting
+    fewer layers than the files hold converted with exit 0, dropping the other layers."""
+    from tools.checkpoint import convert as tool
+
+    folder = _edited_hf(tmp_path, edit)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = tool.command(["--loader", "hf", "--saver", "megatron", "--load-dir", str(folder),
+                             "--save-dir", str(tmp_path / "out")])
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], err.getvalue()[-2000:]
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")

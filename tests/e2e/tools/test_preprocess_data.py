@@ -135,6 +135,8 @@ def test_int32_for_large_vocabulary(tmp_path):
     ('[1, 2]', "expected a JSON object"),
     # issue 31: reached the tokenizer ("TypeError: List elements must be str or bytes")
     ('{"text": "1 \\ud800 2"}', "'text' holds a lone surrogate ('\\ud800' at character 2"),
+    # the fourth hostile pass: a RecursionError traceback
+    ('{"text": ' + "[" * 100000, "JSON nested too deeply"),
 ])
 def test_bad_line_names_file_and_line_and_leaves_nothing(tmp_path, capsys, workers, bad_line, message):
     rows = [{"text": "1"}] * 30 + [bad_line] + [{"text": "2"}] * 5
@@ -317,16 +319,23 @@ def test_kill_at_any_point_leaves_no_partial_output_and_next_run_cleans_up(old_a
     assert _outputs(tmp_path, "o") == new_files
 
 
-def test_sigterm_removes_temporaries_at_once_and_keeps_the_older_output(old_and_new, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_removes_temporaries_at_once_and_keeps_the_older_output(old_and_new, tmp_path,
+                                                                                  sig):
+    """SIGTERM (Slurm, kill) or SIGINT (Ctrl-C) during the writes: one line naming the signal, no
+    traceback, the shell's status for that signal, no temporary, the older output untouched."""
     root, new, old_files, _ = old_and_new
     for key, (bin_, idx) in old_files.items():
         (tmp_path / f"o_{key}_document.bin").write_bytes(bin_)
         (tmp_path / f"o_{key}_document.idx").write_bytes(idx)
     argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--json-keys", "text", "title",
             "--chunk-size", "16", "--workers", "2"]
-    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, ROOT, "write", "3", "SIGTERM", *argv],
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, ROOT, "write", "3", sig, *argv],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"preprocess_data.py: stopped by {sig}: no partial output is left (earlier outputs under "
+        "the same names are as they were); run it again to write the output"], proc.stderr
     assert not glob.glob(str(tmp_path / "*.tmp-*"))
     assert _outputs(tmp_path, "o") == old_files
 

@@ -273,3 +273,79 @@ def test_a_killed_or_stopped_worker_stops_the_run_in_one_line(tmp_path, hf_folde
     from tests.e2e.tools.test_preprocess_data import _processes_naming
 
     assert not _processes_naming(str(out)), "a tokenizer worker outlived the run"
+
+
+_SIGNALLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from megatron.data import indexed_dataset as ix
+import tools.preprocess_sft_data as sft
+sig, calls, add = getattr(signal, sys.argv[2]), [0], ix.MMapIndexedDatasetBuilder.add_document
+def trapped(*a, **k):
+    calls[0] += 1
+    if calls[0] == 3:  # the text and mask builders of the first conversation have written
+        os.kill(os.getpid(), sig)
+    return add(*a, **k)
+ix.MMapIndexedDatasetBuilder.add_document = trapped
+sys.exit(sft.cli(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_leaves_one_line_and_no_temporaries(tmp_path, hf_folder, sig):
+    """Before: SIGTERM killed the tool where it stood (``.bin.tmp-PID`` files left), Ctrl-C printed
+    a KeyboardInterrupt traceback. Now both unwind through the builders' abort, with workers."""
+    import signal
+
+    src = _write_jsonl(tmp_path / "in.jsonl", LINES[:3] * 8)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_RUN, ROOT, sig, "--input", src, "--output-prefix",
+         str(out / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path",
+         hf_folder, "--workers", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"preprocess_sft_data.py: stopped by {sig}: no partial output is left (earlier outputs "
+        "under the same names are as they were); run it again to write the output"], proc.stderr
+    assert os.listdir(out) == []
+
+
+_LIMITED_RUN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from megatron.data import chat_templates
+chat_templates.RENDER_LIMIT_S = 1.0  # the workers fork after this: they keep it
+import tools.preprocess_sft_data as sft
+sys.exit(sft.cli(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("template, why", [
+    ("{{ '\\ud800' }}" + CHATML, "the chat template renders a lone surrogate ('\\ud800')"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CHATML,
+     "the chat template ran over 1 s on one conversation"),
+])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_template_that_renders_no_text_or_never_ends_is_named(tmp_path, template, why, workers):
+    """The fourth hostile pass: a template emitting a lone surrogate gave a 32-line TypeError
+    traceback from the tokenizer; nested loops of 10^10 steps ran without end."""
+    folder = _tiny_hf_folder(tmp_path / "tok", template)
+    src = _write_jsonl(tmp_path / "in.jsonl", LINES[:3])
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIMITED_RUN, ROOT, "--input", src, "--output-prefix",
+         str(tmp_path / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path",
+         folder, "--workers", str(workers)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"preprocess_sft_data.py: error: --tokenizer-name-or-path {folder}: ")
+    assert why in lines[0], lines[0]
+    assert not list(tmp_path.glob("o_*"))
+
+
+def test_a_line_nested_too_deeply_is_named(tmp_path, hf_folder):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(LINES[0]) + "\n" + '{"messages": ' + "[" * 100000 + "\n")
+    out = _run("--input", str(src), "--output-prefix", str(tmp_path / "o"),
+               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path", hf_folder)
+    assert out.returncode == 2 and f"{src}:2: JSON nested too deeply" in out.stderr, out.stderr

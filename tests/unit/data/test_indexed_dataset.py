@@ -236,3 +236,18 @@ def test_import_does_not_load_torch():
     code = "import sys, megatron.data.indexed_dataset; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("which", ["idx", "bin"])
+def test_a_dataset_file_that_is_a_named_pipe_is_named_as_such_unopened(tmp_path, which):
+    """The fourth hostile pass: a pipe was said to be "file not found"."""
+    import os
+
+    from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+
+    prefix = str(tmp_path / "d")
+    for ext in ("idx", "bin"):
+        (os.mkfifo if ext == which else lambda p: open(p, "wb").close())(f"{prefix}.{ext}")
+    with pytest.raises(IndexedDatasetError, match=rf"d\.{which}: a named pipe, not a regular file "
+                                                  r"\(it was not opened\)"):
+        MMapIndexedDataset(prefix)

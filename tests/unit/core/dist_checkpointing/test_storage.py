@@ -4,6 +4,7 @@ metadata pickle or data-file name that would do more than describe a checkpoint 
 
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -222,3 +223,16 @@ def test_a_record_beyond_its_file_is_refused(tmp_path):
                        match=r"the record of w \(bytes 1000000000 \+ \d+\) does not lie inside "
                              r".*__0_0\.distcp \(\d+ bytes\)"):
         storage.read_metadata(directory)
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
+def test_a_checkpoint_file_that_is_a_named_pipe_is_refused_unopened(tmp_path, name):
+    """Before: ``open`` of a piped ``__0_0.distcp`` waited for a writer forever."""
+    directory = str(tmp_path / "ck")
+    _save_one(directory, 1)
+    os.remove(os.path.join(directory, name))
+    os.mkfifo(os.path.join(directory, name))
+    with pytest.raises(storage.CheckpointFormatError, match=re.escape(
+            f"{os.path.join(directory, name)} is a named pipe, not a checkpoint file: it was not "
+            "opened")):
+        _read_one(directory)

@@ -23,6 +23,7 @@ READS = {
     "cat": lambda p: torch.cat([p, p]),
     "clone": lambda p: p.clone(),
     "index": lambda p: p[0, 0].item(),
+    "as_subclass": lambda p: p.as_subclass(torch.Tensor).sum(),  # not routed to __torch_function__
 }
 
 
@@ -68,9 +69,39 @@ def test_reading_a_freed_zero3_parameter_raises_a_clear_error():
         assert out["gathered"] and out["plain result"] and out["after"]
 
 
+def _read_main_grad_between_iterations(strategy):
+    from megatron.core.distributed.param_units import ShardedParameterAccessError
+
+    ps.initialize_model_parallel(1, 1)
+    net, ddp, opt = _build(strategy, overlap_grad=True)
+    for step in range(2):
+        distrib_iteration(ddp, opt, step, 2)
+    try:
+        net.fc.weight.main_grad.sum()  # its storage is freed after the bucket's reduce-scatter
+        message = None
+    except ShardedParameterAccessError as err:
+        message = str(err)
+    distrib_iteration(ddp, opt, 2, 2)  # the process lives on and trains
+    return message, tuple(net.fc.weight.shape)
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_reading_a_freed_main_grad_raises_a_clear_error(strategy):
+    """Before: ``p.main_grad.sum()`` between iterations read the freed gradient storage
+    (SIGSEGV) under ZeRO-2 and ZeRO-3."""
+    for message, shape in run_distributed(2, _read_main_grad_between_iterations, strategy):
+        assert message is not None and "'fc.weight'" in message and "reduced_grad" in message, message
+        assert shape == (16, 16)
+
+
 def test_a_non_sharded_strategy_keeps_plain_parameters():
-    net, ddp, _ = _build_single("optim_grads")
+    from megatron.core.distributed.param_units import ShardedGradParameter
+
+    net, ddp, _ = _build_single("optim")
     assert all(type(p) is torch.nn.Parameter for p in net.parameters())
+    net, ddp, _ = _build_single("optim_grads")  # only main_grad is guarded: no per-op check
+    assert all(type(p) is ShardedGradParameter for p in net.parameters())
+    assert ShardedGradParameter.__torch_function__ is torch.nn.Parameter.__torch_function__
     net, ddp, _ = _build_single("optim_grads_params")
     with pytest.raises(RuntimeError, match="'inp.weight'.*finish_param_sync"):
         net.inp.weight.sum()

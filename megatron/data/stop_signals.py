@@ -1,0 +1,56 @@
+"""SIGTERM and Ctrl-C end a preprocessing command in one line, its partial output removed.
+
+Used by ``tools/preprocess_data.py`` and ``tools/preprocess_sft_data.py``. Their ``run`` aborts
+every output builder on any exception (``MMapIndexedDatasetBuilder.abort`` removes the
+``.bin.tmp-PID`` files; earlier outputs under the same names are only replaced at the final
+commit), so turning the signal into an exception that unwinds through ``run`` is all a clean stop
+needs. Without it SIGTERM killed the process where it stood (temporaries left behind) and Ctrl-C
+printed a ``KeyboardInterrupt`` traceback. The workers ignore SIGINT and are ended by the pool
+(:mod:`megatron.data.worker_pool`).
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived: unwinds like ``KeyboardInterrupt`` (not caught by ``except Exception``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_in_one_line(prog: str):
+    """Within this block SIGTERM raises :class:`Stopped`; SIGTERM or Ctrl-C reaching the block's
+    end print ``PROG: stopped by SIGTERM (or SIGINT): no partial output is left ...`` on stderr
+    and exit with 128 + the signal's number (143, 130), as a shell reports a process the signal
+    ended. Off the main thread (where handlers cannot be set) SIGTERM keeps its action.
+
+    Raises:
+        SystemExit: after the line, status 128 + signal number.
+    """
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped) if on_main else None
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        print(f"{prog}: stopped by {signal.Signals(signum).name}: no partial output is left "
+              "(earlier outputs under the same names are as they were); run it again to write "
+              "the output", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)

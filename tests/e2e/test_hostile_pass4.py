@@ -97,8 +97,13 @@ _ZERO3_READS = {
     "as_subclass(Tensor).sum()": lambda p: p.as_subclass(torch.Tensor).sum(),
     "main_grad.sum()": lambda p: p.main_grad.sum(),
     "from_dlpack(to_dlpack(p)).sum()": lambda p: torch.from_dlpack(torch.utils.dlpack.to_dlpack(p)).sum(),
+    "Tensor._make_subclass(Tensor, p).sum()": lambda p: torch.Tensor._make_subclass(torch.Tensor, p).sum(),
+    # Reads memory that is not the parameter's (another value each run) in this pass:
+    "empty(0).set_(p.untyped_storage()).sum()":
+        lambda p: torch.empty(0).set_(p.untyped_storage(), 0, p.shape).sum(),
 }
-_ZERO3_CRASHES = ["as_subclass(Tensor).sum()", "main_grad.sum()", "from_dlpack(to_dlpack(p)).sum()"]
+_ZERO3_CRASHES = ["as_subclass(Tensor).sum()", "main_grad.sum()", "from_dlpack(to_dlpack(p)).sum()",
+                  "Tensor._make_subclass(Tensor, p).sum()", "empty(0).set_(p.untyped_storage()).sum()"]
 _ZERO3_HELD = [name for name in _ZERO3_READS if name not in _ZERO3_CRASHES]
 
 
@@ -115,7 +120,12 @@ def test_zero3_more_reads_between_iterations_raise_the_named_error(zero3_held, r
 @pytest.mark.parametrize("read", [
     "as_subclass(Tensor).sum()", "main_grad.sum()",
     pytest.param("from_dlpack(to_dlpack(p)).sum()", marks=pytest.mark.xfail(
-        strict=True, reason="issue 31, fourth pass: to_dlpack hands out the freed storage; segfault"))])
+        strict=True, reason="issue 31, fourth pass: to_dlpack hands out the freed storage; segfault")),
+    pytest.param("Tensor._make_subclass(Tensor, p).sum()", marks=pytest.mark.xfail(
+        strict=True, reason="issue 31, fourth pass: _make_subclass is not checked; segfault")),
+    pytest.param("empty(0).set_(p.untyped_storage()).sum()", marks=pytest.mark.xfail(
+        strict=True, reason="issue 31, fourth pass: untyped_storage() is allowed as metadata; "
+                            "set_ on it reads memory that is not the parameter's"))])
 def test_zero3_reads_that_crashed_the_rank_raise_the_named_error(read):
     """In the pass each of these killed the rank with SIGSEGV: ``as_subclass`` and ``to_dlpack``
     hand out the freed storage without the check, and ``main_grad`` is a view of a freed

@@ -204,7 +204,8 @@ def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_co
         loaded = legacy.load_checkpoint(load_dir, iteration, release, model_chunks, optimizer,
                                         opt_param_scheduler, config, pg_collection,
                                         run_flags=run_flags, explain=explain)
-    if not (release or config.finetune) and loaded["iteration"] != iteration:
+    if not (release or config.finetune) and loaded["iteration"] != iteration \
+            and _written_here(folder):
         # A folder copied over another's name: resuming would replay or skip data and the
         # learning-rate schedule, silently (every rank read the same record: all raise alike).
         raise CheckpointError(explain(
@@ -213,6 +214,25 @@ def _load_checkpoint(model_chunks, optimizer, opt_param_scheduler, config, pg_co
             "copied over another's name? Rename it to match the iteration its files hold, or "
             "restore that iteration's files"))
     return loaded
+
+
+def _written_here(folder: str) -> bool:
+    """Whether the checkpoint ``folder`` was saved by this code (its legacy shards hold plain
+    data only; Megatron-LM's pickle its argparse namespace). Megatron-LM's own tools write
+    folders whose files record another iteration than their name (its ``mixtral-tiny`` vector:
+    ``iter_0000001`` holding iteration 0), and Megatron-LM resumes from the files' value, so
+    only ours are held to their name."""
+    import torch
+
+    from megatron.checkpointing import foreign
+
+    shard = foreign.first_shard(folder)
+    if shard is None:  # torch_dist: Megatron-LM's own returned before the check
+        return True
+    try:
+        return not torch.serialization.get_unsafe_globals_in_checkpoint(shard)
+    except Exception:  # noqa: BLE001 - damaged: the load above would have said so
+        return True
 
 
 def _load_torch_dist(folder, model_chunks, optimizer, opt_param_scheduler, config, pg_collection,

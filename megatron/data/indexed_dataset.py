@@ -387,6 +387,11 @@ def write_index(file, dtype, sizes: np.ndarray, document_indices: np.ndarray) ->
     file.write(document_indices.tobytes(order="C"))
 
 
+def _index_path_of(bin_path: str) -> str:
+    """The ``.idx`` beside a ``.bin`` path (the same name with the other extension)."""
+    return (bin_path[:-len(".bin")] if bin_path.endswith(".bin") else bin_path) + ".idx"
+
+
 class MMapIndexedDatasetBuilder:
     """Writes an MMIDIDX pair; both files appear under their final names only in ``finalize``.
 
@@ -404,6 +409,7 @@ class MMapIndexedDatasetBuilder:
 
     Raises:
         ValueError: ``dtype`` is not an integer type of the format.
+        IndexedDatasetError: the ``.bin`` or ``.idx`` name is a folder.
         FileExistsError: another live process is writing ``bin_path``.
     """
 
@@ -411,6 +417,10 @@ class MMapIndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
         self.bin_path = bin_path
+        for path in (bin_path, _index_path_of(bin_path)):  # the final rename cannot replace one
+            if os.path.isdir(path):
+                raise IndexedDatasetError(f"{path} is a folder: the output cannot take its name; "
+                                          "move the folder or choose another --output-prefix")
         remove_stale_temporaries(bin_path)
         self._bin = _LockedFile(_tmp_path(bin_path))
         self._file = self._bin.file

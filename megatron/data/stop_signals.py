@@ -14,6 +14,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -27,7 +28,16 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+_INSTALLED_BY = [None]  # the pid of the process whose block installed the handler
+
+
 def _raise_stopped(signum, frame):
+    if os.getpid() != _INSTALLED_BY[0]:
+        # A worker forked with this handler, signalled before it set its own: the default
+        # action (ended by the signal, as the pool expects), not an exception in its code.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise Stopped(signum)
 
 
@@ -42,6 +52,7 @@ def stop_in_one_line(prog: str):
         SystemExit: after the line, status 128 + signal number.
     """
     on_main = threading.current_thread() is threading.main_thread()
+    _INSTALLED_BY[0] = os.getpid()
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if on_main else None
     try:
         yield

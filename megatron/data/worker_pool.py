@@ -35,10 +35,12 @@ class WorkerDied(RuntimeError):
 
 
 def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
-    from megatron.data.loader_workers import die_with_parent
-
+    # First of all: a SIGTERM from here on takes its default action, not the main process's
+    # handler this process was forked with.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from megatron.data.loader_workers import die_with_parent
+
     die_with_parent()  # a SIGKILLed main process leaves no worker behind
     if initializer is not None:
         initializer(*initargs)

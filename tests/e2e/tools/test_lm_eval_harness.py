@@ -79,7 +79,7 @@ def model(tmp_path_factory):
                 root / name, "--target-tensor-parallel-size", tp,
                 "--target-pipeline-parallel-size", pp)
     convert("--loader", "megatron", "--saver", "hf", "--load-dir", root / "tp2pp2", "--save-dir",
-            export)
+            export, "--tokenizer-dir", hf)
     return {"root": root, "hf": str(hf), "export": str(export), "ckpt": str(root / "tp2pp2"),
             "tasks": make_tasks(str(tasks)), "cache": str(root / "datasets")}
 

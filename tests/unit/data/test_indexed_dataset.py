@@ -251,3 +251,18 @@ def test_a_dataset_file_that_is_a_named_pipe_is_named_as_such_unopened(tmp_path,
     with pytest.raises(IndexedDatasetError, match=rf"d\.{which}: a named pipe, not a regular file "
                                                   r"\(it was not opened\)"):
         MMapIndexedDataset(prefix)
+
+
+@pytest.mark.parametrize("which", ["bin", "idx"])
+def test_an_output_name_that_is_a_folder_is_refused_before_anything_is_written(tmp_path, which):
+    """The fourth hostile pass: the preprocessors tokenized everything, then failed with an
+    IsADirectoryError traceback at the final rename."""
+    import os
+
+    from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDatasetBuilder
+
+    os.mkdir(tmp_path / f"o.{which}")
+    with pytest.raises(IndexedDatasetError, match=rf"o\.{which} is a folder: the output cannot "
+                                                  "take its name"):
+        MMapIndexedDatasetBuilder(str(tmp_path / "o.bin"))
+    assert os.listdir(tmp_path) == [f"o.{which}"]

@@ -330,7 +330,6 @@ def test_a_valid_surrogate_pair_is_text_with_workers(tmp_path):
 
 
 @needs_sp
-@pytest.mark.xfail(strict=True, reason="issue 31, fourth pass: IsADirectoryError traceback after the run")
 @pytest.mark.parametrize("suffix", [".bin", ".idx"])
 def test_an_output_name_that_is_a_folder_is_refused_in_one_line(tmp_path, suffix):
     (tmp_path / "in.jsonl").write_text('{"text": "a b"}\n')

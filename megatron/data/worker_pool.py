@@ -137,6 +137,12 @@ class WorkerPool:
         a line of Python (its inherited Python SIGTERM handler then never runs): without the
         SIGKILL the executor's shutdown would wait for them forever."""
         if signal_first:
+            # The chunks still queued for the workers are dropped: without this the executor's
+            # shutdown joins the queue's feeder thread, which waits to write them into a pipe
+            # no worker reads any more (a known multiprocessing hang).
+            call_queue = getattr(self.executor, "_call_queue", None)
+            if call_queue is not None:
+                call_queue.cancel_join_thread()
             for process in self.processes:
                 if process.exitcode is None:
                     process.terminate()
@@ -147,6 +153,17 @@ class WorkerPool:
                 time.sleep(0.02)
             if process.exitcode is None:
                 process.kill()
+        if signal_first:
+            for process in self.processes:
+                process.join(EXIT_GRACE_S)
+            # A worker ended while it wrote a result leaves half a message in the result pipe:
+            # the executor's thread then waits in recv() for the rest forever, and shutdown
+            # with it (seen once in 18 Ctrl-C runs). With every worker gone, closing this
+            # process's copy of the pipe's write end turns that wait into EOF, which the
+            # executor takes as a broken pool and cleans up.
+            writer = getattr(getattr(self.executor, "_result_queue", None), "_writer", None)
+            if writer is not None and all(p.exitcode is not None for p in self.processes):
+                writer.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
     def _named(self, call, *args):

@@ -28,6 +28,9 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+# SIGTERM (kill, Slurm) and SIGHUP (the terminal or ssh session closed); Ctrl-C's SIGINT
+# arrives as KeyboardInterrupt.
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _INSTALLED_BY = [None]  # the pid of the process whose block installed the handler
 
 
@@ -43,17 +46,18 @@ def _raise_stopped(signum, frame):
 
 @contextlib.contextmanager
 def stop_in_one_line(prog: str):
-    """Within this block SIGTERM raises :class:`Stopped`; SIGTERM or Ctrl-C reaching the block's
-    end print ``PROG: stopped by SIGTERM (or SIGINT): no partial output is left ...`` on stderr
-    and exit with 128 + the signal's number (143, 130), as a shell reports a process the signal
-    ended. Off the main thread (where handlers cannot be set) SIGTERM keeps its action.
+    """Within this block SIGTERM and SIGHUP raise :class:`Stopped`; they or Ctrl-C reaching the
+    block's end print ``PROG: stopped by SIGTERM (SIGHUP, SIGINT): no partial output is left
+    ...`` on stderr and exit with 128 + the signal's number (143, 129, 130), as a shell reports a
+    process the signal ended. Off the main thread (where handlers cannot be set) the signals
+    keep their actions.
 
     Raises:
         SystemExit: after the line, status 128 + signal number.
     """
     on_main = threading.current_thread() is threading.main_thread()
     _INSTALLED_BY[0] = os.getpid()
-    previous = signal.signal(signal.SIGTERM, _raise_stopped) if on_main else None
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in _SIGNALS} if on_main else {}
     try:
         yield
     except (Stopped, KeyboardInterrupt) as exc:
@@ -63,5 +67,5 @@ def stop_in_one_line(prog: str):
               "the output", file=sys.stderr)
         raise SystemExit(128 + signum) from None
     finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

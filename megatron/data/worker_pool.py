@@ -39,6 +39,7 @@ def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
     # handler this process was forked with.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     from megatron.data.loader_workers import die_with_parent
 
     die_with_parent()  # a SIGKILLed main process leaves no worker behind

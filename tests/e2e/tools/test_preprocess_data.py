@@ -319,10 +319,11 @@ def test_kill_at_any_point_leaves_no_partial_output_and_next_run_cleans_up(old_a
     assert _outputs(tmp_path, "o") == new_files
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_sigterm_or_ctrl_c_removes_temporaries_at_once_and_keeps_the_older_output(old_and_new, tmp_path,
                                                                                   sig):
-    """SIGTERM (Slurm, kill) or SIGINT (Ctrl-C) during the writes: one line naming the signal, no
+    """SIGTERM (Slurm, kill), SIGINT (Ctrl-C) or SIGHUP (the terminal closed; the fourth hostile
+    pass: no line and a ``.bin.tmp`` left) during the writes: one line naming the signal, no
     traceback, the shell's status for that signal, no temporary, the older output untouched."""
     root, new, old_files, _ = old_and_new
     for key, (bin_, idx) in old_files.items():

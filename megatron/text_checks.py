@@ -9,21 +9,23 @@ from typing import Any, Optional, Tuple
 
 def lone_surrogate(value: Any, path: str = "") -> Optional[Tuple[str, int]]:
     """``(path, code point)`` of the first string (value or object key) in a decoded JSON value
-    holding a lone surrogate, else None. ``path`` is JSON-ish: ``messages[0].content``; the
+    holding a lone surrogate, else None. ``path`` is JSON-ish: ``messages[0].content``, or
+    ``messages[0].key '\\ud800x'`` for a key; the
     walk is iterative, so any depth the JSON parser took is walked."""
     stack = [(path, value)]
     while stack:
         where, item = stack.pop()
-        texts = [item] if isinstance(item, str) else []
+        texts = [(where, item)] if isinstance(item, str) else []
         if isinstance(item, dict):
-            texts += list(item)
+            # A key is named by itself (escaped): the path to it would stop at its object.
+            texts += [((f"{where}." if where else "") + f"key {ascii(k)}", k) for k in item]
             stack += [(f"{where}.{k}" if where else str(k), v)
                       for k, v in reversed(list(item.items()))]
         elif isinstance(item, list):
             stack += [(f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item)))]
-        for text in texts:
+        for at, text in texts:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:
-                return where, ord(text[e.start])
+                return at, ord(text[e.start])
     return None

@@ -200,6 +200,10 @@ def test_message_keys_and_text_parts():
     (b'{"messages": [{"role": "user", "content": "x\\udc80y"}]}', "'messages[0].content'",
      "messages"),
     (b'{"prompt": "a", "stop": ["\\udfff"]}', "'stop[0]'", "stop"),
+    # a key (the fourth hostile pass: the line named '', the object holding it)
+    (b'{"prompt": "a", "x\\ud800": 1}', "'key 'x\\ud800''", "key 'x\\ud800'"),
+    (b'{"messages": [{"role": "user", "content": "x", "\\ud800": 1}]}',
+     "'messages[0].key '\\ud800''", "messages"),
 ])
 def test_a_lone_surrogate_is_refused_naming_the_field(raw, where, param):
     """Valid JSON whose \\u escape is a lone surrogate reached SentencePiece: HTTP 500."""

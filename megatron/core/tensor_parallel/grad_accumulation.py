@@ -58,8 +58,18 @@ def fuses_into_main_grad(weight: torch.Tensor, enabled: bool, accumulator) -> bo
         accumulator: the weight's ``AccumulateGrad`` node in the running backward
             (:func:`accumulator_of`); None (or a node this backward does not run) means no.
     """
-    return (enabled and weight.requires_grad and getattr(weight, "main_grad", None) is not None
+    return (enabled and weight.requires_grad and _has_main_grad(weight)
             and weight.grad is None and _engine_accumulates(accumulator))
+
+
+def _has_main_grad(weight: torch.Tensor) -> bool:
+    """Whether DDP gave ``weight`` a ``main_grad``. Under ZeRO-2/3 its storage is freed until
+    ``allocate_main_grad`` (reading it then raises ``ShardedParameterAccessError``, a
+    RuntimeError): it exists all the same."""
+    try:
+        return getattr(weight, "main_grad", None) is not None
+    except RuntimeError:
+        return True
 
 
 def _writable_main_grad(weight: torch.Tensor) -> torch.Tensor:

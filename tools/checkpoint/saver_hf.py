@@ -325,17 +325,24 @@ def save_checkpoint(meta: dict, stream, args) -> str:
 _SP_MODEL_MAX_BYTES = 64 * 2 ** 20
 
 
+def _loads(path: str, max_bytes: int, load) -> bool:
+    """Whether ``path`` is a regular file of at most ``max_bytes`` that ``load(path)`` reads
+    without raising (the size is checked first: nothing large is read)."""
+    if not os.path.isfile(path) or os.path.getsize(path) > max_bytes:
+        return False
+    try:
+        load(path)
+    except Exception:  # noqa: BLE001 - each library raises its own types for a malformed file
+        return False
+    return True
+
+
 def _is_sentencepiece_model(path: str) -> bool:
     """Whether ``path`` is a regular file SentencePiece loads as a model (size-capped first)."""
     import sentencepiece
 
-    if not os.path.isfile(path) or os.path.getsize(path) > _SP_MODEL_MAX_BYTES:
-        return False
-    try:
-        sentencepiece.SentencePieceProcessor(model_file=path)
-    except (RuntimeError, OSError, ValueError):
-        return False
-    return True
+    return _loads(path, _SP_MODEL_MAX_BYTES,
+                  lambda p: sentencepiece.SentencePieceProcessor(model_file=p))
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -371,13 +378,7 @@ def _is_tokenizers_json(path: str) -> bool:
     """Whether ``path`` is a regular file the ``tokenizers`` library loads (size-capped first)."""
     from tokenizers import Tokenizer
 
-    if not os.path.isfile(path) or os.path.getsize(path) > _TOKENIZER_JSON_MAX_BYTES:
-        return False
-    try:
-        Tokenizer.from_file(path)
-    except Exception:  # tokenizers raises its own Exception subclass for any malformed file
-        return False
-    return True
+    return _loads(path, _TOKENIZER_JSON_MAX_BYTES, Tokenizer.from_file)
 
 
 def _holds_a_tokenizer(source: str) -> bool:

@@ -667,15 +667,20 @@ def test_sigterm_to_every_process_of_the_step_at_once_saves(data):
 # --- preprocessing: the parent interrupted (slow) ---------------------------------------------
 
 def _start_big_preprocessing(tool, tmp_path):
+    """Starts TOOL on an input that takes it about ten seconds (240,000 documents; the signal
+    must land mid-run on a fast machine too: 60,000 took 2.4 s here) and returns once its
+    workers run and its first output temporary holds data."""
     import random
 
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog while seven wizards hex my band".split()
+    lines = []
+    for _ in range(6000):
+        text = " ".join(rng.choice(words) for _ in range(60))
+        lines.append(json.dumps({"text": text} if tool == "preprocess_data.py" else {"messages": [
+            {"role": "user", "content": text[:80]}, {"role": "assistant", "content": text}]}) + "\n")
     with open(tmp_path / "in.jsonl", "w") as f:
-        for _ in range(60000):
-            text = " ".join(rng.choice(words) for _ in range(60))
-            f.write(json.dumps({"text": text} if tool == "preprocess_data.py" else {"messages": [
-                {"role": "user", "content": text[:80]}, {"role": "assistant", "content": text}]}) + "\n")
+        f.write("".join(lines) * 40)
     (tmp_path / "out").mkdir()
     extra = ["--chat-template", "llama2"] if "sft" in tool else ["--chunk-size", "64"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", tool), "--input",
@@ -685,11 +690,23 @@ def _start_big_preprocessing(tool, tmp_path):
                             text=True, start_new_session=True)
     from tests.helpers.reliability import child_processes
 
+    def writing():
+        for name in os.listdir(tmp_path / "out"):
+            try:
+                if ".tmp-" in name and os.path.getsize(tmp_path / "out" / name) > 0:
+                    return True
+            except FileNotFoundError:  # renamed at the final commit
+                pass
+        return False
+
     deadline = time.time() + 120
-    while len(child_processes(proc.pid)) < 2 and time.time() < deadline:
+    while (len(child_processes(proc.pid)) < 2 or not writing()) and time.time() < deadline:
+        assert proc.poll() is None, f"{tool} ended before it was signalled: {proc.communicate()}"
         time.sleep(0.05)
     workers = child_processes(proc.pid)
-    time.sleep(3)
+    assert len(workers) >= 2 and writing(), f"{tool} did not start writing within 120 s"
+    time.sleep(0.5)
+    assert proc.poll() is None, f"{tool} ended before it was signalled"
     return proc, workers
 
 

@@ -34,6 +34,7 @@ Typical iteration::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -275,7 +276,15 @@ class DistributedDataParallel(torch.nn.Module):
         self._grads_in_flight = [bucket] if bucket.handle is not None else []
 
     def _make_hook(self):
+        # The hook lives on the parameter (held by autograd's C++ side, out of the garbage
+        # collector's sight): a strong reference to this wrapper would keep the model, its
+        # buffers and process groups alive after training, in every process that trains twice.
+        this = weakref.ref(self)
+
         def hook(param: torch.nn.Parameter) -> None:
+            self = this()
+            if self is None:
+                return
             # post-accumulate hooks run once per backward after every use of the param (tied
             # weights included), so param.grad is the param's full gradient of this backward.
             if param.grad is not None:

@@ -21,7 +21,10 @@ the model-parallel groups (``destroy_model_parallel``) and destroys every proces
 made except the default one; ``new_group`` is collective, so the ranks first check over the
 default group that they made the same number of groups. A world whose task failed, timed out, left
 a thread or a child process running, destroyed the default group or disagrees on its groups is
-torn down; the next task gets a fresh one. ``fresh=True`` (tests that kill or hang ranks on
+torn down, as is one whose tasks left more than ``_MAX_LEAKED_GLOO_THREADS`` threads of gloo
+running (process groups destroyed but still referenced: their loops slow every later task); the
+next task gets a fresh one. ``MEGATRON_TEST_POOL_DEBUG=1`` prints each new and renewed world, why,
+and the test whose task it last ran. ``fresh=True`` (tests that kill or hang ranks on
 purpose) or ``MEGATRON_TEST_FRESH_WORLDS=1`` (all tests) starts a world of new processes for the
 one call, as before. ``shutdown_pool()`` ends every warm world (the suite's ``conftest`` calls it
 at session end; ``atexit`` too).
@@ -33,6 +36,7 @@ and the project's entry modules once, so starting a world costs little.
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import os
 import queue as queue_mod
@@ -63,6 +67,10 @@ MAX_WARM_RANKS = 8          # at most this many idle ranks are kept (least recen
 MAX_TASKS_PER_WORLD = 200   # a world is renewed after this many tasks (bounds its store and heap)
 _WORLD_PG_TIMEOUT_S = 1800  # the warm default group's timeout; each call's own timeout is the caller's
 _START_TIMEOUT_S = 300      # a new warm world must have initialised its group within this
+# Threads of leaked gloo groups a world tolerates before it is renewed (a group runs 3 to 5; each
+# 4-rank MoE ZeRO-3 run's model, when DDP's hooks kept it alive, held 12 per rank: after 6 runs
+# the idle world used 0.27 s of CPU per 3 s against 0.09 after one).
+_MAX_LEAKED_GLOO_THREADS = 30
 _SETTLE_TIMEOUT_S = 120     # after a task, its ranks must have cleaned up within this
 # Modules whose module-level names a task may rebind (monkeypatching in a rank): put back after each.
 _RESTORED_MODULES = ("megatron", "tools", "pretrain_llama", "finetune_llama", "tests", "os",
@@ -189,6 +197,7 @@ class _FreshState:
         self.signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1,
                                                          signal.SIGUSR2, signal.SIGALRM)}
         self.thread_ids = {t.ident for t in threading.enumerate()}
+        self.gloo_threads = _gloo_threads()
         self.modules = {}
         self.snapshot_new_modules()
 
@@ -260,6 +269,21 @@ class _FreshState:
 _MISSING = object()
 
 
+def _gloo_threads() -> int:
+    """Threads of this process that gloo's process groups run (0 where /proc is not there)."""
+    count = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    count += "gloo" in f.read()
+            except OSError:  # the thread ended meanwhile
+                pass
+    except OSError:
+        return 0
+    return count
+
+
 def _settle(state) -> str | None:
     """After a task that returned on every rank: check the ranks agree on their groups, destroy
     every group but the default one, put back the fresh state. Returns why the world cannot go
@@ -277,7 +301,17 @@ def _settle(state) -> str | None:
         if pg is not c10d.GroupMember.WORLD:
             dist.destroy_process_group(pg)
     state.restore()
-    if why is None and any(int(e[1]) == 0 for e in every):
+    gc.collect()
+    leaked = _gloo_threads() - state.gloo_threads
+    if why is None and leaked > _MAX_LEAKED_GLOO_THREADS:
+        # gloo's loops of process groups that tasks made and something still holds (destroying
+        # a group only forgets it): each one left behind slows every later task of this world.
+        why = (f"{leaked} threads of gloo left running by process groups that ended tasks made "
+               "and something still references")
+    clean = torch.tensor([int(why is None)], dtype=torch.int64)
+    every_clean = [torch.zeros_like(clean) for _ in range(dist.get_world_size())]
+    dist.all_gather(every_clean, clean)
+    if why is None and (any(int(e[1]) == 0 for e in every) or any(int(e[0]) == 0 for e in every_clean)):
         why = "another rank left something running"
     if why is None and len({int(e[0]) for e in every}) > 1:
         why = f"the ranks made different numbers of process groups: {[int(e[0]) for e in every]}"
@@ -388,16 +422,25 @@ class _World:
         try:
             msgs = self._receive("settled", time.monotonic() + _SETTLE_TIMEOUT_S,
                                  lambda n: "warm world did not settle")
-        except RuntimeError:
+        except RuntimeError as e:
+            self.why = str(e)
             return False
         self.why = [m[1] for m in msgs if m[1] is not None]
         return not self.why
 
     why = None
+    last_test = None
 
     def usable(self):
-        return (self.tasks < MAX_TASKS_PER_WORLD and all(p.is_alive() for p in self.procs)
-                and self._settle())
+        if self.tasks >= MAX_TASKS_PER_WORLD:
+            self.why = f"{self.tasks} tasks"
+            return False
+        if not self._settle():  # first: reads why the ranks ended, if they did
+            return False
+        if not all(p.is_alive() for p in self.procs):
+            self.why = f"ranks ended: exit codes {[p.exitcode for p in self.procs]}"
+            return False
+        return True
 
     def run(self, fn, args, timeout):
         deadline = time.monotonic() + timeout + 30
@@ -409,6 +452,7 @@ class _World:
         import sys
 
         task = (fn, args, os.getcwd(), list(sys.path), list(sys.argv))
+        self.last_test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
         for conn in self.conns:
             conn.send(task)
         self.tasks += 1
@@ -443,7 +487,8 @@ _POOL: dict = {}  # world size -> _World, most recently used last
 def _warm_world(world_size) -> _World:
     world = _POOL.pop(world_size, None)
     if world is not None and not world.usable():
-        _debug(f"world of {world_size} renewed after {world.tasks} tasks: {world.why}")
+        _debug(f"world of {world_size} renewed after {world.tasks} tasks, the last from "
+               f"{world.last_test}: {world.why}")
         world.close(kill=True)
         world = None
     if world is None:
@@ -457,7 +502,8 @@ def _warm_world(world_size) -> _World:
 
 def _debug(line):
     if os.environ.get("MEGATRON_TEST_POOL_DEBUG") == "1":
-        print(f"[run_distributed] {line}", flush=True)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        print(f"[run_distributed] {line} ({test})", flush=True)
 
 
 def shutdown_pool():

@@ -687,7 +687,11 @@ def _start_big_preprocessing(tool, tmp_path):
                              str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out" / "o"),
                              "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", SP_MODEL,
                              "--workers", "2", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            # Ctrl-C's default action, as at a terminal: a suite run in the
+                            # background (CI, nohup) ignores SIGINT, and Python then keeps
+                            # ignoring it (the tool ran to its end: CI's data-SIGINT failure).
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     from tests.helpers.reliability import child_processes
 
     def writing():

@@ -60,6 +60,16 @@ def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
 _NOT_GIVEN = object()
 
 
+def _release_params(handles, params) -> None:
+    """When a wrapper is collected: remove its gradient hooks and the ``main_grad`` views of its
+    buffers from the parameters (those that hold it as a plain attribute)."""
+    for handle in handles:
+        handle.remove()
+    for p in params:
+        if "main_grad" in vars(p):
+            del p.main_grad
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` for data parallelism over ``data_parallel_group``.
 
@@ -205,6 +215,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
                               for p in self.param_to_buffer]
+        # A wrapper dropped while its module lives on leaves a plain module: autograd's .grad
+        # again, no main_grad of a buffer nothing zeroes or reduces any more.
+        weakref.finalize(self, _release_params, list(self._hook_handles), list(self.param_to_buffer))
         if overlap_param_gather:
             self._register_param_gather_hooks()
 

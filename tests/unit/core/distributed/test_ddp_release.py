@@ -79,3 +79,34 @@ def test_a_dropped_wrapper_frees_its_model_and_groups(name, kwargs):
         assert freed_ddp and freed_net, f"{name}: the wrapper or its module outlived the caller"
         assert during > before, "the training made no group of its own: the check below is void"
         assert after == before, f"{name}: {after - before} gloo threads of dropped groups still run"
+
+
+def _drop_the_wrapper_keep_the_module():
+    """Wraps the toy network, trains one backward through the wrapper, drops only the wrapper:
+    the module's own backward then gives plain ``.grad`` equal to an unwrapped copy's."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+    from tests.helpers.toy import Net, toy_data
+
+    ps.initialize_model_parallel(1, 1)
+    x, y = toy_data(4)
+    torch.manual_seed(0)
+    net = Net()
+    torch.manual_seed(0)
+    plain = Net()
+    ddp = DistributedDataParallel(net, data_parallel_group=ps.get_data_parallel_group())
+    ddp.zero_grad_buffer()
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    assert all(p.grad is None for p in net.parameters())  # through the wrapper: main_grad
+    del ddp
+    gc.collect()
+    for model in (net, plain):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+        assert "main_grad" not in vars(p), name
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    return True
+
+
+def test_a_module_outliving_its_wrapper_trains_as_a_plain_module():
+    assert run_distributed(1, _drop_the_wrapper_keep_the_module) == [True]

@@ -672,6 +672,8 @@ def _start_big_preprocessing(tool, tmp_path):
     workers run and its first output temporary holds data."""
     import random
 
+    from tests.helpers.reliability import child_processes, ctrl_c_default
+
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog while seven wizards hex my band".split()
     lines = []
@@ -687,12 +689,7 @@ def _start_big_preprocessing(tool, tmp_path):
                              str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out" / "o"),
                              "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", SP_MODEL,
                              "--workers", "2", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            # Ctrl-C's default action, as at a terminal: a suite run in the
-                            # background (CI, nohup) ignores SIGINT, and Python then keeps
-                            # ignoring it (the tool ran to its end: CI's data-SIGINT failure).
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    from tests.helpers.reliability import child_processes
+                            text=True, start_new_session=True, preexec_fn=ctrl_c_default)
 
     def writing():
         for name in os.listdir(tmp_path / "out"):

@@ -124,3 +124,12 @@ def child_processes(pid):
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids += [int(k) for k in f.read().split()]
     return kids
+
+
+def ctrl_c_default() -> None:
+    """``preexec_fn`` of a child that a test sends SIGINT: Ctrl-C's default action, as at a
+    terminal. A suite run in the background (CI, ``nohup``) ignores SIGINT, and a Python child
+    started from it keeps ignoring it (no KeyboardInterrupt: the tool runs to its end)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

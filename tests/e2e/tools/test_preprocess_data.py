@@ -331,8 +331,10 @@ def test_sigterm_or_ctrl_c_removes_temporaries_at_once_and_keeps_the_older_outpu
         (tmp_path / f"o_{key}_document.idx").write_bytes(idx)
     argv = ["--input", new, "--output-prefix", str(tmp_path / "o"), *NULL, "--json-keys", "text", "title",
             "--chunk-size", "16", "--workers", "2"]
+    from tests.helpers.reliability import ctrl_c_default
+
     proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, ROOT, "write", "3", sig, *argv],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, preexec_fn=ctrl_c_default)
     assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"preprocess_data.py: stopped by {sig}: no partial output is left (earlier outputs under "

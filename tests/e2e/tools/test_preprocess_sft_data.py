@@ -297,13 +297,16 @@ def test_sigterm_or_ctrl_c_leaves_one_line_and_no_temporaries(tmp_path, hf_folde
     a KeyboardInterrupt traceback. Now both unwind through the builders' abort, with workers."""
     import signal
 
+    from tests.helpers.reliability import ctrl_c_default
+
     src = _write_jsonl(tmp_path / "in.jsonl", LINES[:3] * 8)
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run(
         [sys.executable, "-c", _SIGNALLED_RUN, ROOT, sig, "--input", src, "--output-prefix",
          str(out / "o"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-name-or-path",
-         hf_folder, "--workers", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+         hf_folder, "--workers", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+        preexec_fn=ctrl_c_default)
     assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"preprocess_sft_data.py: stopped by {sig}: no partial output is left (earlier outputs "

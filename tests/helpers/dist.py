@@ -197,7 +197,7 @@ class _FreshState:
         self.signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1,
                                                          signal.SIGUSR2, signal.SIGALRM)}
         self.thread_ids = {t.ident for t in threading.enumerate()}
-        self.gloo_threads = _gloo_threads()
+        self.gloo_threads = gloo_threads()
         self.modules = {}
         self.snapshot_new_modules()
 
@@ -269,7 +269,7 @@ class _FreshState:
 _MISSING = object()
 
 
-def _gloo_threads() -> int:
+def gloo_threads() -> int:
     """Threads of this process that gloo's process groups run (0 where /proc is not there)."""
     count = 0
     try:
@@ -302,7 +302,7 @@ def _settle(state) -> str | None:
             dist.destroy_process_group(pg)
     state.restore()
     gc.collect()
-    leaked = _gloo_threads() - state.gloo_threads
+    leaked = gloo_threads() - state.gloo_threads
     if why is None and leaked > _MAX_LEAKED_GLOO_THREADS:
         # gloo's loops of process groups that tasks made and something still holds (destroying
         # a group only forgets it): each one left behind slows every later task of this world.

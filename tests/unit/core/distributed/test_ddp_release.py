@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import gloo_threads, run_distributed
 
 STRATEGIES = [("plain", {}),
               ("distributed optimizer", {"use_distributed_optimizer": True,
@@ -24,17 +24,6 @@ STRATEGIES = [("plain", {}),
               ("ZeRO-3", {"use_distributed_optimizer": True,
                           "data_parallel_sharding_strategy": "optim_grads_params",
                           "fsdp_unit_modules": (torch.nn.LayerNorm,)})]
-
-
-def _gloo_threads():
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read())
-        except OSError:
-            pass
-    return sum("gloo" in n for n in names)
 
 
 def _train_and_drop(kwargs):
@@ -49,7 +38,7 @@ def _train_and_drop(kwargs):
     from tests.helpers.toy import BUCKET, CLIP, LR, WD, Net, distrib_iteration
 
     gc.collect()
-    before = _gloo_threads()
+    before = gloo_threads()
     ps.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     net = Net()
@@ -61,7 +50,7 @@ def _train_and_drop(kwargs):
         [ddp], pg_collection=current_groups())
     for step in range(2):
         distrib_iteration(ddp, opt, step, 2)
-    during = _gloo_threads()
+    during = gloo_threads()
     freed_ddp, freed_net = weakref.ref(ddp), weakref.ref(net)
     del net, ddp, opt
     ps.destroy_model_parallel()
@@ -69,7 +58,7 @@ def _train_and_drop(kwargs):
         dist.destroy_process_group(group)
     del group
     gc.collect()
-    return freed_ddp() is None, freed_net() is None, before, during, _gloo_threads()
+    return freed_ddp() is None, freed_net() is None, before, during, gloo_threads()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")

@@ -22,8 +22,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers", "fastapi", "uvicorn", "openai",
-                 "lm-eval>=0.4,<0.5", "accelerate"],  # accelerate: the harness's HF backend
+        "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.5", "transformers", "fastapi",
+                 # accelerate: the harness's HF backend
+                 "uvicorn", "openai", "lm-eval>=0.4,<0.5", "accelerate"],
         "wandb": ["wandb"],
         "serve": ["fastapi", "uvicorn"],  # tools/serve.py
         "eval": ["lm-eval>=0.4,<0.5"],  # megatron.inference.lm_eval_harness

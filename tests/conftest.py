@@ -38,6 +38,20 @@ def _warm_worlds():
     shutdown_pool()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_process_memo(tmp_path_factory):
+    """Under pytest-xdist (pytest.ini's ``-n``) the worker processes of this run share the
+    one-process references each computed, in a folder of the run's temporary root (one per
+    run: pytest-xdist gives each worker its own folder inside it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from tests.helpers.pretrain import share_one_process_memo
+
+        folder = tmp_path_factory.getbasetemp().parent / "one_process_memo"
+        folder.mkdir(exist_ok=True)
+        share_one_process_memo(str(folder))
+    yield
+
+
 @pytest.fixture(scope="session")
 def shared_data():
     """Path of the shared reference data folder; skips the test where it is absent."""

@@ -2,6 +2,9 @@
 histories, shared by the end-to-end tests (the dataset is the ``data_prefix`` fixture of conftest.py)."""
 
 import copy
+import hashlib
+import io
+import os
 
 import numpy as np
 
@@ -80,6 +83,17 @@ def run_many(runs):
 # The one-process histories this pytest process has computed, by configuration (see one_process).
 _ONE_PROCESS = {}
 _PATH_FLAGS = ("--data-path", "--data-cache-path")
+# A folder the pytest worker processes of one run share (tests/conftest.py sets it under
+# pytest-xdist), where each writes the histories it computed for the others; None: this process's
+# memo only.
+_SHARED_MEMO = None
+
+
+def share_one_process_memo(folder):
+    """Let this pytest process read and write one-process histories in ``folder`` (a folder of
+    this test run that every worker process sees), besides its own memo."""
+    global _SHARED_MEMO
+    _SHARED_MEMO = folder
 
 
 def configuration(argv):
@@ -94,20 +108,60 @@ def configuration(argv):
     return tuple(key)
 
 
+def _shared_file(key):
+    """The file of ``key``'s history in the shared folder; None when there is none, or when the
+    run reads or writes a checkpoint (its folder is another process's: a resumed run must come
+    after the run that saved, in the same process)."""
+    if _SHARED_MEMO is None or "--save" in key or "--load" in key:
+        return None
+    return os.path.join(_SHARED_MEMO, hashlib.sha256(repr(key).encode()).hexdigest() + ".pt")
+
+
+def _read_shared(key):
+    import torch
+
+    path = _shared_file(key)
+    if path is None or not os.path.exists(path):
+        return None
+    return torch.load(path, weights_only=True)
+
+
+def _write_shared(key, history):
+    import torch
+
+    path = _shared_file(key)
+    if path is None:
+        return
+    buf = io.BytesIO()
+    torch.save(history, buf)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, path)  # whole or absent for a reader in another process
+
+
 def one_process(runs, timeout=900):
     """The one-process reference of each ``(name, argv)``: ``run_many`` in a 1-rank world for the
     configurations this pytest session has not run yet (in the given order, so that a run
     resuming from another's ``--save`` comes after it), the others from the session's memo, as a
-    session-scoped fixture shared by every module would give them. Returns the histories by
-    name, copies (a test may change its own). The oracle is the live run of this machine, never
-    a stored file."""
+    session-scoped fixture shared by every module would give them; under pytest-xdist the
+    session's worker processes share what each computed (``share_one_process_memo``). Returns the
+    histories by name, copies (a test may change its own). The oracle is a live run of this test
+    session, never a stored file from another."""
     from tests.helpers.dist import run_distributed
 
+    for _, argv in runs:
+        key = configuration(argv)
+        if key not in _ONE_PROCESS:
+            shared = _read_shared(key)
+            if shared is not None:
+                _ONE_PROCESS[key] = shared
     missing = [(name, argv) for name, argv in runs if configuration(argv) not in _ONE_PROCESS]
     if missing:
         got = run_distributed(1, run_many, missing, timeout=timeout)[0]
         for name, argv in missing:
             _ONE_PROCESS[configuration(argv)] = got[name]
+            _write_shared(configuration(argv), got[name])
     return {name: copy.deepcopy(_ONE_PROCESS[configuration(argv)]) for name, argv in runs}
 
 

@@ -10,7 +10,10 @@ not usage errors: they keep their traceback and torchrun's root-cause summary.
 Who prints:
 
 * errors found before the process groups exist (argument parsing and validation) are found by
-  every rank alike, from the same flags: rank 0 prints, the others exit silently;
+  every rank alike, from the same flags: rank 0 prints, the others exit silently; under torchrun
+  they first give rank 0 :data:`RANK_0_GRACE_S` to say it (the agent stops every worker as soon
+  as one has exited: a worker quicker than rank 0 took the line with it), and are stopped by the
+  agent once rank 0 has exited;
 * errors found later, by some ranks only (the ``--save`` folder is checked by rank 0; a shard by
   the rank that reads it), are agreed on by :func:`agree_on_usage_error`, a collective: the
   lowest rank that found one prints at once (then a barrier: the line is out before any rank
@@ -26,9 +29,13 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from typing import Callable, Optional
 
 USAGE_EXIT_STATUS = 2
+# Seconds a silent rank under torchrun waits for rank 0 to say an error every rank found (the
+# agent ends the wait when rank 0 exits; on a loaded node rank 0 reached the check seconds later).
+RANK_0_GRACE_S = 30.0
 
 
 class UsageError(ValueError):
@@ -109,6 +116,13 @@ def agree_on_usage_error(error: Optional[UsageError], device, group=None,
     raise agreed from error
 
 
+def _rank_0_says_it(error: UsageError) -> bool:
+    """Whether this rank, under torchrun, leaves ``error`` (found by every rank: no reporter, not
+    agreed through a collective) to rank 0, which may not have printed it yet."""
+    return (error.reporter is None and not error.silent and not error.printed
+            and this_rank() != 0 and "TORCHELASTIC_RUN_ID" in os.environ)
+
+
 _COMMAND: Optional[str] = None  # the command run_command runs (for agree_on_usage_error's line)
 
 
@@ -141,8 +155,11 @@ def run_command(prog: str, main: Callable, argv=None,
         # Another class of ``usage_errors`` is one every rank finds alike (the flags, the files
         # they name, read before any collective): rank 0 says it, as for a UsageError of no
         # reporter. A load's errors found by some ranks only arrive agreed, as UsageErrors.
-        if prints_here(exc if isinstance(exc, UsageError) else UsageError(str(exc))):
+        error = exc if isinstance(exc, UsageError) else UsageError(str(exc))
+        if prints_here(error):
             _say(prog, exc)
+        elif _rank_0_says_it(error):
+            time.sleep(RANK_0_GRACE_S)
         return USAGE_EXIT_STATUS
     finally:
         _COMMAND = previous

@@ -80,3 +80,30 @@ def test_run_command_keeps_other_errors_as_crashes_and_takes_a_tool_s_input_erro
 
 def test_one_line_folds_whitespace():
     assert one_line(" a\n\tb  c \n") == "a b c"
+
+
+@pytest.mark.parametrize("rank, torchrun, silent, waits", [
+    ("3", True, False, True), ("0", True, False, False), ("3", False, False, False),
+    ("3", True, True, False)])
+def test_under_torchrun_a_silent_rank_leaves_rank_0_time_to_say_it(monkeypatch, capsys, rank,
+                                                                   torchrun, silent, waits):
+    """The agent stops every worker once one has exited: rank 3 quicker than rank 0 took the line
+    with it (the slow tier's 4-rank torchrun test, under load). A rank that only learned of
+    another's error through the collective (silent) has passed the barrier: nothing to wait for."""
+    import megatron.usage_error as usage_error
+
+    slept = []
+    monkeypatch.setattr(usage_error.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", rank)
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+    def main(argv):
+        raise UsageError("--lr (nan) must be finite", reporter=0 if silent else None,
+                         silent=silent)
+    assert run_command("prog.py", main) == 2
+    assert slept == ([usage_error.RANK_0_GRACE_S] if waits else [])
+    assert capsys.readouterr().err == ("prog.py: error: --lr (nan) must be finite\n"
+                                       if rank == "0" else "")

@@ -18,6 +18,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long tests (kill/restart, multi-node, demo); run with -m slow")
 
 
+# Under pytest-xdist (pytest.ini) the test modules go to the two workers in this order: the modules
+# of many tests first, as pytest-xdist orders them itself (its --loadscope-reorder: the default
+# suite took 547 to 573 s so, 670 s in the order of the files), but these modules of one test of
+# minutes start first: the slow tier ended waiting for the demo alone (911 s, the demo last).
+START_FIRST = ("tests/e2e/test_demo.py",)
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    modules = [item.nodeid.split("::")[0] for item in items]
+    counts = {m: modules.count(m) for m in set(modules)}
+    first_seen = {m: i for i, m in reversed(list(enumerate(modules)))}
+    order = {id(item): (m not in START_FIRST, -counts[m], first_seen[m], i)
+             for i, (item, m) in enumerate(zip(items, modules))}
+    items.sort(key=lambda item: order[id(item)])
+
+
 def pytest_deselected(items):
     if items:
         from tests.helpers.suite_counts import record_deselected

@@ -22,7 +22,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.5", "transformers", "fastapi",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.8", "transformers", "fastapi",
                  # accelerate: the harness's HF backend
                  "uvicorn", "openai", "lm-eval>=0.4,<0.5", "accelerate"],
         "wandb": ["wandb"],

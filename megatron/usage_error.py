@@ -11,9 +11,9 @@ Who prints:
 
 * errors found before the process groups exist (argument parsing and validation) are found by
   every rank alike, from the same flags: rank 0 prints, the others exit silently; under torchrun
-  they first give rank 0 :data:`RANK_0_GRACE_S` to say it (the agent stops every worker as soon
-  as one has exited: a worker quicker than rank 0 took the line with it), and are stopped by the
-  agent once rank 0 has exited;
+  those on rank 0's node first give it :data:`RANK_0_GRACE_S` to say it (the agent stops every
+  worker as soon as one has exited: a worker quicker than rank 0 took the line with it), and are
+  stopped by the agent once rank 0 has exited;
 * errors found later, by some ranks only (the ``--save`` folder is checked by rank 0; a shard by
   the rank that reads it), are agreed on by :func:`agree_on_usage_error`, a collective: the
   lowest rank that found one prints at once (then a barrier: the line is out before any rank
@@ -116,11 +116,15 @@ def agree_on_usage_error(error: Optional[UsageError], device, group=None,
     raise agreed from error
 
 
-def _rank_0_says_it(error: UsageError) -> bool:
-    """Whether this rank, under torchrun, leaves ``error`` (found by every rank: no reporter, not
-    agreed through a collective) to rank 0, which may not have printed it yet."""
-    return (error.reporter is None and not error.silent and not error.printed
-            and this_rank() != 0 and "TORCHELASTIC_RUN_ID" in os.environ)
+def _rank_0_says_it(error: BaseException) -> bool:
+    """Whether this rank, under torchrun on rank 0's node, leaves ``error`` to rank 0, which may
+    not have printed it yet: a :class:`UsageError` found by every rank (no reporter, not agreed
+    through a collective). Not a tool's other input errors, which some ranks may find alone (rank
+    0 would then wait in a collective), nor on another node (rank 0's exit does not stop this
+    node's agent: the wait would only delay the job)."""
+    return (isinstance(error, UsageError) and error.reporter is None and not error.silent
+            and not error.printed and this_rank() != 0 and "TORCHELASTIC_RUN_ID" in os.environ
+            and os.environ.get("GROUP_RANK", "0") == "0")
 
 
 _COMMAND: Optional[str] = None  # the command run_command runs (for agree_on_usage_error's line)
@@ -158,7 +162,7 @@ def run_command(prog: str, main: Callable, argv=None,
         error = exc if isinstance(exc, UsageError) else UsageError(str(exc))
         if prints_here(error):
             _say(prog, exc)
-        elif _rank_0_says_it(error):
+        elif _rank_0_says_it(exc):
             time.sleep(RANK_0_GRACE_S)
         return USAGE_EXIT_STATUS
     finally:

@@ -112,7 +112,8 @@ def _shared_file(key):
     """The file of ``key``'s history in the shared folder; None when there is none, or when the
     run reads or writes a checkpoint (its folder is another process's: a resumed run must come
     after the run that saved, in the same process)."""
-    if _SHARED_MEMO is None or "--save" in key or "--load" in key:
+    if _SHARED_MEMO is None or any(arg == flag or arg.startswith(flag + "=")
+                                   for arg in key for flag in ("--save", "--load")):
         return None
     return os.path.join(_SHARED_MEMO, hashlib.sha256(repr(key).encode()).hexdigest() + ".pt")
 

@@ -37,11 +37,13 @@ def test_a_history_computed_by_one_process_is_read_by_another(memo, monkeypatch)
 def test_runs_that_save_or_load_are_not_shared(memo, monkeypatch):
     runs = [("save", pretrain.e2e_argv("/p", "/c", "--save", "/ck")),
             ("load", pretrain.e2e_argv("/p", "/c", "--load", "/ck")),
+            ("save=", pretrain.e2e_argv("/p", "/c", "--save=/ck2")),
+            ("load=", pretrain.e2e_argv("/p", "/c", "--load=/ck2")),
             ("plain", pretrain.e2e_argv("/p", "/c"))]
     pretrain.one_process(runs)
     monkeypatch.setattr(pretrain, "_ONE_PROCESS", {})
     pretrain.one_process(runs)
-    assert memo == [["save", "load", "plain"], ["save", "load"]]
+    assert memo == [["save", "load", "save=", "load=", "plain"], ["save", "load", "save=", "load="]]
 
 
 def test_without_a_shared_folder_each_process_keeps_its_own(memo, monkeypatch):

@@ -107,3 +107,26 @@ def test_under_torchrun_a_silent_rank_leaves_rank_0_time_to_say_it(monkeypatch, 
     assert slept == ([usage_error.RANK_0_GRACE_S] if waits else [])
     assert capsys.readouterr().err == ("prog.py: error: --lr (nan) must be finite\n"
                                        if rank == "0" else "")
+
+
+@pytest.mark.parametrize("error, group_rank, waits", [
+    (UsageError("--lr (nan) must be finite"), "1", False),
+    (FileNotFoundError("data.idx: no such file"), "0", False),
+    (UsageError("--lr (nan) must be finite"), "0", True)])
+def test_the_wait_is_for_usage_errors_on_rank_0_s_node_only(monkeypatch, capsys, error,
+                                                             group_rank, waits):
+    """A tool's other input errors (a missing file) may be one rank's alone, rank 0 then waiting
+    in a collective; another node's agent is not stopped by rank 0's exit: no wait there."""
+    import megatron.usage_error as usage_error
+
+    slept = []
+    monkeypatch.setattr(usage_error.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("GROUP_RANK", group_rank)
+
+    def main(argv):
+        raise error
+    assert run_command("tool.py", main, usage_errors=(UsageError, FileNotFoundError)) == 2
+    assert slept == ([usage_error.RANK_0_GRACE_S] if waits else [])
+    assert capsys.readouterr().err == ""

@@ -1,6 +1,7 @@
 """Fixtures shared by the whole suite: the reference data folder, a small dataset for end-to-end
 runs and the files argument validation checks for. Builders live in ``tests/helpers``."""
 
+import collections
 import os
 import sys
 
@@ -30,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     modules = [item.nodeid.split("::")[0] for item in items]
-    counts = {m: modules.count(m) for m in set(modules)}
+    counts = collections.Counter(modules)
     first_seen = {m: i for i, m in reversed(list(enumerate(modules)))}
     order = {id(item): (m not in START_FIRST, -counts[m], first_seen[m], i)
              for i, (item, m) in enumerate(zip(items, modules))}

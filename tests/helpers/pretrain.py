@@ -3,7 +3,6 @@ histories, shared by the end-to-end tests (the dataset is the ``data_prefix`` fi
 
 import copy
 import hashlib
-import io
 import os
 
 import numpy as np
@@ -133,11 +132,8 @@ def _write_shared(key, history):
     path = _shared_file(key)
     if path is None:
         return
-    buf = io.BytesIO()
-    torch.save(history, buf)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
+    torch.save(history, tmp)
     os.replace(tmp, path)  # whole or absent for a reader in another process
 
 

@@ -96,15 +96,30 @@ def share_one_process_memo(folder):
 
 
 def configuration(argv):
-    """``argv`` as a key, with the values of ``--data-path`` and ``--data-cache-path`` left out:
+    """``argv`` as a key, with the paths of ``--data-path`` and ``--data-cache-path`` left out:
     every module's ``data_prefix`` (conftest.py) holds the same documents, drawn from
     ``RandomState(0)``, and the cache only holds indices built from them, so two runs that differ
-    only there train alike. Any other path (``--save``, ``--load``) stays in the key."""
-    key = list(argv)
-    for i, arg in enumerate(key[:-1]):
-        if arg in _PATH_FLAGS:
-            key[i + 1] = "<path>"
+    only there train alike. A blend's weights (``--data-path 0.3 A 0.7 B``: the numbers among the
+    flag's values) and any other path (``--save``, ``--load``) stay in the key."""
+    key, values_of = [], None
+    for arg in argv:
+        if arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            values_of = flag if flag in _PATH_FLAGS and not eq else None
+            key.append(f"{flag}=<path>" if eq and flag in _PATH_FLAGS else arg)
+        elif values_of is not None:
+            key.append(arg if _is_number(arg) and values_of == "--data-path" else "<path>")
+        else:
+            key.append(arg)
     return tuple(key)
+
+
+def _is_number(text):
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _shared_file(key):

@@ -54,3 +54,18 @@ def test_without_a_shared_folder_each_process_keeps_its_own(memo, monkeypatch):
     monkeypatch.setattr(pretrain, "_ONE_PROCESS", {})
     pretrain.one_process([("c", argv)])
     assert memo == [["a"], ["c"]]
+
+
+def test_the_key_leaves_out_data_paths_but_keeps_a_blend_s_weights():
+    key = pretrain.configuration
+    blend = ["--seed", "3", "--data-path", "0.3", "/a/one", "0.7", "/a/two",
+             "--data-cache-path", "/a/cache"]
+    same_elsewhere = ["--seed", "3", "--data-path", "0.3", "/b/one", "0.7", "/b/two",
+                      "--data-cache-path", "/b/cache"]
+    assert key(blend) == key(same_elsewhere)
+    other_weights = ["--seed", "3", "--data-path", "0.5", "/a/one", "0.5", "/a/two",
+                     "--data-cache-path", "/a/cache"]
+    assert key(blend) != key(other_weights)
+    assert key(["--data-path=/a/p", "--save", "/x"]) == key(["--data-path=/b/p", "--save", "/x"])
+    assert key(["--data-path", "/a/p", "--save", "/x"]) != key(["--data-path", "/a/p",
+                                                                "--save", "/y"])

@@ -92,8 +92,14 @@ def schedule_config(config, model_chunks, pg_collection, optimizer=None) -> Pipe
                       else [chunk.no_sync for chunk in model_chunks]))
 
 
-def _samples(config) -> list:
-    """Samples each split must provide: Megatron's ``train_valid_test_num_samples``."""
+def _samples(config, iteration: int = 0, consumed_valid: int = 0) -> list:
+    """Samples each split must provide: Megatron's ``train_valid_test_num_samples``, with the
+    validation split grown to ``consumed_valid`` plus the evaluations still to come after
+    ``iteration`` when a resumed run needs more than its own plan (a run continued to more
+    iterations or at another ``--eval-interval`` than the run that saved, whose evaluations,
+    its final one included, consumed more than the new plan counts; Megatron-LM's sampler stops
+    there). A run resumed with the saving run's flags needs exactly its plan, so its split, and
+    with it every validation batch, is the uninterrupted run's."""
     from megatron.data.dataset_builder import get_train_valid_test_num_samples
 
     training = config.training
@@ -104,13 +110,19 @@ def _samples(config) -> list:
         eval_interval=training.eval_interval, eval_iters=training.eval_iters)
     if training.train_samples:
         samples[0] = training.train_samples
+    if consumed_valid and training.eval_interval and training.eval_interval > 0:
+        last, done = training.num_iterations, min(iteration, training.num_iterations)
+        evaluations = last // training.eval_interval - done // training.eval_interval + 1
+        needed = consumed_valid + evaluations * training.eval_iters * training.global_batch_size
+        samples[1] = max(samples[1], needed)
     return samples
 
 
 def build_data_iterators(config, datasets_provider, pg_collection, consumed_train: int,
-                         consumed_valid: int):
+                         consumed_valid: int, iteration: int = 0):
     """``(train, valid, test)`` iterators over this data-parallel rank's micro-batches, resuming
-    after ``consumed_*`` samples; None for an absent split. With virtual pipeline stages each
+    after ``consumed_*`` samples (``iteration``: the loaded one, which with ``consumed_valid``
+    sizes the validation split, see :func:`_samples`); None for an absent split. With virtual pipeline stages each
     split is a list of iterators, one per model chunk, over the same micro-batches (Megatron-LM
     builds one data iterator per chunk too).
 
@@ -122,7 +134,7 @@ def build_data_iterators(config, datasets_provider, pg_collection, consumed_trai
     """
     from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
 
-    datasets = datasets_provider(config, _samples(config))
+    datasets = datasets_provider(config, _samples(config, iteration, consumed_valid))
     consumed = (consumed_train, consumed_valid, 0)
     vp = pg_collection.virtual_pipeline_model_parallel_size
     data, dp = config.data, pg_collection.dp

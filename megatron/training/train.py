@@ -315,7 +315,8 @@ def pretrain(config, *, model_provider, forward_step_func, datasets_provider,
         with report.phase("train/valid/test-data-iterators-setup"):
             iterators = builders.build_data_iterators(config, report.recording(datasets_provider),
                                                       groups, state.consumed_train_samples,
-                                                      state.consumed_valid_samples)
+                                                      state.consumed_valid_samples,
+                                                      state.iteration)
         report.print_datasets(groups)
         report.print_timings(groups, device)
         schedule = builders.schedule_config(config, model, groups, optimizer)

@@ -110,7 +110,7 @@ def _samples(config, iteration: int = 0, consumed_valid: int = 0) -> list:
         eval_interval=training.eval_interval, eval_iters=training.eval_iters)
     if training.train_samples:
         samples[0] = training.train_samples
-    if consumed_valid and training.eval_interval and training.eval_interval > 0:
+    if consumed_valid and samples[1]:  # a run that evaluates (none: no validation split)
         last, done = training.num_iterations, min(iteration, training.num_iterations)
         evaluations = last // training.eval_interval - done // training.eval_interval + 1
         needed = consumed_valid + evaluations * training.eval_iters * training.global_batch_size
@@ -122,9 +122,9 @@ def build_data_iterators(config, datasets_provider, pg_collection, consumed_trai
                          consumed_valid: int, iteration: int = 0):
     """``(train, valid, test)`` iterators over this data-parallel rank's micro-batches, resuming
     after ``consumed_*`` samples (``iteration``: the loaded one, which with ``consumed_valid``
-    sizes the validation split, see :func:`_samples`); None for an absent split. With virtual pipeline stages each
-    split is a list of iterators, one per model chunk, over the same micro-batches (Megatron-LM
-    builds one data iterator per chunk too).
+    sizes the validation split, see :func:`_samples`); None for an absent split. With virtual
+    pipeline stages each split is a list of iterators, one per model chunk, over the same
+    micro-batches (Megatron-LM builds one data iterator per chunk too).
 
     ``datasets_provider(config, [train, valid, test] samples) -> (train, valid, test)``. Every
     rank reads its micro-batches itself (the ranks of one tensor/pipeline group read the same

@@ -22,3 +22,16 @@ def test_a_continued_run_with_another_eval_interval_validates_to_its_end(data_pr
     # end) used up; before, the final evaluation here stopped the run with StopIteration
     assert [it for it, _ in got["longer"]["valid"]] == [8, 12, 12]
     assert all(loss is not None for _, loss in got["longer"]["valid"])
+
+
+def test_a_continued_run_without_evaluations_builds_no_validation_split(data_prefix, tmp_path):
+    """``--eval-iters 0`` after a run that evaluated: no validation data is asked for (a split
+    without validation documents stays usable)."""
+    ckpt, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    first = e2e_argv(data_prefix, cache, "--train-iters", "4", "--eval-interval", "2",
+                     "--save", ckpt)
+    no_eval = e2e_argv(data_prefix, cache, "--train-iters", "6", "--eval-iters", "0",
+                       "--split", "100,0,0", "--load", ckpt, "--override-opt_param-scheduler")
+    got = run_distributed(1, run_many, [("first", first), ("no eval", no_eval)])[0]
+    assert got["first"]["valid"] and got["no eval"]["iteration"] == [5, 6]
+    assert got["no eval"]["valid"] == []

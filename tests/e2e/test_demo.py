@@ -52,7 +52,8 @@ def test_cpu_demo_short_variant_then_continued(tmp_path):
     """The short variant (ITERS=40) trains, saves, logs and plots. Run again with a larger ITERS,
     the demo resumes from its checkpoint on the schedule of its own settings (warmup 15, cosine
     decay over 300: not ITERS's); stopped by Ctrl-C, it continues from its last periodic save;
-    an ITERS not above the checkpoint trains nothing and says so; FRESH=1 starts afresh. (One test: the continuation starts from the short variant's run.)"""
+    an ITERS not above the checkpoint trains nothing and says so; FRESH=1 starts afresh. (One
+    test: the continuation starts from the short variant's run.)"""
     out = tmp_path / "run"
     log = _demo(out, 40, SAVE_INTERVAL="20")  # saved at 20, then 40 (20 deleted: keep the newest)
     assert "continuing from" not in log and " training from iteration 0 to 40" in log

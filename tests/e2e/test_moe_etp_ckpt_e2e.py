@@ -46,6 +46,10 @@ def test_moe_legacy_checkpoint_at_expert_tp2_resumes(data_prefix, tmp_path_facto
                              f"MoE legacy expert-TP 2 {first} -> {second}")
 
 
+# Slow tier: 9 four-rank runs (21 to 36 s); the default tier keeps a legacy resume at expert-TP 2
+# (above), torch_dist across expert-TP (below) and the bitwise re-cut of weights and moments
+# across expert-TP (tests/unit/model/test_legacy_expert_tp_checkpoint.py).
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # 9 runs of 10 or 20 iterations: minutes on a loaded machine
 def test_moe_legacy_checkpoint_resumes_at_another_expert_tp(data_prefix, tmp_path_factory):
     """Legacy checkpoints with the distributed optimizer saved at one expert-TP and resumed at

@@ -99,6 +99,8 @@ def test_compile_wraps_each_layer_in_place():
     assert all(layer._compiled_call_impl is not None for layer in model.layers)
 
 
+# Slow tier: 30 s of one core, nearly all of it inductor building C++ kernels.
+@pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_layers_train_like_eager():

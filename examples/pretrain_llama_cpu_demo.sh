@@ -49,7 +49,15 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# A setting that is no whole number stops here in one line (exit 2), before anything is installed.
+whole_number() {  # NAME VALUE LEAST EXAMPLE
+    if [[ ! "$2" =~ ^[0-9]+$ ]] || (( 10#$2 < $3 )); then
+        echo "pretrain_llama_cpu_demo.sh: $1 ($2) must be a whole number of at least $3, e.g. $1=$4" >&2
+        exit 2
+    fi
+}
 ITERS="${ITERS:-300}"
+whole_number ITERS "$ITERS" 1 300
 EVAL_INTERVAL="${EVAL_INTERVAL:-$(( ITERS >= 12 ? ITERS / 6 : 2 ))}"
 CACHE_DIR="${CACHE_DIR:-$ROOT/cache}"
 OUT_DIR="${OUT_DIR:-$ROOT/runs/llama_cpu_demo}"
@@ -57,6 +65,11 @@ NPROC="${NPROC:-4}"
 LR_WARMUP_ITERS="${LR_WARMUP_ITERS:-15}"
 LR_DECAY_ITERS="${LR_DECAY_ITERS:-300}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-100}"
+whole_number EVAL_INTERVAL "$EVAL_INTERVAL" 1 50
+whole_number NPROC "$NPROC" 4 4
+whole_number LR_WARMUP_ITERS "$LR_WARMUP_ITERS" 0 15
+whole_number LR_DECAY_ITERS "$LR_DECAY_ITERS" 1 300
+whole_number SAVE_INTERVAL "$SAVE_INTERVAL" 1 100
 
 # shared steps: demo_python, demo_tokenizer, rendezvous
 source "$ROOT/examples/_cpu_demo_common.sh"

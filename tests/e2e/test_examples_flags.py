@@ -181,6 +181,27 @@ def test_demo_with_a_taken_master_port_stops_naming_it(sandbox, tmp_path, taken_
     assert len(launches) == 2 and all("--standalone" in argv for argv in launches)
 
 
+# The demo's settings: (least value, the example its line gives)
+DEMO_SETTINGS = {"ITERS": (1, 300), "EVAL_INTERVAL": (1, 50), "NPROC": (4, 4),
+                 "LR_DECAY_ITERS": (1, 300), "SAVE_INTERVAL": (1, 100)}
+
+
+@pytest.mark.parametrize("setting", ["SAVE_INTERVAL=0", "SAVE_INTERVAL=abc", "ITERS=-5",
+                                     "EVAL_INTERVAL=1.5", "NPROC=2", "LR_DECAY_ITERS=3e2"])
+def test_demo_settings_that_are_no_whole_number_stop_in_one_line(sandbox, tmp_path, setting):
+    """Before anything is installed or launched: one line naming the setting, exit 2 (before, a
+    bad SAVE_INTERVAL reached pretrain_llama.py on every rank and torchrun's traceback)."""
+    name, value = setting.split("=")
+    least, example = DEMO_SETTINGS[name]
+    script = os.path.join(ROOT, "examples", "pretrain_llama_cpu_demo.sh")
+    out = tmp_path / "out"
+    proc, launched = _run_script(sandbox, script, tmp_path, OUT_DIR=str(out), **{name: value})
+    assert proc.returncode == 2 and not launched and not out.exists(), proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"pretrain_llama_cpu_demo.sh: {name} ({value}) must be a whole number of at least "
+        f"{least}, e.g. {name}={example}"]
+
+
 def test_slurm_and_torchrun_variants_exist():
     names = {os.path.basename(p) for p in SCRIPTS}
     for model in ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b"):

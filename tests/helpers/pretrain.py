@@ -104,7 +104,7 @@ def configuration(argv):
     key, values_of = [], None
     for arg in argv:
         if arg.startswith("--"):
-            flag, eq, value = arg.partition("=")
+            flag, eq, _ = arg.partition("=")
             values_of = flag if flag in _PATH_FLAGS and not eq else None
             key.append(f"{flag}=<path>" if eq and flag in _PATH_FLAGS else arg)
         elif values_of is not None:

@@ -84,7 +84,9 @@ def test_process_state_reads_a_stopped_process():
         deadline = time.time() + 10
         while process_state(proc.pid) == "T" and time.time() < deadline:
             time.sleep(0.02)
-        assert process_state(proc.pid) in ("S", "R")
+        # Running again: any state but stopped. A resumed process may be in D (disk sleep) while
+        # the loaded machine pages its interpreter back in; CI saw that once.
+        assert process_state(proc.pid) in ("R", "S", "D")
     finally:
         proc.kill()
         proc.wait()

@@ -2,8 +2,11 @@
 --data-parallel-sharding-strategy optim_grads | optim_grads_params``), 20 iterations, fp32,
 dropout 0, clipping active, at the layout tests' learning rate (tests/helpers/pretrain.py
 LAYOUT_LR: at 5e-3 clipped AdamW grows fp32 rounding to 1e-5 in the grad norm whatever the
-strategy): at DP=4, TP=2 x DP=2 (sequence parallel), PP=2 x DP=2 (tied embedding across stages,
-1F1B over 2 micro-batches per rank: global batch 4, the fewest that reach its steady state) and
+strategy), 2 micro-batches per rank in every layout (the fewest in which ZeRO-2's per-micro-batch
+reduce-scatter differs from ZeRO-1's one per step): at DP=4, TP=2 x DP=2 (sequence parallel;
+global batch 4: each of its micro-batches costs about 50 collectives, the run at 4 micro-batches
+per rank took twice as long), PP=2 x DP=2 (tied embedding across stages, 1F1B over 2
+micro-batches per rank: global batch 4, the fewest that reach its steady state) and
 (slow) CP=2 x DP=2 the losses, validation losses and grad norms equal plain data parallelism at
 the same layout within rtol 1e-6 and the weights saved at the end (ZeRO-3: gathered for the save)
 within 1e-7; ZeRO-2 (reduce-scattered per micro-batch) is within
@@ -26,7 +29,8 @@ STRATEGIES = {"plain": [], "zero1": FSDP + ["optim"], "zero2": FSDP + ["optim_gr
               "zero3": FSDP + ["optim_grads_params"],
               "zero3 offload": FSDP + ["optim_grads_params", "--optimizer-cpu-offload"]}
 LAYOUTS = {"dp4": ((1, 1), UNTIED, ("plain", "zero1", "zero2", "zero3", "zero3 offload")),
-           "tp2": ((2, 1), UNTIED + ["--sequence-parallel"], ("plain", "zero1", "zero2", "zero3")),
+           "tp2": ((2, 1), UNTIED + ["--sequence-parallel", "--global-batch-size", "4"],
+                   ("plain", "zero1", "zero2", "zero3")),
            "pp2": ((1, 2), ["--global-batch-size", "4"], ("plain", "zero1", "zero2", "zero3"))}
 
 
@@ -48,13 +52,15 @@ def runs(data_prefix, tmp_path_factory):
         "--save", str(save / f"{layout}_{s.replace(' ', '_')}")))
         for layout, (tp_pp, extra, strategies) in LAYOUTS.items() for s in strategies]
     # torch_dist: ZeRO-3 at TP=2 x DP=2 saves at iteration 10, read at DP=4 by ZeRO-3 and by plain
+    # (the TP=2 layout's global batch of 4: one micro-batch per rank at DP=4)
     (tp_pp, extra, _), dist_dir = LAYOUTS["tp2"], str(save / "tp2_zero3_dist")
     argvs.append(("tp2 zero3 dist", e2e_argv(
         data_prefix, cache, *SHORT, *extra, *layout_args(*tp_pp), *STRATEGIES["zero3"],
         "--ckpt-format", "torch_dist", "--save", dist_dir, "--exit-interval", "10")))
     for s in ("zero3", "plain"):
         argvs.append((f"dp4 {s} resumed", e2e_argv(
-            data_prefix, cache, *SHORT, *LAYOUTS["dp4"][1], *STRATEGIES[s], "--load", dist_dir)))
+            data_prefix, cache, *SHORT, *LAYOUTS["dp4"][1], "--global-batch-size", "4",
+            *STRATEGIES[s], "--load", dist_dir)))
     return run_distributed(4, run_many, argvs, timeout=900)[3], save
 
 
@@ -109,11 +115,11 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
 
 def test_torch_dist_checkpoint_reshards_across_strategies_and_dp_sizes(runs):
     """Saved by ZeRO-3 at TP=2 x DP=2 (iteration 10), resumed at TP=1 x DP=4 by ZeRO-3 and by
-    plain DP: iterations 11..20 equal the uninterrupted DP=4 runs."""
+    plain DP: iterations 11..20 equal the uninterrupted TP=2 x DP=2 runs of that strategy."""
     out, _ = runs
     assert out["tp2 zero3 dist"]["lm loss"] == out["tp2 zero3"]["lm loss"][:10]
     for s in ("zero3", "plain"):
-        resumed, whole = out[f"dp4 {s} resumed"], out[f"dp4 {s}"]
+        resumed, whole = out[f"dp4 {s} resumed"], out[f"tp2 {s}"]
         assert resumed["iteration"] == list(range(11, ITERS + 1))
         _assert_close(resumed["lm loss"], whole["lm loss"][10:], f"{s} resumed: lm loss", 1e-6)
         _assert_close(resumed["grad norm"], whole["grad norm"][10:], f"{s} resumed: grad norm",

@@ -3,8 +3,9 @@ model: 4 experts, top-2, load-balancing and z losses, grouped GEMM) with the exp
 expert-parallel ranks gives one process's losses, grad norms and validation losses (rtol 1e-6,
 fp32, dropout 0, every iteration clipped): EP=2 (folded over DP=2), EP=4 (over DP=4), EP=2 x
 TP=2 with sequence parallelism (expert-TP 1), EP=2 x PP=2, EP=2 x DP=2 with the distributed
-optimizer, EP=2 x CP=2, EP=4 folded over CP=2 x DP=2, and a router skewed so that every token
-goes to one expert (the other EP ranks receive no token); dropless and with capacity 1.0."""
+optimizer, EP=2 x CP=2, and a router skewed so that every token goes to one expert (the other
+EP ranks receive no token); dropless and with capacity 1.0. The slow tier adds EP=4 with capacity
+1.0, EP=2 x PP=2 with virtual stages and EP=4 folded over CP=2 x DP=2."""
 
 import numpy as np
 import pytest
@@ -109,22 +110,9 @@ def test_moe_skewed_router_zero_token_ranks_match_one_process(data_prefix, tmp_p
     assert capacity["lm loss"] != dropless["lm loss"]
 
 
-def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_factory):
-    """EP=4, EP=2 x TP=2 (SP, expert-TP 1), EP=2 x PP=2 (and 2 virtual stages each), EP=2 x
-    DP=2 with the distributed optimizer (and its CPU offload), EP=2 x CP=2 and EP=4 over CP=2 x
-    DP=2, in one 4-rank world."""
-    cache = str(tmp_path_factory.mktemp("moe_layouts_cache4"))
-    runs = [("ep4", _argv(data_prefix, cache, *ep(4))),
-            ("ep4 capacity", _argv(data_prefix, cache, *ep(4), *CAPACITY)),
-            ("ep2 tp2", _argv(data_prefix, cache, *layout_args(2, 1), *SP, *ep(2))),
-            ("ep2 pp2", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2))),
-            ("ep2 pp2 virtual", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2),
-                                      "--num-layers-per-virtual-pipeline-stage", "1")),
-            ("ep2 dp2 distopt", _argv(data_prefix, cache, *ep(2), *DISTOPT)),
-            ("ep2 dp2 distopt offload", _argv(data_prefix, cache, *ep(2), *DISTOPT,
-                                              "--optimizer-cpu-offload")),
-            ("ep2 cp2", _argv(data_prefix, cache, *cp_args(2), *ep(2))),
-            ("ep4 cp2 dp2", _argv(data_prefix, cache, *cp_args(2), *ep(4), *CAPACITY))]
+def _assert_four_rank_runs(single, data_prefix, cache, runs):
+    """``runs`` in one 4-rank world, each equal to its one-process run: the capacity run for
+    capacity-factor runs (and EP=4 over CP=2 x DP=2, which uses it), else the dropless one."""
     got = run_distributed(4, run_many, runs, timeout=1500)[-1]
     for name, _ in runs:
         want = single["capacity" if "capacity" in name or name == "ep4 cp2 dp2" else "dropless"]
@@ -134,6 +122,33 @@ def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_f
             np.testing.assert_allclose(got[name][key], want[key], rtol=1e-6, err_msg=name)
         for key in ("tokens per expert min", "tokens per expert max", "dropped tokens"):
             assert got[name][key] == want[key], (name, key)
+
+
+def test_moe_four_rank_layouts_match_one_process(single, data_prefix, tmp_path_factory):
+    """EP=4, EP=2 x TP=2 (SP, expert-TP 1), EP=2 x PP=2, EP=2 x DP=2 with the distributed
+    optimizer (and its CPU offload) and EP=2 x CP=2, in one 4-rank world."""
+    cache = str(tmp_path_factory.mktemp("moe_layouts_cache4"))
+    _assert_four_rank_runs(single, data_prefix, cache, [
+        ("ep4", _argv(data_prefix, cache, *ep(4))),
+        ("ep2 tp2", _argv(data_prefix, cache, *layout_args(2, 1), *SP, *ep(2))),
+        ("ep2 pp2", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2))),
+        ("ep2 dp2 distopt", _argv(data_prefix, cache, *ep(2), *DISTOPT)),
+        ("ep2 dp2 distopt offload", _argv(data_prefix, cache, *ep(2), *DISTOPT,
+                                          "--optimizer-cpu-offload")),
+        ("ep2 cp2", _argv(data_prefix, cache, *cp_args(2), *ep(2)))])
+
+
+@pytest.mark.slow
+def test_moe_four_rank_cross_products_match_one_process(single, data_prefix, tmp_path_factory):
+    """Cross products whose parts the default tier runs (capacity 1.0 at EP=2 above; EP=2 x PP=2
+    with 2 virtual stages and EP=2 folded over CP=2 in test_moe_layouts_more_e2e.py): EP=4 with
+    capacity 1.0, EP=2 x PP=2 with 2 virtual stages each, EP=4 over CP=2 x DP=2 (capacity 1.0)."""
+    cache = str(tmp_path_factory.mktemp("moe_layouts_cache4x"))
+    _assert_four_rank_runs(single, data_prefix, cache, [
+        ("ep4 capacity", _argv(data_prefix, cache, *ep(4), *CAPACITY)),
+        ("ep2 pp2 virtual", _argv(data_prefix, cache, *layout_args(1, 2), *ep(2),
+                                  "--num-layers-per-virtual-pipeline-stage", "1")),
+        ("ep4 cp2 dp2", _argv(data_prefix, cache, *cp_args(2), *ep(4), *CAPACITY))])
 
 
 @pytest.mark.slow

@@ -2,11 +2,12 @@
 --data-parallel-sharding-strategy optim_grads | optim_grads_params``), 20 iterations, fp32,
 dropout 0, clipping active, at the layout tests' learning rate (tests/helpers/pretrain.py
 LAYOUT_LR: at 5e-3 clipped AdamW grows fp32 rounding to 1e-5 in the grad norm whatever the
-strategy), 2 micro-batches per rank in every layout (the fewest in which ZeRO-2's per-micro-batch
-reduce-scatter differs from ZeRO-1's one per step): at DP=4, TP=2 x DP=2 (sequence parallel;
-global batch 4: each of its micro-batches costs about 50 collectives, the run at 4 micro-batches
-per rank took twice as long), PP=2 x DP=2 (tied embedding across stages, 1F1B over 2
-micro-batches per rank: global batch 4, the fewest that reach its steady state) and
+strategy): at DP=4 (4 micro-batches per rank: ZeRO-2 reduce-scatters each, and a bug from the
+third on, e.g. the third one's gradient added twice, passed every layout at 2), TP=2 x DP=2
+(sequence parallel; 2 micro-batches per rank, global batch 4: each of its micro-batches costs
+about 50 collectives, and the run at 4 per rank took twice as long), PP=2 x DP=2 (tied embedding
+across stages, 1F1B over 2 micro-batches per rank: global batch 4, the fewest that reach its
+steady state) and
 (slow) CP=2 x DP=2 the losses, validation losses and grad norms equal plain data parallelism at
 the same layout within rtol 1e-6 and the weights saved at the end (ZeRO-3: gathered for the save)
 within 1e-7; ZeRO-2 (reduce-scattered per micro-batch) is within
@@ -28,7 +29,8 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 STRATEGIES = {"plain": [], "zero1": FSDP + ["optim"], "zero2": FSDP + ["optim_grads"],
               "zero3": FSDP + ["optim_grads_params"],
               "zero3 offload": FSDP + ["optim_grads_params", "--optimizer-cpu-offload"]}
-LAYOUTS = {"dp4": ((1, 1), UNTIED, ("plain", "zero1", "zero2", "zero3", "zero3 offload")),
+LAYOUTS = {"dp4": ((1, 1), UNTIED + ["--global-batch-size", "16"],
+                   ("plain", "zero1", "zero2", "zero3", "zero3 offload")),
            "tp2": ((2, 1), UNTIED + ["--sequence-parallel", "--global-batch-size", "4"],
                    ("plain", "zero1", "zero2", "zero3")),
            "pp2": ((1, 2), ["--global-batch-size", "4"], ("plain", "zero1", "zero2", "zero3"))}
@@ -85,10 +87,10 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
     orders, and ZeRO-3's units change which rank reduces which element: rounding, which the
     layout tests' learning rate keeps from growing). ZeRO-2 keeps ZeRO-1's buckets but
     reduce-scatters them in every micro-batch (sums over ranks per micro-batch, then over the
-    2 micro-batches in the fp32 shard; ZeRO-1 sums micro-batches first): against ZeRO-1 the
-    same bounds hold, measured over the 20 iterations at most 4.9e-8 relative in the loss,
-    3.7e-8 in the grad norm and 1.2e-7 absolute (one fp32 ulp of the norm weights near 1) in
-    the saved weights."""
+    micro-batches in the fp32 shard; ZeRO-1 sums micro-batches first): against ZeRO-1 the
+    same bounds hold (measured over the 20 iterations with 2 micro-batches per rank: at most
+    4.9e-8 relative in the loss, 3.7e-8 in the grad norm and 1.2e-7 absolute, one fp32 ulp of
+    the norm weights near 1, in the saved weights)."""
     out, save = runs
     files = {"dp4": ["mp_rank_00"], "tp2": ["mp_rank_00", "mp_rank_01"],
              "pp2": ["mp_rank_00_000", "mp_rank_00_001"], "cp2": ["mp_rank_00"]}[layout]
@@ -102,7 +104,7 @@ def test_strategies_equal_plain_data_parallel(runs, layout):
         for k, v in weights.items():
             torch.testing.assert_close(v, plain[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")
         if strategy == "zero2":
-            # reduce-scattered per micro-batch (2 here): other fp32 sums, see the docstring
+            # reduce-scattered per micro-batch (4 or 2 here): other fp32 sums, see the docstring
             _assert_history(out[name], out[f"{layout} zero1"], name, grad_norm_rtol=1e-6)
             for k, v in weights.items():
                 torch.testing.assert_close(v, zero1[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")

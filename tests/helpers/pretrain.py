@@ -221,5 +221,8 @@ def history_tail(history, first_iteration):
 
 
 def relative_difference(got, want) -> float:
-    """The largest ``|got - want| / |want|`` of two equally long lists."""
-    return float(np.max(np.abs(np.subtract(got, want)) / np.abs(want)))
+    """The largest ``|got - want| / |want|`` of two equally long lists (0 where both are equal,
+    also at 0; inf where only ``want`` is 0)."""
+    diff, scale = np.abs(np.subtract(got, want)), np.abs(np.asarray(want, dtype=float))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.max(np.where(diff == 0, 0.0, diff / scale)))

@@ -9,7 +9,8 @@ Resumed at another expert-TP (distributed optimizer; ZeRO-3 saves its shards ali
 x expert-TP 2 at expert-TP 1; TP=1 x EP=2 x expert-TP 2 x DP=4 (whole experts in the files) at
 EP=4; TP=1 x expert-TP 2 x DP=4 under ZeRO-3 at EP=2 x expert-TP 2; TP=2 x EP=2 x expert-TP 1 at
 expert-TP 2. Weights and Adam moments bitwise across expert-TP:
-tests/unit/model/test_legacy_expert_tp_checkpoint.py.
+tests/unit/model/test_legacy_expert_tp_checkpoint.py. The legacy runs are slow-tier tests; the
+default tier runs the torch_dist one.
 
 torch_dist (whole experts on a global axis, independent of expert-TP): saved at TP=2 x EP=2 x
 expert-TP 2 with the distributed optimizer and resumed at TP=2 x expert-TP 1, at TP=1 x EP=2 and
@@ -27,6 +28,14 @@ from tests.helpers.pretrain import assert_close_history, layout_args, one_proces
 TP2_ETP2 = [*layout_args(2, 1), "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
 
 
+# Slow tier: a cross product (legacy checkpoint x expert-TP 2, 20 s of the default suite's
+# four-rank time) whose factors the default tier covers apiece: MoE legacy checkpoints resumed at
+# another EP (tests/e2e/test_moe_legacy_ckpt_e2e.py), a legacy checkpoint at TP=2 x expert-TP 2
+# loaded and trained on (tests/e2e/tools/test_convert_moe_optimizer.py), the bitwise re-cut of
+# weights and moments across expert-TP (tests/unit/model/test_legacy_expert_tp_checkpoint.py) and
+# torch_dist across expert-TP (below).
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_moe_legacy_checkpoint_at_expert_tp2_resumes(data_prefix, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("moe_etp_cache"))
     one = one_process([("one", _argv(data_prefix, cache))])["one"]
@@ -46,9 +55,9 @@ def test_moe_legacy_checkpoint_at_expert_tp2_resumes(data_prefix, tmp_path_facto
                              f"MoE legacy expert-TP 2 {first} -> {second}")
 
 
-# Slow tier: 9 four-rank runs (21 to 36 s); the default tier keeps a legacy resume at expert-TP 2
-# (above), torch_dist across expert-TP (below) and the bitwise re-cut of weights and moments
-# across expert-TP (tests/unit/model/test_legacy_expert_tp_checkpoint.py).
+# Slow tier: 9 four-rank runs (21 to 36 s); the default tier keeps torch_dist across expert-TP
+# (below) and the bitwise re-cut of weights and moments across expert-TP
+# (tests/unit/model/test_legacy_expert_tp_checkpoint.py).
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 9 runs of 10 or 20 iterations: minutes on a loaded machine
 def test_moe_legacy_checkpoint_resumes_at_another_expert_tp(data_prefix, tmp_path_factory):

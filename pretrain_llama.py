@@ -152,10 +152,11 @@ def get_batch(data_iterator, data, eod, device, vocab_size=None, cp=None):
 
 def loss_func(loss_mask, output_tensor):
     """Megatron-Core's loss: the sum of masked per-token losses and the token count; for logging,
-    ``(sum, count)`` summed over the data x context-parallel group (the registry's: this entry
-    script is an edge of the program). Under context parallelism the sum is this rank's tokens'
-    and :func:`~megatron.core.context_parallel.reduce_loss_for_context_parallel` returns ``CP x``
-    it with the count of the whole micro-batch, which gives the unsplit gradients.
+    this rank's ``(sum, count)``, which the training step sums over the micro-batches and the data
+    x context-parallel group in one all-reduce (``megatron.training.train.reduce_loss_dicts``).
+    Under context parallelism the sum is this rank's tokens' and
+    :func:`~megatron.core.context_parallel.reduce_loss_for_context_parallel` returns ``CP x`` it
+    with the count of the whole micro-batch, which gives the unsplit gradients.
 
     Returns:
         ``(loss_sum, num_tokens, {"lm loss": (sum, count)})``; the schedule divides by the tokens
@@ -166,7 +167,6 @@ def loss_func(loss_mask, output_tensor):
     mask = loss_mask.reshape(-1)
     loss = torch.stack([torch.sum(losses * mask), mask.sum()])
     reporting = loss.detach().clone()
-    dist.all_reduce(reporting, group=groups.dp_cp.group)
     loss_sum, num_tokens = reduce_loss_for_context_parallel(
         loss[0], loss[1].detach(), groups.cp.group if groups.cp.size > 1 else None)
     return loss_sum, num_tokens.to(torch.int64), {"lm loss": (reporting[0], reporting[1])}

@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.config.sections import ConfigSection
-from megatron.core import parallel_state as ps
 from megatron.training.dpo_loss import dpo_loss, sequence_logps
 from megatron.training.dpo_reference import (check_pairs, read_reference, run_meta,
                                              save_reference)
@@ -202,7 +201,8 @@ class DPO:
 
     def loss_func(self, loss_mask, index, output_tensor):
         """DPO loss of the micro-batch's ``m`` pairs: ``(sum of pair losses, m, logged)``; the
-        logged values are ``(sum, pairs)`` over the data-parallel group."""
+        logged values are this rank's ``(sum, pairs)`` (the training step sums them over the
+        data-parallel group)."""
         dpo = self.dpo
         logps = sequence_logps(output_tensor, loss_mask, dpo.dpo_length_normalization).view(-1, 2)
         reference = self.reference[index].to(logps.device)
@@ -214,7 +214,7 @@ class DPO:
         pairs = torch.tensor(float(losses.numel()), device=losses.device)
         names = ("dpo loss",) + METRICS + ("logps/chosen", "logps/rejected")
         sums = report_sums([losses, *(metrics[k] for k in METRICS), logps[:, 0], logps[:, 1],
-                            pairs], ps.get_process_groups().dp_cp.group)
+                            pairs])
         return losses.sum(), pairs.to(torch.int64), dict(zip(names, sums))
 
     def _reference_loss(self, index, loss_mask, output_tensor):

@@ -95,11 +95,10 @@ def pair_batch(sample, device, check_ids):
             torch.as_tensor(sample["length"]).long().reshape(-1).to(device), index[0::2])
 
 
-def report_sums(values, group) -> tuple:
+def report_sums(values) -> tuple:
     """``values`` (a list of ``[m]`` tensors, the last the pairs' count as a 0-d tensor) summed
-    over the pairs and then over ``group`` in one all-reduce: the logged ``(sum, count)`` s."""
-    import torch.distributed as dist
-
+    over this rank's pairs: the logged ``(sum, count)`` s, which the training step sums over the
+    micro-batches and the data-parallel group in one all-reduce
+    (``megatron.training.train.reduce_loss_dicts``)."""
     report = torch.stack([v.detach().float().sum() for v in values])
-    dist.all_reduce(report, group=group)
     return [(report[i], report[-1]) for i in range(len(values) - 1)]

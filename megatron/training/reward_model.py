@@ -22,7 +22,6 @@ from functools import partial
 import torch
 
 from megatron.config.sections import ConfigSection
-from megatron.core import parallel_state as ps
 from megatron.model.reward_head import attach_reward_head, last_token_scores, pairwise_reward_loss
 from megatron.training.pairs import check_pair_flags, pair_batch, pair_datasets, report_sums
 from megatron.usage_error import UsageError
@@ -93,10 +92,10 @@ class RewardModel:
 
     @staticmethod
     def loss_func(lengths, output_tensor):
-        """``(sum of pair losses, pairs, logged (sum, pairs) over the data-parallel group)``."""
+        """``(sum of pair losses, pairs, logged (sum, pairs) of this rank)``
+        (the training step sums them over the data-parallel group)."""
         rewards = last_token_scores(output_tensor, lengths).view(-1, 2)
         losses, metrics = pairwise_reward_loss(rewards[:, 0], rewards[:, 1])
         pairs = torch.tensor(float(losses.numel()), device=losses.device)
-        sums = report_sums([losses, *(metrics[k] for k in LOGGED[1:]), pairs],
-                           ps.get_process_groups().dp_cp.group)
+        sums = report_sums([losses, *(metrics[k] for k in LOGGED[1:]), pairs])
         return losses.sum(), pairs.to(torch.int64), dict(zip(LOGGED, sums))

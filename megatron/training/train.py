@@ -52,32 +52,47 @@ class TrainState:
         "nan": []})
 
 
-def reduce_loss_dicts(loss_dicts: list) -> dict:
-    """Megatron-Core's reduction of the per-micro-batch ``{key: (sum, count)}`` dicts into
-    ``{key: sum / count}`` (a token-weighted mean over the global batch; floats)."""
-    out = {}
-    for key in (loss_dicts[0] if loss_dicts else {}):
-        num = den = 0.0
-        for d in loss_dicts:
-            v = d[key]
-            if isinstance(v, (tuple, list)):
-                num, den = num + float(v[0]), den + float(v[1])
-            else:
-                num, den = num + float(v), den + 1.0
-        out[key] = num / max(den, 1e-30)
-    return out
+def reduce_loss_dicts(loss_dicts: list, group=None) -> dict:
+    """The per-micro-batch ``{key: (sum, count)}`` dicts of this rank (a bare value counts as
+    ``(value, 1)``) summed over the micro-batches and then over ``group`` (the data x
+    context-parallel group) in one all-reduce, as Megatron-Core's ``train_step`` does: one
+    collective per step, not one per micro-batch.
+
+    Returns:
+        ``{key: (sum, count)}``, 0-d float64 tensors on the losses' device (nothing read on the
+        host); ``{}`` without losses. Every rank of ``group`` must call it with the same keys
+        (the first dict's, in its order). :func:`loss_means` gives the floats.
+    """
+    if not loss_dicts:
+        return {}
+    keys = list(loss_dicts[0])
+    # float64: the sums over micro-batches and ranks add the fp32 values without rounding them.
+    sums = torch.stack([_sum_and_count(d[key]) for d in loss_dicts for key in keys])
+    sums = sums.view(len(loss_dicts), len(keys), 2).sum(dim=0)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    return {key: (sums[i, 0], sums[i, 1]) for i, key in enumerate(keys)}
 
 
-def nonfinite_loss_flag(loss_dicts: list):
-    """True (a 0-dim bool tensor on the losses' device, no host read) when a loss sum of the
-    per-micro-batch ``{key: (sum, count)}`` dicts is inf/NaN: what makes a value of
-    :func:`reduce_loss_dicts` non-finite. False when there is no loss."""
-    sums = [v[0] if isinstance(v, (tuple, list)) else v for d in loss_dicts for v in d.values()]
-    if not sums:
+def _sum_and_count(value) -> torch.Tensor:
+    num, den = (value[0], value[1]) if isinstance(value, (tuple, list)) else (value, 1.0)
+    num = torch.as_tensor(num).detach().reshape(()).double()
+    return torch.stack([num, torch.as_tensor(den, device=num.device).detach().reshape(()).double()])
+
+
+def loss_means(reduced: dict) -> dict:
+    """``{key: sum / count}`` (floats: a token-weighted mean over the global batch) of
+    :func:`reduce_loss_dicts`'s sums."""
+    return {key: float(num) / max(float(den), 1e-30) for key, (num, den) in reduced.items()}
+
+
+def nonfinite_loss_flag(reduced: dict):
+    """True (a 0-dim bool tensor on the losses' device, no host read) when a loss sum of
+    :func:`reduce_loss_dicts` is inf/NaN: what makes a value of :func:`loss_means` non-finite.
+    False when there is no loss."""
+    if not reduced:
         return False
-    device = next((v.device for v in sums if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    values = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in sums])
-    return ~torch.isfinite(values).all()
+    return ~torch.isfinite(torch.stack([num for num, _ in reduced.values()])).all()
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *,
@@ -112,9 +127,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     # the optimizer's kernels are queued.
     if before_optimizer_step is not None:
         before_optimizer_step()
+    reported = reduce_loss_dicts(losses, pg_collection.dp_cp.group) if last_stage else {}
     update_successful, grad_norm, num_zeros = optimizer.step(
-        nonfinite_loss=nonfinite_loss_flag(losses) if last_stage else False)
-    reduced = reduce_loss_dicts(losses) if last_stage else {}
+        nonfinite_loss=nonfinite_loss_flag(reported) if last_stage else False)
+    reduced = loss_means(reported)
     if update_successful:
         opt_param_scheduler.step(increment=global_batch_size)
     return reduced, 0 if update_successful else 1, grad_norm, num_zeros
@@ -128,24 +144,19 @@ def evaluate(forward_step_func, data_iterator, model, *, config, schedule_config
         # Pending parameter all-gathers of the distributed optimizer: evaluate the latest weights.
         as_model_chunk(chunk).finish_param_sync()
         chunk.eval()
-    sums: dict = {}
+    losses = []
     training = config.training
     with torch.no_grad():
         for _ in range(training.eval_iters):
-            losses = get_forward_backward_func(pg_collection)(
+            losses += get_forward_backward_func(pg_collection)(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=training.num_microbatches, seq_length=config.data.seq_length,
                 micro_batch_size=training.micro_batch_size, forward_only=True,
                 config=schedule_config, pg_collection=pg_collection)
-            for d in losses:
-                for key, v in d.items():
-                    num, den = (v if isinstance(v, (tuple, list)) else (v, 1.0))
-                    acc = sums.setdefault(key, [0.0, 0.0])
-                    acc[0] += float(num)
-                    acc[1] += float(den)
     for chunk in model:
         chunk.train()
-    return {k: n / max(d, 1e-30) for k, (n, d) in sums.items()}
+    # One all-reduce for the whole evaluation (the last stage's data x context-parallel group).
+    return loss_means(reduce_loss_dicts(losses, pg_collection.dp_cp.group))
 
 
 class _Trainer:

@@ -7,9 +7,11 @@ the smoothing mass ``alpha`` is spread over the K-1 non-target classes, i.e.
     loss = (1 - s) * (-log p_target) - s * mean_i(log p_i),   s = alpha * K / (K - 1)
 
 where K is the true vocabulary. Everything is computed in fp32. Each rank holds logits
-``[..., v/TP]`` for the rows ``[r * v/TP, (r+1) * v/TP)``; three all-reduces over the
-tensor-parallel group (max, target logit, sum of exponentials; a fourth for label smoothing)
-give the exact full-vocabulary loss.
+``[..., v/TP]`` for the rows ``[r * v/TP, (r+1) * v/TP)``; two all-reduces over the
+tensor-parallel group give the exact full-vocabulary loss: the max, then the target logit, the
+sum of exponentials and (label smoothing) the sum of logits stacked into one (Megatron-LM issues
+one per quantity: three, four with smoothing; each is a latency-bound collective of a few
+floats per token).
 
 Vocabulary padding (``--make-vocab-size-divisible-by`` x TP rows beyond the tokenizer's ``K``)
 is excluded: the padding columns' logits are taken as -inf, so they add nothing to the
@@ -54,6 +56,12 @@ def mask_padding(logits: torch.Tensor, real: int) -> torch.Tensor:
     return logits
 
 
+def sum_over_ranks(sums: torch.Tensor, group) -> torch.Tensor:
+    """``sums [q, ...]`` (the per-rank partial sums of ``q`` quantities, stacked) summed over
+    ``group`` in one all-reduce, out of place; ``sums`` itself at one rank."""
+    return sums if group_size(group) == 1 else all_reduce(sums, group)
+
+
 def local_target(target: torch.Tensor, partition_vocab_size: int, rank: int, world: int):
     """Where ``target`` ids fall outside this rank's vocabulary slice, and the ids within it.
 
@@ -86,19 +94,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_mask, masked_target = local_target(target, partition_vocab_size, rank, world)
 
         predicted_logits = logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1)
-        predicted_logits = all_reduce(predicted_logits.masked_fill(target_mask, 0.0), group)
-
         exp_logits = logits.exp()
-        sum_exp_logits = all_reduce(exp_logits.sum(dim=-1), group)
+        partial = [predicted_logits.masked_fill(target_mask, 0.0), exp_logits.sum(dim=-1)]
+        if label_smoothing > 0:
+            partial.append(logits[..., :real].sum(dim=-1))
+        sums = sum_over_ranks(torch.stack(partial), group)
+        predicted_logits, sum_exp_logits = sums[0], sums[1]
         log_sum_exp = sum_exp_logits.log()
         loss = log_sum_exp - predicted_logits
 
         if label_smoothing > 0:
             smoothing = label_smoothing * vocab_size / (vocab_size - 1)
             # mean_i log p_i = mean_i z_i - log sum exp z, computed in log space (no log(0)) and
-            # over the full vocabulary (sum of z over all ranks).
-            real_sum = all_reduce(logits[..., :real].sum(dim=-1), group)
-            mean_log_probs = real_sum / vocab_size - log_sum_exp
+            # over the full vocabulary (sum of z over all ranks: sums[2]).
+            mean_log_probs = sums[2] / vocab_size - log_sum_exp
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
         softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))

@@ -7,7 +7,7 @@ those element-wise passes cost as much as the transformer layers of a small mode
 Here the logits are computed once (one matrix product, as before) and then turned *in place*
 into what backward needs: on CPU at TP = 1 the softmax, by torch's fused row-wise kernel (one
 exponential per element; a ``log_softmax`` would need a second one in backward); otherwise
-(TP > 1, where the max and the sum of exponentials are all-reduced between passes, or CUDA) the
+(TP > 1, where the max is all-reduced before the exponentials and their sums after, or CUDA) the
 unnormalised ``exp(z - max)``, in a few row chunks on CPU. Backward turns the buffer into the logits' gradient in place (in fp32 up to a
 per-row factor that the ``[N, h]`` operand and result of the output layer's two products take
 instead; in bf16/fp16, whose cast would overflow on unnormalised entries, exactly); the weight's
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron.core.process_groups import group_rank, group_size
 from megatron.core.tensor_parallel.cross_entropy import (check_vocab_size, local_target,
-                                                        mask_padding, real_columns)
+                                                        mask_padding, real_columns, sum_over_ranks)
 from megatron.core.tensor_parallel.grad_accumulation import accumulator_of, linear_weight_grad
 from megatron.core.tensor_parallel.mappings import all_reduce
 
@@ -195,9 +195,10 @@ def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, voca
     -inf: their exponentials are zero)."""
     world = group_size(group)
     rows = buf.size(0)
-    predicted = buf.new_empty(rows)
-    sum_exp = buf.new_empty(rows)
-    sum_shifted = buf.new_empty(rows) if label_smoothing > 0 else None
+    # one all-reduce for the target logits, the sums of exponentials and the sums of logits
+    sums = buf.new_empty(3 if label_smoothing > 0 else 2, rows)
+    predicted, sum_exp = sums[0], sums[1]
+    sum_shifted = sums[2] if label_smoothing > 0 else None
     if world > 1:  # the shift must be the global max before any exp()
         logits_max = all_reduce(buf.amax(dim=-1), group, op=dist.ReduceOp.MAX)
     begin = 0
@@ -211,13 +212,14 @@ def _shifted_exp_in_place(buf, masked_target, target_mask, label_smoothing, voca
         chunk.exp_()
         sum_exp[begin:end_row] = chunk.sum(dim=-1)
         begin = end_row
-    predicted = all_reduce(predicted.masked_fill_(target_mask, 0.0), group)
-    sum_exp = all_reduce(sum_exp, group)
+    predicted.masked_fill_(target_mask, 0.0)
+    sums = sum_over_ranks(sums, group)
+    predicted, sum_exp = sums[0], sums[1]
     log_sum_exp = sum_exp.log()
     loss = log_sum_exp - predicted
     if sum_shifted is not None:
         smoothing = label_smoothing * vocab_size / (vocab_size - 1)
-        mean_log_probs = all_reduce(sum_shifted, group) / vocab_size - log_sum_exp
+        mean_log_probs = sums[2] / vocab_size - log_sum_exp
         loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
     return loss, sum_exp
 

@@ -1,9 +1,11 @@
 """vocab_parallel_cross_entropy equals the dense cross entropy: loss and logits gradient."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
@@ -40,7 +42,11 @@ def _check(logits, target, dy, label_smoothing, chunk, tp_group=None):
     ref.backward(dy)
     par_logits = chunk(logits).clone().requires_grad_(True)
     before = par_logits.detach().clone()
-    loss = vocab_parallel_cross_entropy(par_logits, target, label_smoothing, tp_group=tp_group)
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+        loss = vocab_parallel_cross_entropy(par_logits, target, label_smoothing,
+                                            tp_group=tp_group)
+    # the max, then the target logits, the sums of exponentials (and of logits) in one
+    assert all_reduce.call_count == (0 if tp_group is None else 2)
     assert loss.dtype == torch.float32 and loss.shape == target.shape
     assert torch.isfinite(loss).all()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)

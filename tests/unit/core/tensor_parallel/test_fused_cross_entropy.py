@@ -3,8 +3,11 @@ plain vocab_parallel_cross_entropy: loss and the gradients of hidden and weight,
 softmax kernel, exact log-sum-exp for far targets) and TP=2 (several row chunks per rank), with
 and without label smoothing."""
 
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
@@ -34,7 +37,10 @@ def _both(hidden, weight, target, dy, smoothing, group):
         w = weight.clone().requires_grad_(True)
         x = copy_to_tensor_model_parallel_region(h, group)
         if fused:
-            loss = linear_cross_entropy(x, w, target, smoothing, tp_group=group)
+            with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+                loss = linear_cross_entropy(x, w, target, smoothing, tp_group=group)
+            # the max, then the target logits, the sums of exponentials (and of logits) in one
+            assert all_reduce.call_count == (0 if group is None else 2)
         else:
             loss = vocab_parallel_cross_entropy(F.linear(x, w).float(), target, smoothing,
                                                 tp_group=group)

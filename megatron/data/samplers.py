@@ -129,10 +129,11 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
-def _seed_worker(seed: int, worker_id: int) -> None:
+def _seed_worker(seed: int, rank_pid, worker_id: int) -> None:
     from megatron.data.loader_workers import guard_loader_worker
 
-    guard_loader_worker()  # ignore the launcher's SIGTERM/SIGINT, die with the rank (issue 31)
+    # ignore the launcher's SIGTERM/SIGINT, die with the rank (issue 31)
+    guard_loader_worker(parent_pid=rank_pid)
     random.seed(seed + worker_id)
     np.random.seed((seed + worker_id) % 2**32)
 
@@ -167,9 +168,11 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, *, micro_batch
     """
     if dataset is None:
         return None
+    rank_pid = None
     if num_workers > 0:  # its workers ignore SIGTERM: a crash must not wait for them (issue 31)
-        from megatron.data.loader_workers import kill_loader_workers_at_exit
+        from megatron.data.loader_workers import helper_parent_pid, kill_loader_workers_at_exit
         kill_loader_workers_at_exit()
+        rank_pid = helper_parent_pid()
     if dataloader_type == "single":
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                              data_parallel_rank, data_parallel_size)
@@ -181,7 +184,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, *, micro_batch
 
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers,
-        worker_init_fn=functools.partial(_seed_worker, seed),
+        worker_init_fn=functools.partial(_seed_worker, seed, rank_pid),
         # Each iter() draws a base seed; from its own generator it leaves the global torch stream
         # (dropout) alone, so a resumed run draws the same masks as an uninterrupted one.
         generator=torch.Generator().manual_seed(seed),

@@ -34,7 +34,8 @@ class WorkerDied(RuntimeError):
     a crash, a SIGSTOP). The message is one line naming the worker's pid and what happened."""
 
 
-def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
+def _start_worker(initializer: Optional[Callable], initargs: tuple,
+                  parent_pid: Optional[int]) -> None:
     # First of all: a SIGTERM from here on takes its default action, not the main process's
     # handler this process was forked with.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -42,7 +43,7 @@ def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     from megatron.data.loader_workers import die_with_parent
 
-    die_with_parent()  # a SIGKILLed main process leaves no worker behind
+    die_with_parent(parent_pid=parent_pid)  # a SIGKILLed main process leaves no worker behind
     if initializer is not None:
         initializer(*initargs)
 
@@ -83,9 +84,11 @@ class WorkerPool:
 
         self.what, self.advice = what, advice
         self.stopped_limit_s = STOPPED_LIMIT_S if stopped_limit_s is None else stopped_limit_s
+        from megatron.data.loader_workers import helper_parent_pid
+
         self.executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
                                             initializer=_start_worker,
-                                            initargs=(initializer, initargs))
+                                            initargs=(initializer, initargs, helper_parent_pid()))
         # Start every worker now (fork: all at the first task), before output files are open.
         import os
 

@@ -172,3 +172,43 @@ def test_a_loader_worker_ignores_the_launcher_s_signals():
     finally:
         proc.kill()
         proc.join()
+
+
+_SLOW_HELPER = """
+import multiprocessing, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from megatron.data.loader_workers import die_with_parent
+
+def helper(parent, out):
+    while os.getppid() == parent:  # a helper slow to start: its parent is gone first
+        time.sleep(0.01)
+    die_with_parent(parent_pid=parent)
+    with open(out, "w") as f:
+        f.write("survived")
+
+if __name__ == "__main__":
+    proc = multiprocessing.get_context("fork").Process(target=helper, args=(os.getpid(), sys.argv[2]))
+    proc.start()
+    with open(sys.argv[3], "w") as f:
+        f.write(str(proc.pid))
+    os._exit(0)  # the parent dies before the helper has set its guard
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and prctl")
+def test_a_helper_whose_parent_died_before_its_guard_was_set_dies_at_the_guard(tmp_path):
+    """A preprocessing worker slow to start outlived its SIGKILLed main process (about one run
+    in 150 on a loaded machine): it read its parent from os.getppid() when the parent was
+    already gone, i.e. the orphans' reaper, and so never noticed. die_with_parent now takes the
+    pid the parent had when it started the helper."""
+    out, pid_file = tmp_path / "survived", tmp_path / "pid"
+    subprocess.run([sys.executable, "-c", _SLOW_HELPER, str(ROOT), str(out), str(pid_file)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=True)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while process_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = process_running(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive and not out.exists(), "the orphaned helper lived on"

@@ -121,13 +121,34 @@ def _pretrain(argv, cwd, timeout):
         return None, err
 
 
+def _command_in(cwd, argv):
+    import pretrain_llama
+    from tests.helpers.cli import run_main
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        out = run_main(pretrain_llama.command, argv)
+    finally:
+        os.chdir(here)
+    return out.returncode, out.stderr
+
+
+def _pretrain_here(argv, cwd):
+    """:func:`_pretrain` in a warm one-process world: ``pretrain_llama.command(argv)`` run from
+    ``cwd``, ``(status, stderr)``; for the cases that cannot hang (a fresh interpreter costs 2 to
+    4 s of imports; the subprocess cases keep the exit status and the one line as a shell sees
+    them)."""
+    return run_distributed(1, _command_in, str(cwd), [str(a) for a in argv], timeout=900)[0]
+
+
 @pytest.mark.timeout(1800)
 def test_a_tracker_that_is_a_folder_in_save_is_refused_before_training(tiny_data, tmp_path):
     prefix, cache = tiny_data
     save = tmp_path / "save"
     (save / TRACKER).mkdir(parents=True)
-    status, err = _pretrain(tiny_argv(prefix, cache, 2, "--save", str(save), "--save-interval",
-                                      "2"), tmp_path, 900)
+    status, err = _pretrain_here(tiny_argv(prefix, cache, 2, "--save", str(save),
+                                           "--save-interval", "2"), tmp_path)
     assert status == 2 and TRACKER in err and "Traceback" not in err, err[-3000:]
     assert not glob.glob(str(save / "iter_*")), "trained and saved although the folder is unusable"
 

@@ -23,7 +23,7 @@ import torch
 from megatron.checkpointing import checkpoint_folder
 from megatron.core.dist_checkpointing.checkpoint_io import CheckpointError
 from megatron.usage_error import UsageError
-from tests.e2e.test_hostile_pass2 import _pretrain, _within
+from tests.e2e.test_hostile_pass2 import _pretrain, _pretrain_here, _within
 from tests.e2e.test_preemption_workers import data  # noqa: F401 - the launched runs' fixture
 from tests.helpers.dist import run_distributed
 from tests.helpers.paths import ROOT, SHARED_DATA
@@ -478,8 +478,8 @@ def _saved(data4, tmp_path, *fmt):
     prefix, cache = data4
     tmp_path.mkdir(parents=True, exist_ok=True)
     save = tmp_path / "ck"
-    status, err = _pretrain(tiny_argv(prefix, cache, 2, "--save", str(save), "--save-interval", "1",
-                                      *fmt), tmp_path, 900)
+    status, err = _pretrain_here(tiny_argv(prefix, cache, 2, "--save", str(save),
+                                           "--save-interval", "1", *fmt), tmp_path)
     assert status == 0, err[-3000:]
     return save
 
@@ -502,8 +502,8 @@ def test_a_load_that_finds_no_tracker_beside_checkpoints_loses_nothing(data4, tm
         load = save
     else:
         load = save / "iter_0000002"
-    status, err = _pretrain(tiny_argv(prefix, cache, 2, "--load", str(load), "--save", str(save),
-                                      "--save-interval", "1"), tmp_path, 900)
+    status, err = _pretrain_here(tiny_argv(prefix, cache, 2, "--load", str(load), "--save",
+                                           str(save), "--save-interval", "1"), tmp_path)
     assert _model_file(save).read_bytes() == before, "the checkpoint at --load was replaced"
     # Refused in one line, or (the tracker lost) resumed from the last complete checkpoint.
     assert status == 2 and _one_line(err) or status == 0 and slip == "the tracker deleted", err[-3000:]
@@ -518,8 +518,8 @@ def test_a_load_folder_that_is_not_the_save_folder_and_holds_no_checkpoint_is_re
     load.mkdir()
     if what != "empty folder":
         shutil.copy(prefix + ".bin", load / "x.bin")  # a dataset, not a checkpoint
-    status, err = _pretrain(tiny_argv(prefix, cache, 2, "--load", str(load), "--save",
-                                      str(tmp_path / "save")), tmp_path, 900)
+    status, err = _pretrain_here(tiny_argv(prefix, cache, 2, "--load", str(load), "--save",
+                                           str(tmp_path / "save")), tmp_path)
     assert status == 2 and _one_line(err) and "--load" in err, err[-3000:]
 
 
@@ -569,8 +569,8 @@ def test_a_common_file_missing_inner_keys_is_named(data4, tmp_path, damage):
     common = torch.load(path, weights_only=True)
     _COMMON_DAMAGE[damage](common)
     torch.save(common, path)
-    status, err = _pretrain(tiny_argv(prefix, cache, 3, "--load", str(save), "--ckpt-format",
-                                      "torch_dist", "--override-opt_param-scheduler"), tmp_path, 900)
+    status, err = _pretrain_here(tiny_argv(prefix, cache, 3, "--load", str(save), "--ckpt-format",
+                                           "torch_dist", "--override-opt_param-scheduler"), tmp_path)
     assert status == 2 and _one_line(err) and "common.pt" in err, err[-3000:]
 
 
@@ -583,8 +583,8 @@ def test_a_torch_dist_data_file_of_another_run_is_refused(data4, tmp_path):
     a = _saved(data4, tmp_path / "a", "--ckpt-format", "torch_dist")
     b = _saved(data4, tmp_path / "b", "--ckpt-format", "torch_dist", "--seed", "8")
     shutil.copy(b / "iter_0000002" / "__0_0.distcp", a / "iter_0000002" / "__0_0.distcp")
-    status, err = _pretrain(tiny_argv(prefix, cache, 3, "--load", str(a), "--ckpt-format",
-                                      "torch_dist", "--override-opt_param-scheduler"), tmp_path, 900)
+    status, err = _pretrain_here(tiny_argv(prefix, cache, 3, "--load", str(a), "--ckpt-format",
+                                           "torch_dist", "--override-opt_param-scheduler"), tmp_path)
     assert status == 2 and _one_line(err), err[-3000:]
     assert "__0_0.distcp comes from another save" in err
 
